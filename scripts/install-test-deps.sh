@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what the test suite needs, if it is missing:
+#   - OpenSSH server and client (tests start a private sshd on 127.0.0.1),
+#   - moto's EC2 emulator in .venv (tests start it on 127.0.0.1).
+# Idempotent and quick when everything is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"
+  elif command -v sudo >/dev/null 2>&1; then sudo "$@"
+  else
+    echo "install-test-deps: need root to run: $*" >&2
+    echo "  install it by hand: apt-get install -y openssh-server openssh-client" >&2
+    exit 1
+  fi
+}
+
+if [ ! -x /usr/sbin/sshd ] || ! command -v ssh >/dev/null 2>&1 || ! command -v ssh-keygen >/dev/null 2>&1; then
+  echo "install-test-deps: installing openssh-server and openssh-client"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq openssh-server openssh-client >/dev/null
+fi
+# Debian's sshd refuses to start without its privilege-separation directory.
+[ -d /run/sshd ] || as_root mkdir -p /run/sshd
+
+if [ ! -x .venv/bin/moto_server ]; then
+  echo "install-test-deps: installing moto (EC2 emulator) into .venv"
+  python3 -m venv .venv
+  .venv/bin/pip install --quiet --disable-pip-version-check 'moto[ec2]' flask flask-cors
+fi
+echo "install-test-deps: sshd $(/usr/sbin/sshd -V 2>&1 | head -1 || true); moto $(.venv/bin/python -c 'import moto; print(moto.__version__)')"

@@ -1,0 +1,60 @@
+//! Command line: the four stages GitLab Runner calls, and the operator commands.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "dormant",
+    version,
+    about = "GitLab Runner custom executor with suspendable environments"
+)]
+pub struct Cli {
+    /// Settings file (else DORMANT_CONFIG, else /etc/dormant/config.toml, else defaults).
+    #[arg(long, global = true, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Stage 1 (config_exec): print the executor's JSON config.
+    Config,
+    /// Stage 2 (prepare_exec): create or resume the job's environment.
+    Prepare,
+    /// Stage 3 (run_exec): run one stage script in the environment.
+    Run {
+        /// The script the runner wrote.
+        script: PathBuf,
+        /// The stage name (prepare_script, get_sources, build_script, ...).
+        stage: String,
+    },
+    /// Stage 4 (cleanup_exec): suspend or release the environment.
+    Cleanup,
+    /// List environments in the registry.
+    List {
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one environment's record, by key or id.
+    Inspect { key: String },
+    /// Release (delete) a suspended environment, by key or id.
+    Release { key: String },
+    /// Delete suspended environments past the TTL; report machines with no record.
+    Sweep {
+        /// Also delete machines the provider manages that have no record (lost state).
+        #[arg(long)]
+        delete_orphans: bool,
+    },
+    /// Drive a sample job through every stage like GitLab Runner, suspend it,
+    /// resume it in a second job, release it, and print a summary.
+    Try {
+        /// Keep the temp dirs and print their paths.
+        #[arg(long)]
+        keep: bool,
+    },
+}

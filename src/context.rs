@@ -1,0 +1,191 @@
+//! What every long operation gets: where to say what it is doing (the job log),
+//! the cancellation that SIGTERM fires, and the deadline it must finish by.
+
+use std::fmt::Display;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use tokio_util::sync::CancellationToken;
+
+/// Lines for the reader of the job log: `dormant: ...`, no timestamps (the
+/// runner adds them). In prepare and run stderr is the job log; in cleanup it
+/// goes to the runner's own log.
+#[derive(Clone)]
+pub struct JobLog {
+    sink: Arc<Mutex<Box<dyn Write + Send>>>,
+}
+
+impl JobLog {
+    pub fn stderr() -> Self {
+        JobLog {
+            sink: Arc::new(Mutex::new(Box::new(std::io::stderr()))),
+        }
+    }
+
+    /// A log that keeps its lines in memory, for tests.
+    pub fn capture() -> (Self, Arc<Mutex<Vec<u8>>>) {
+        #[derive(Clone)]
+        struct Shared(Arc<Mutex<Vec<u8>>>);
+        impl Write for Shared {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        (
+            JobLog {
+                sink: Arc::new(Mutex::new(Box::new(Shared(buf.clone())))),
+            },
+            buf,
+        )
+    }
+
+    pub fn info(&self, msg: impl Display) {
+        self.line(format_args!("dormant: {msg}"));
+    }
+
+    pub fn warn(&self, msg: impl Display) {
+        self.line(format_args!("dormant: warning: {msg}"));
+    }
+
+    fn line(&self, text: std::fmt::Arguments<'_>) {
+        if let Ok(mut sink) = self.sink.lock() {
+            let _ = writeln!(sink, "{text}");
+            let _ = sink.flush();
+        }
+    }
+}
+
+/// Context for one bounded, cancellable operation.
+#[derive(Clone)]
+pub struct Ctx {
+    pub log: JobLog,
+    pub cancel: CancellationToken,
+    pub deadline: Instant,
+}
+
+impl Ctx {
+    pub fn new(log: JobLog, cancel: CancellationToken, budget: Duration) -> Self {
+        Ctx {
+            log,
+            cancel,
+            deadline: Instant::now() + budget,
+        }
+    }
+
+    /// The same log and cancellation with a tighter deadline.
+    pub fn within(&self, budget: Duration) -> Ctx {
+        Ctx {
+            deadline: self.deadline.min(Instant::now() + budget),
+            ..self.clone()
+        }
+    }
+
+    /// The same log and deadline, but deaf to SIGTERM (a suspension in progress
+    /// finishes before termination wins).
+    pub fn uncancellable(&self) -> Ctx {
+        Ctx {
+            cancel: CancellationToken::new(),
+            ..self.clone()
+        }
+    }
+
+    pub fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+
+    /// Sleeps `d` (cut short by the deadline); fails if cancelled or out of time.
+    pub async fn sleep(&self, d: Duration, what: &str) -> Result<()> {
+        let left = self.remaining();
+        if left.is_zero() {
+            bail!("timed out {what}");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(d.min(left)) => Ok(()),
+            _ = self.cancel.cancelled() => bail!("cancelled (termination signal) while {what}"),
+        }
+    }
+
+    pub fn check(&self, what: &str) -> Result<()> {
+        if self.cancel.is_cancelled() {
+            bail!("cancelled (termination signal) while {what}");
+        }
+        if self.remaining().is_zero() {
+            bail!("timed out {what}");
+        }
+        Ok(())
+    }
+}
+
+/// Polling intervals: first check quick, then growing to a cap, with jitter so
+/// a fleet of runners does not poll in lockstep.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    next: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    pub fn new(first: Duration, max: Duration) -> Self {
+        Backoff { next: first, max }
+    }
+
+    pub fn next_delay(&mut self) -> Duration {
+        let base = self.next;
+        self.next = (self.next * 2).min(self.max);
+        // ±20 % jitter.
+        let jitter = 0.8 + fastrand::f64() * 0.4;
+        base.mul_f64(jitter)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_its_cap_with_jitter() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
+        let d: Vec<_> = (0..8).map(|_| b.next_delay()).collect();
+        assert!(d[0] >= Duration::from_millis(80) && d[0] <= Duration::from_millis(120));
+        assert!(d[7] >= Duration::from_millis(800) && d[7] <= Duration::from_millis(1200));
+    }
+
+    #[tokio::test]
+    async fn sleep_is_cut_by_cancel_and_deadline() {
+        let ctx = Ctx::new(
+            JobLog::capture().0,
+            CancellationToken::new(),
+            Duration::from_millis(30),
+        );
+        let t = Instant::now();
+        ctx.sleep(Duration::from_secs(10), "waiting").await.unwrap();
+        assert!(t.elapsed() < Duration::from_secs(5));
+        assert!(format!(
+            "{:#}",
+            ctx.sleep(Duration::from_secs(1), "waiting")
+                .await
+                .unwrap_err()
+        )
+        .contains("timed out"));
+        let ctx = Ctx::new(
+            JobLog::capture().0,
+            CancellationToken::new(),
+            Duration::from_secs(60),
+        );
+        ctx.cancel.cancel();
+        assert!(format!(
+            "{:#}",
+            ctx.sleep(Duration::from_secs(10), "waiting")
+                .await
+                .unwrap_err()
+        )
+        .contains("cancelled"));
+    }
+}

@@ -1,0 +1,133 @@
+//! How a stage ends: the one failure type and the one map from it to the exit
+//! codes GitLab Runner reads (`BUILD_FAILURE_EXIT_CODE` / `SYSTEM_FAILURE_EXIT_CODE`).
+//!
+//! A bare `?` inside a stage is a system failure. Only the run stage makes a
+//! build failure from a script's exit code, and prepare refuses a job's own bad
+//! input (a malformed or foreign environment key, ...) as a build failure on
+//! purpose: the runner retries a system failure of prepare three times, which
+//! cannot help when the job asked for something this runner will never grant.
+
+use std::path::Path;
+
+/// Why a stage did not succeed.
+#[derive(Debug)]
+pub enum Failure {
+    /// The job's script exited with `code` (already written to `BUILD_EXIT_CODE_FILE`).
+    Build { code: i32 },
+    /// The job asked for something this runner refuses (bad key, wrong project, ...).
+    Refused(anyhow::Error),
+    /// The environment or the runner host broke, not the job.
+    System(anyhow::Error),
+}
+
+impl From<anyhow::Error> for Failure {
+    fn from(err: anyhow::Error) -> Self {
+        Failure::System(err)
+    }
+}
+
+impl Failure {
+    pub fn refused(msg: impl std::fmt::Display) -> Self {
+        Failure::Refused(anyhow::anyhow!("{msg}"))
+    }
+}
+
+/// The two exit codes the runner told us to use (today 1 and 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExitCodes {
+    pub build_failure: i32,
+    pub system_failure: i32,
+}
+
+impl Default for ExitCodes {
+    fn default() -> Self {
+        // The values GitLab Runner has always passed; used only when dormant is
+        // run by hand, outside the runner.
+        ExitCodes {
+            build_failure: 1,
+            system_failure: 2,
+        }
+    }
+}
+
+impl ExitCodes {
+    /// Reads the codes from the driver's environment, falling back to the defaults.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Self {
+        let d = ExitCodes::default();
+        let read = |name: &str, default: i32| {
+            get(name)
+                .and_then(|v| v.trim().parse::<i32>().ok())
+                .unwrap_or(default)
+        };
+        ExitCodes {
+            build_failure: read("BUILD_FAILURE_EXIT_CODE", d.build_failure),
+            system_failure: read("SYSTEM_FAILURE_EXIT_CODE", d.system_failure),
+        }
+    }
+
+    /// The one place a stage's result becomes a process exit code. Messages go
+    /// to stderr: the job log for prepare and run, the runner's log for cleanup.
+    pub fn exit_code(&self, result: &Result<(), Failure>, err: &mut dyn std::io::Write) -> i32 {
+        match result {
+            Ok(()) => 0,
+            Err(Failure::Build { .. }) => self.build_failure,
+            Err(Failure::Refused(e)) => {
+                let _ = writeln!(err, "dormant: {e:#}");
+                self.build_failure
+            }
+            Err(Failure::System(e)) => {
+                let _ = writeln!(err, "dormant: {e:#}");
+                self.system_failure
+            }
+        }
+    }
+}
+
+/// Writes a script's real exit code to `BUILD_EXIT_CODE_FILE`, where the runner
+/// reads the job's exit code (so `allow_failure: exit_codes` works).
+pub fn write_build_exit_code(file: &Path, code: i32) -> anyhow::Result<()> {
+    use anyhow::Context;
+    std::fs::write(file, format!("{code}\n")).with_context(|| {
+        format!(
+            "writing the exit code to BUILD_EXIT_CODE_FILE {}",
+            file.display()
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_come_from_the_environment() {
+        let codes = ExitCodes::from_lookup(|k| match k {
+            "BUILD_FAILURE_EXIT_CODE" => Some("17".into()),
+            "SYSTEM_FAILURE_EXIT_CODE" => Some("42".into()),
+            _ => None,
+        });
+        assert_eq!(codes.build_failure, 17);
+        assert_eq!(codes.system_failure, 42);
+        let mut sink = Vec::new();
+        assert_eq!(codes.exit_code(&Ok(()), &mut sink), 0);
+        assert_eq!(
+            codes.exit_code(&Err(Failure::Build { code: 9 }), &mut sink),
+            17
+        );
+        assert_eq!(
+            codes.exit_code(&Err(Failure::System(anyhow::anyhow!("boom"))), &mut sink),
+            42
+        );
+        assert_eq!(codes.exit_code(&Err(Failure::refused("no")), &mut sink), 17);
+        let text = String::from_utf8(sink).unwrap();
+        assert!(text.contains("dormant: boom"), "{text}");
+        assert!(text.contains("dormant: no"), "{text}");
+    }
+
+    #[test]
+    fn missing_or_garbled_codes_fall_back_to_defaults() {
+        let codes =
+            ExitCodes::from_lookup(|k| (k == "BUILD_FAILURE_EXIT_CODE").then(|| "x".into()));
+        assert_eq!(codes, ExitCodes::default());
+    }
+}

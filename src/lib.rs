@@ -1,0 +1,158 @@
+//! dormant: a GitLab Runner custom executor whose environments can be
+//! suspended at the end of a job and resumed, disk intact, by a later job.
+//!
+//! `main.rs` only calls [`main_entry`]; everything else is reachable from here
+//! so tests can drive it. See `README.md` and `../shared/design.md`.
+
+pub mod cli;
+pub mod context;
+pub mod envkey;
+pub mod exit;
+pub mod identity;
+pub mod job;
+pub mod ops;
+pub mod provider;
+pub mod runner_sim;
+pub mod settings;
+pub mod stages;
+pub mod state;
+pub mod transport;
+
+use std::io::Write;
+use std::panic::AssertUnwindSafe;
+
+use anyhow::Result;
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+use cli::{Cli, Command};
+use context::JobLog;
+use exit::{ExitCodes, Failure};
+use job::Job;
+use settings::Settings;
+
+/// Parses the command line, runs it, and returns the process exit code. A
+/// panic becomes a system failure, never the 101 the runner would call unknown.
+pub fn main_entry() -> i32 {
+    let job = Job::from_env();
+    let codes = job.exit_codes();
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("dormant: internal error (a bug, please report it): {info}");
+    }));
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                codes.system_failure
+            } else {
+                0
+            };
+        }
+    };
+    init_logging(&job);
+    match std::panic::catch_unwind(AssertUnwindSafe(|| run(cli, job, codes))) {
+        Ok(code) => code,
+        Err(_) => codes.system_failure,
+    }
+}
+
+fn init_logging(job: &Job) {
+    // Debug chatter (SDK calls, timings) only when asked: stderr is the job log.
+    let filter = job.driver_var("DORMANT_LOG").unwrap_or("warn,dormant=warn");
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .try_init();
+}
+
+fn run(cli: Cli, job: Job, codes: ExitCodes) -> i32 {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("dormant: cannot start the async runtime: {e}");
+            return codes.system_failure;
+        }
+    };
+    let result = runtime.block_on(dispatch(cli, job));
+    codes.exit_code(&result, &mut std::io::stderr())
+}
+
+async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
+    let (settings, _path) = Settings::load(cli.config.as_deref(), &job)?;
+    let log = JobLog::stderr();
+    let cancel = CancellationToken::new();
+    listen_for_termination(cancel.clone());
+    match cli.command {
+        Command::Config => {
+            let mut out = std::io::stdout().lock();
+            stages::config::config(&settings, &job, &mut out)?;
+            out.flush().map_err(anyhow::Error::from)?;
+            Ok(())
+        }
+        Command::Prepare => {
+            let s = stages::Session::from_job(settings, job, log, cancel)?;
+            stages::prepare::prepare(&s).await
+        }
+        Command::Run { script, stage } => {
+            let s = stages::Session::from_job(settings, job, log, cancel)?;
+            stages::run::run(&s, &script, &stage).await
+        }
+        Command::Cleanup => {
+            let s = stages::Session::from_job(settings, job, log, cancel)?;
+            stages::cleanup::cleanup(&s).await
+        }
+        Command::List { json } => Ok(ops::list::list(
+            &settings,
+            &job,
+            json,
+            &mut std::io::stdout(),
+        )?),
+        Command::Inspect { key } => Ok(ops::list::inspect(
+            &settings,
+            &job,
+            &key,
+            &mut std::io::stdout(),
+        )?),
+        Command::Release { key } => {
+            Ok(ops::list::release(&settings, &job, &key, log, cancel).await?)
+        }
+        Command::Sweep { delete_orphans } => {
+            Ok(ops::list::sweep(&settings, &job, delete_orphans, log, cancel).await?)
+        }
+        Command::Try { keep } => Ok(ops::try_job::try_job(
+            cli.config.as_deref(),
+            &settings,
+            &job,
+            keep,
+            &mut std::io::stdout(),
+        )?),
+    }
+}
+
+/// SIGTERM (and SIGINT) become a cancellation every wait selects on. The
+/// runner sends SIGTERM to the whole process group on cancel and timeout.
+fn listen_for_termination(cancel: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return;
+    };
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        cancel.cancel();
+    });
+}
+
+/// Result type of the operator commands.
+pub type OpResult = Result<()>;

@@ -1,0 +1,180 @@
+//! Providers make, stop, start and delete the machines environments run on.
+//!
+//! The stage logic talks only to [`Provider`]; each implementation lives in its
+//! own file: `local` (a directory, the embedded default), `ssh_hosts` (a
+//! workspace on one of a list of SSH hosts), `ec2` (one instance per environment,
+//! behind the default-on `ec2` cargo feature). Tests inject fakes.
+
+pub mod local;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use anyhow::Result;
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::context::Ctx;
+use crate::settings::{ProviderKind, Settings};
+use crate::state::{EnvPaths, StateStore};
+
+/// A provider's handle on the machine of one environment. Stored in the
+/// environment record; `fields` are provider-specific (region, host, address).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Machine {
+    /// Instance id, directory, or host/workspace: what the provider acts on.
+    pub id: String,
+    #[serde(default)]
+    pub fields: BTreeMap<String, String>,
+}
+
+impl Machine {
+    pub fn new(id: impl Into<String>) -> Self {
+        Machine {
+            id: id.into(),
+            fields: BTreeMap::new(),
+        }
+    }
+    pub fn with(mut self, k: &str, v: impl Into<String>) -> Self {
+        self.fields.insert(k.to_string(), v.into());
+        self
+    }
+    pub fn field(&self, k: &str) -> Option<&str> {
+        self.fields.get(k).map(String::as_str)
+    }
+}
+
+/// What a provider needs to create (or reclaim) the machine of an environment.
+#[derive(Debug, Clone)]
+pub struct MachineSpec {
+    pub env_id: Uuid,
+    /// Deterministic name (`dormant-<env id>`): a retried prepare finds the same machine.
+    pub name: String,
+    pub runner_id: String,
+    pub system_id: String,
+    pub project_id: u64,
+    pub job_id: u64,
+    /// The job's `image:`, to be checked against the operator's allow-list.
+    pub image: Option<String>,
+    /// Job variables a provider may read through an allow-list (e.g. an instance type).
+    pub variables: BTreeMap<String, String>,
+    /// The environment's SSH public key (OpenSSH format), for providers that
+    /// deliver it to the machine (EC2 user-data). `None` when `needs_ssh_key` is false.
+    pub ssh_public_key: Option<String>,
+    pub paths: EnvPaths,
+}
+
+impl MachineSpec {
+    pub fn machine_name(env_id: Uuid) -> String {
+        format!("dormant-{env_id}")
+    }
+}
+
+/// How the machine's state looks to the provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MachineState {
+    Pending,
+    Running,
+    Stopping,
+    Stopped,
+    /// Terminated, shutting down, or not found.
+    Gone,
+    Other(String),
+}
+
+/// A machine found by listing what the provider manages (orphan detection).
+#[derive(Debug, Clone)]
+pub struct ManagedMachine {
+    pub machine: Machine,
+    /// The environment it belongs to, from its tags or directory name.
+    pub env_id: Option<Uuid>,
+    pub state: MachineState,
+    /// Unix seconds when it was launched, if known.
+    pub launched_at: Option<u64>,
+}
+
+/// How to reach a machine to run scripts on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// Run bash on this host, in this directory.
+    Local { workdir: std::path::PathBuf },
+    /// Run bash over SSH.
+    Ssh(SshTarget),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SshTarget {
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    /// The key to log in with; `None` means the environment's own key (`EnvPaths::ssh_key`).
+    pub identity_file: Option<std::path::PathBuf>,
+    /// Run scripts in this directory (the workspace on an SSH host).
+    pub workdir: Option<String>,
+}
+
+/// A place environments run. Every call is bounded by `ctx.deadline` and
+/// cancelled by `ctx.cancel`; progress goes to `ctx.log` (the job log).
+#[async_trait]
+pub trait Provider: Send + Sync {
+    /// `local`, `ssh` or `ec2`: also the `provider=` field of environment keys.
+    fn name(&self) -> &'static str;
+
+    /// Whether the machine must be given the environment's SSH public key at creation.
+    fn needs_ssh_key(&self) -> bool {
+        false
+    }
+
+    /// Makes the machine, or adopts the one an earlier attempt made under the
+    /// same name, whatever state it is in. Returns once it is running.
+    async fn create_or_reclaim(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine>;
+
+    /// Resume: checks the machine is ours, starts it, waits until running, and
+    /// returns it with fresh fields (a new address).
+    async fn start(&self, machine: &Machine, ctx: &Ctx) -> Result<Machine>;
+
+    /// Suspend: stops the machine keeping its disk; waits until stopped.
+    async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<()>;
+
+    /// Release: deletes the machine. Already gone is success.
+    async fn delete(&self, machine: &Machine, ctx: &Ctx) -> Result<()>;
+
+    async fn describe(&self, machine: &Machine, ctx: &Ctx) -> Result<MachineState>;
+
+    /// Every machine this provider manages for this runner (tags / directories).
+    async fn list(&self, ctx: &Ctx) -> Result<Vec<ManagedMachine>>;
+
+    /// Where to connect to run scripts.
+    fn target(&self, machine: &Machine) -> Result<Target>;
+
+    /// The provider's fields for the environment key (`instance=i-..&region=..`).
+    fn key_fields(&self, machine: &Machine) -> Vec<(String, String)>;
+}
+
+/// Where builds and caches go inside an environment (config's JSON).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dirs {
+    pub builds: String,
+    pub cache: String,
+}
+
+/// The directories for `config`: stable per environment and computed from
+/// settings alone — config builds no provider and makes no call — so a resumed
+/// job gets the same `CI_PROJECT_DIR` as the job that suspended.
+pub fn dirs(settings: &Settings, paths: &EnvPaths) -> Result<Dirs> {
+    match settings.provider {
+        ProviderKind::Local => Ok(local::dirs(paths)),
+        ProviderKind::Ssh => settings.ssh.dirs(paths),
+        ProviderKind::Ec2 => settings.ec2.dirs(paths),
+    }
+}
+
+/// Builds the provider the settings select.
+pub fn from_settings(settings: &Settings, store: &StateStore) -> Result<Arc<dyn Provider>> {
+    match settings.provider {
+        ProviderKind::Local => Ok(Arc::new(local::LocalProvider::new(store.clone()))),
+        ProviderKind::Ssh => anyhow::bail!("provider = \"ssh\" is not built yet"),
+        ProviderKind::Ec2 => anyhow::bail!("provider = \"ec2\" is not built yet"),
+    }
+}

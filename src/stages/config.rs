@@ -1,0 +1,40 @@
+//! `dormant config`: prints the one JSON object GitLab Runner reads. No cloud
+//! or network call, no state written: settings, the job payload, and a path.
+
+use std::io::Write;
+
+use anyhow::Result;
+use serde_json::json;
+
+use crate::envkey::EnvironmentKey;
+use crate::exit::Failure;
+use crate::job::Job;
+use crate::settings::Settings;
+use crate::state::EnvPaths;
+
+pub fn config(settings: &Settings, job: &Job, out: &mut dyn Write) -> Result<(), Failure> {
+    let input = job.input()?;
+    let runner_id = crate::identity::runner_id(settings, &input, job)?;
+    // A resume runs in the environment its key names, so its builds_dir (and so
+    // CI_PROJECT_DIR) is the suspended job's. A malformed key is refused by
+    // prepare with a clear message; here it just gets a new job's id.
+    let env_id = input
+        .suspend
+        .resume_key
+        .as_deref()
+        .and_then(|k| EnvironmentKey::parse(k).ok())
+        .map(|k| k.env_id)
+        .unwrap_or_else(|| crate::identity::new_env_id(&runner_id, input.job_id));
+    let paths = EnvPaths::new(&settings.state_dir(job)?, env_id);
+    let dirs = crate::provider::dirs(settings, &paths)?;
+    let doc = json!({
+        "builds_dir": dirs.builds,
+        "cache_dir": dirs.cache,
+        "builds_dir_is_shared": false,
+        "hostname": format!("dormant-{}", &env_id.simple().to_string()[..12]),
+        "driver": { "name": "dormant", "version": env!("CARGO_PKG_VERSION") },
+    });
+    let text = serde_json::to_string(&doc).map_err(anyhow::Error::from)?;
+    writeln!(out, "{text}").map_err(anyhow::Error::from)?;
+    Ok(())
+}

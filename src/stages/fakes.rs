@@ -1,0 +1,1 @@
+//! In-memory fakes of the provider and the transport, for stage-logic tests.

@@ -1,0 +1,90 @@
+//! The four stages GitLab Runner calls, and what they share: a [`Session`]
+//! holding the job, settings, state store and the injected provider and
+//! transports, so the stage logic runs the same against real adapters and
+//! in-memory fakes.
+
+pub mod cleanup;
+pub mod config;
+pub mod outcome;
+pub mod prepare;
+pub mod run;
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use tokio_util::sync::CancellationToken;
+
+use crate::context::JobLog;
+use crate::job::{Job, JobInput};
+use crate::provider::{Provider, Target};
+use crate::settings::Settings;
+use crate::state::{EnvPaths, StateStore};
+use crate::transport::Transport;
+
+/// Opens transports; injected so stage logic can be tested without processes.
+pub trait Transports: Send + Sync {
+    fn open(&self, target: &Target, paths: &EnvPaths) -> Result<Box<dyn Transport>>;
+}
+
+/// The real transports: local bash and SSH.
+pub struct RealTransports {
+    pub settings: Settings,
+    pub job: Job,
+}
+
+impl Transports for RealTransports {
+    fn open(&self, target: &Target, paths: &EnvPaths) -> Result<Box<dyn Transport>> {
+        crate::transport::open(target, paths, &self.settings, &self.job)
+    }
+}
+
+/// Everything a stage needs, built once at the edge.
+pub struct Session {
+    pub settings: Settings,
+    pub job: Job,
+    pub input: JobInput,
+    pub runner_id: String,
+    pub store: StateStore,
+    pub provider: Arc<dyn Provider>,
+    pub transports: Arc<dyn Transports>,
+    pub log: JobLog,
+    /// Fired by SIGTERM / SIGINT.
+    pub cancel: CancellationToken,
+}
+
+impl Session {
+    /// Builds the session for prepare, run and cleanup from real adapters.
+    pub fn from_job(
+        settings: Settings,
+        job: Job,
+        log: JobLog,
+        cancel: CancellationToken,
+    ) -> Result<Session> {
+        let input = job.input()?;
+        let runner_id = crate::identity::runner_id(&settings, &input, &job)?;
+        let store = StateStore::open(&settings.state_dir(&job)?)?;
+        let provider = crate::provider::from_settings(&settings, &store)?;
+        let transports = Arc::new(RealTransports {
+            settings: settings.clone(),
+            job: job.clone(),
+        });
+        Ok(Session {
+            settings,
+            job,
+            input,
+            runner_id,
+            store,
+            provider,
+            transports,
+            log,
+            cancel,
+        })
+    }
+
+    pub fn job_id(&self) -> u64 {
+        self.input.job_id
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod fakes;

@@ -1,0 +1,138 @@
+//! `dormant run <script> <stage>`: runs one stage script in the environment.
+//!
+//! Script exit N → N into `BUILD_EXIT_CODE_FILE`, build failure. The transport
+//! breaking → system failure. SIGTERM → the script's process group is killed,
+//! the termination recorded (so cleanup releases), and run exits promptly. On a
+//! resumed environment `get_sources` and `clear_worktree` are skipped: the
+//! checkout would clean the tree the suspended job left.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+
+use crate::context::Ctx;
+use crate::exit::{write_build_exit_code, Failure};
+use crate::state::job::LockedJob;
+use crate::state::{JobState, Mode, StageRecord, StageResult};
+use crate::transport::{Script, ScriptExit};
+
+use super::Session;
+
+/// Stages the runner would use to check out sources: they would clean the
+/// working tree a resumed environment kept.
+pub const SKIPPED_ON_RESUME: &[&str] = &["get_sources", "clear_worktree"];
+
+/// run has no timeout of its own: the runner enforces the job's timeout and
+/// signals us. This only bounds a run the runner forgot.
+const RUN_BUDGET: Duration = Duration::from_secs(30 * 24 * 3600);
+
+pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Failure> {
+    let (state, record) = {
+        let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id())?;
+        let state = locked.load()?.with_context(|| {
+            format!(
+                "job {} has no state ({}): prepare did not run on this host, or cleanup already removed it",
+                s.job_id(),
+                locked.path().display()
+            )
+        })?;
+        if !state.prepare_completed {
+            return Err(anyhow::anyhow!(
+                "job {}: prepare did not complete, so there is no environment to run {stage} in",
+                s.job_id()
+            )
+            .into());
+        }
+        let paths = s.store.env_paths(state.env_id);
+        let record = paths.peek()?.with_context(|| {
+            format!(
+                "environment {} of job {} has no record ({})",
+                state.env_id,
+                s.job_id(),
+                paths.record.display()
+            )
+        })?;
+        (state, record)
+    };
+    if state.mode == Mode::Resume && SKIPPED_ON_RESUME.contains(&stage) {
+        s.log.info(format!(
+            "skipping {stage}: environment {} was resumed and keeps the working tree the suspended job left",
+            state.env_id
+        ));
+        record_stage(s, stage, StageResult::Skipped)?;
+        return Ok(());
+    }
+    let body = std::fs::read(script_path)
+        .with_context(|| format!("reading the {stage} script {}", script_path.display()))?;
+    let machine = record
+        .machine
+        .clone()
+        .with_context(|| format!("environment {} has no machine", state.env_id))?;
+    let paths = s.store.env_paths(state.env_id);
+    let transport = s.transports.open(&s.provider.target(&machine)?, &paths)?;
+    let env = vec![(
+        "DORMANT_ENVIRONMENT_KEY".to_string(),
+        record.key.clone().unwrap_or_default(),
+    )];
+    let ctx = Ctx::new(s.log.clone(), s.cancel.clone(), RUN_BUDGET);
+    let started = Instant::now();
+    let result = transport
+        .run_script(
+            &Script {
+                body: &body,
+                stage,
+                env: &env,
+            },
+            &ctx,
+        )
+        .await;
+    tracing::debug!(stage, elapsed = ?started.elapsed(), "stage finished");
+    let (recorded, outcome) = classify(s, &state, stage, result)?;
+    record_stage(s, stage, recorded)?;
+    outcome
+}
+
+fn classify(
+    s: &Session,
+    state: &JobState,
+    stage: &str,
+    result: Result<ScriptExit>,
+) -> Result<(StageResult, Result<(), Failure>)> {
+    Ok(match result {
+        Ok(ScriptExit::Code(0)) => (StageResult::Ok, Ok(())),
+        Ok(ScriptExit::Code(code)) => {
+            if let Some(file) = s.job.build_exit_code_file() {
+                write_build_exit_code(&file, code)?;
+            }
+            (StageResult::Build { code }, Err(Failure::Build { code }))
+        }
+        Ok(ScriptExit::Cancelled) => (
+            StageResult::Terminated,
+            Err(Failure::System(anyhow::anyhow!(
+                "job terminated during {stage}: the script's processes in environment {} were stopped",
+                state.env_id
+            ))),
+        ),
+        Err(e) => (
+            StageResult::System,
+            Err(Failure::System(e.context(format!("running {stage} in environment {}", state.env_id)))),
+        ),
+    })
+}
+
+fn record_stage(s: &Session, stage: &str, result: StageResult) -> Result<()> {
+    let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id())?;
+    let Some(mut state) = locked.load()? else {
+        // Cleanup already ran (the runner gave up on this stage): nothing to record.
+        return Ok(());
+    };
+    if result == StageResult::Terminated {
+        state.terminated = true;
+    }
+    state.stages.push(StageRecord {
+        name: stage.to_string(),
+        result,
+    });
+    locked.save(&state)
+}

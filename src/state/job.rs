@@ -1,0 +1,123 @@
+//! One job's durable progress, shared by its stage processes.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::store::{self, FileLock, StateStore, FORMAT_VERSION, JOB_LOCK_TIMEOUT};
+
+/// Whether the job made a fresh environment or resumed a suspended one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    New,
+    Resume,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "result")]
+pub enum StageResult {
+    Ok,
+    /// The script exited with this code.
+    Build {
+        code: i32,
+    },
+    /// The environment or the connection broke.
+    System,
+    /// A termination signal stopped the stage.
+    Terminated,
+    /// Skipped on purpose (a resumed environment's `get_sources`).
+    Skipped,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageRecord {
+    pub name: String,
+    #[serde(flatten)]
+    pub result: StageResult,
+}
+
+/// `jobs/<runner>-<job>.json`. Holds no secret: no token, no variables.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobState {
+    pub version: u32,
+    pub runner_id: String,
+    pub job_id: u64,
+    pub project_id: u64,
+    pub env_id: Uuid,
+    pub mode: Mode,
+    pub suspend_on_success: bool,
+    pub suspend_on_failure: bool,
+    /// This job holds the environment record (`current_job` is this job). Until
+    /// then cleanup must not touch the environment: it may be another job's.
+    pub claimed: bool,
+    /// Prepare finished: the environment is ready and the key was printed.
+    pub prepare_completed: bool,
+    /// A termination signal reached a stage of this job (cancel, timeout).
+    pub terminated: bool,
+    #[serde(default)]
+    pub stages: Vec<StageRecord>,
+    pub created_at: u64,
+}
+
+impl JobState {
+    pub fn new(runner_id: &str, job_id: u64, project_id: u64, env_id: Uuid, mode: Mode) -> Self {
+        JobState {
+            version: FORMAT_VERSION,
+            runner_id: runner_id.to_string(),
+            job_id,
+            project_id,
+            env_id,
+            mode,
+            suspend_on_success: false,
+            suspend_on_failure: false,
+            claimed: false,
+            prepare_completed: false,
+            terminated: false,
+            stages: Vec::new(),
+            created_at: super::now_unix(),
+        }
+    }
+}
+
+/// A job's state file, held under its lock for as long as this value lives.
+pub struct LockedJob {
+    path: PathBuf,
+    _lock: FileLock,
+}
+
+impl LockedJob {
+    pub fn lock(store: &StateStore, runner_id: &str, job_id: u64) -> Result<LockedJob> {
+        let path = store.job_file(runner_id, job_id);
+        let lock = FileLock::acquire(
+            &path.with_extension("lock"),
+            JOB_LOCK_TIMEOUT,
+            &format!("job {job_id}"),
+        )?;
+        Ok(LockedJob { path, _lock: lock })
+    }
+
+    pub fn load(&self) -> Result<Option<JobState>> {
+        store::read_json(&self.path)
+    }
+
+    pub fn save(&self, state: &JobState) -> Result<()> {
+        store::write_json(&self.path, state)
+    }
+
+    /// Removes the state file (the lock file stays until the lock is dropped).
+    pub fn remove(self) -> Result<()> {
+        store::remove_file(&self.path)?;
+        let lock_path = self._lock.path().to_path_buf();
+        drop(self._lock);
+        // Another process may be waiting on this lock file; removing it is still
+        // safe because a job's stages never overlap once cleanup has run.
+        store::remove_file(&lock_path)
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}

@@ -1,0 +1,149 @@
+//! The local transport: each stage script runs in a bash on this host, in its
+//! own process group so a termination kills everything the script started.
+//!
+//! The script gets a clean environment: a few basics from the runner process
+//! (PATH, HOME, ...) and `DORMANT_ENVIRONMENT_KEY`, never dormant's own
+//! `CUSTOM_ENV_*` (they hold the job token); the runner's script exports every
+//! job variable itself.
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use async_trait::async_trait;
+use tokio::process::Command;
+
+use super::{Script, ScriptExit, Transport};
+use crate::context::Ctx;
+
+/// After SIGTERM to the script's group, how long it may take to exit before
+/// SIGKILL. The runner's scripts `trap 'exit 1' TERM`, so this is quick.
+const TERM_GRACE: Duration = Duration::from_secs(5);
+
+/// Variables of the runner process passed through to local scripts.
+pub const INHERITED_VARS: &[&str] = &[
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TERM", "SHELL", "TZ",
+];
+
+pub struct LocalTransport {
+    workdir: PathBuf,
+    shell: PathBuf,
+    base_env: Vec<(String, String)>,
+}
+
+impl LocalTransport {
+    pub fn new(workdir: PathBuf, shell: PathBuf, base_env: Vec<(String, String)>) -> Self {
+        LocalTransport {
+            workdir,
+            shell,
+            base_env,
+        }
+    }
+
+    fn command(&self) -> Command {
+        let mut cmd = Command::new(&self.shell);
+        cmd.current_dir(&self.workdir)
+            .env_clear()
+            .envs(self.base_env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .process_group(0)
+            .kill_on_drop(true);
+        cmd
+    }
+}
+
+#[async_trait]
+impl Transport for LocalTransport {
+    async fn connect(&self, ctx: &Ctx) -> Result<()> {
+        if !self.workdir.is_dir() {
+            bail!(
+                "environment directory {} does not exist",
+                self.workdir.display()
+            );
+        }
+        let out = self
+            .command()
+            .arg("-c")
+            .arg("for t in git gitlab-runner; do command -v $t >/dev/null 2>&1 || echo $t; done")
+            .stdout(Stdio::piped())
+            .output()
+            .await
+            .with_context(|| {
+                format!(
+                    "running {} (the local provider needs bash)",
+                    self.shell.display()
+                )
+            })?;
+        if !out.status.success() {
+            bail!(
+                "{} does not run scripts (exit {:?})",
+                self.shell.display(),
+                out.status.code()
+            );
+        }
+        for missing in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            ctx.log.warn(match missing {
+                "git" => "git is not installed on this host: get_sources will fail".to_string(),
+                _ => "gitlab-runner is not installed on this host: cache and artifact stages will only warn".to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<ScriptExit> {
+        // The script goes in a file next to the work dir rather than on stdin,
+        // so a command in it that reads stdin cannot swallow the rest.
+        let file = self.workdir.with_file_name("stage-script.sh");
+        tokio::fs::write(&file, script.body)
+            .await
+            .with_context(|| {
+                format!("writing the {} script to {}", script.stage, file.display())
+            })?;
+        let mut child = self
+            .command()
+            .arg(&file)
+            .envs(script.env.iter().map(|(k, v)| (k, v)))
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting {} for {}", self.shell.display(), script.stage))?;
+        let pgid = child
+            .id()
+            .context("the script's shell exited before it could be tracked")?
+            as i32;
+        let status = tokio::select! {
+            status = child.wait() => status.context("waiting for the script")?,
+            _ = ctx.cancel.cancelled() => {
+                kill_group(pgid, libc::SIGTERM);
+                if tokio::time::timeout(TERM_GRACE, child.wait()).await.is_err() {
+                    kill_group(pgid, libc::SIGKILL);
+                    let _ = child.wait().await;
+                }
+                // Whatever the script left running in its group goes too.
+                kill_group(pgid, libc::SIGKILL);
+                return Ok(ScriptExit::Cancelled);
+            }
+        };
+        // Children the script left behind in its group do not outlive the stage.
+        kill_group(pgid, libc::SIGKILL);
+        Ok(ScriptExit::Code(
+            status
+                .code()
+                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)),
+        ))
+    }
+
+    async fn close(&self, _ctx: &Ctx) -> Result<()> {
+        let _ = std::fs::remove_file(self.workdir.with_file_name("stage-script.sh"));
+        Ok(())
+    }
+}
+
+fn kill_group(pgid: i32, signal: i32) {
+    // SAFETY: kill(2) with a negative pid signals a process group; no memory is touched.
+    unsafe {
+        libc::kill(-pgid, signal);
+    }
+}

@@ -1,0 +1,75 @@
+//! Transports run stage scripts in an environment: `local` spawns bash on this
+//! host, `ssh` streams the script over one multiplexed SSH connection per job.
+
+pub mod keys;
+pub mod local;
+
+use anyhow::Result;
+use async_trait::async_trait;
+
+use crate::context::Ctx;
+use crate::job::Job;
+use crate::provider::Target;
+use crate::settings::Settings;
+use crate::state::EnvPaths;
+
+/// How a script ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScriptExit {
+    /// The script exited with this code (0 = success).
+    Code(i32),
+    /// `ctx.cancel` fired (SIGTERM); the script's whole process group was killed.
+    Cancelled,
+}
+
+/// One stage script to run.
+#[derive(Debug, Clone)]
+pub struct Script<'a> {
+    /// The runner's self-contained bash script.
+    pub body: &'a [u8],
+    /// The stage name (`build_script`, ...), for messages.
+    pub stage: &'a str,
+    /// Extra environment for the script (`DORMANT_ENVIRONMENT_KEY`).
+    pub env: &'a [(String, String)],
+}
+
+#[async_trait]
+pub trait Transport: Send + Sync {
+    /// Prepare: waits (bounded by `ctx.deadline`, with progress in the job log)
+    /// until the environment runs commands, sets up what later stage processes
+    /// reuse (an SSH ControlMaster), and probes for bash, git and gitlab-runner.
+    async fn connect(&self, ctx: &Ctx) -> Result<()>;
+
+    /// Runs one stage script, streaming its stdout and stderr live to ours.
+    /// `Err` means the transport broke (a system failure), never the script.
+    async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<ScriptExit>;
+
+    /// Suspend or release: closes what `connect` set up. Best effort, idempotent.
+    async fn close(&self, ctx: &Ctx) -> Result<()>;
+}
+
+/// Opens the transport for a target.
+pub fn open(
+    target: &Target,
+    paths: &EnvPaths,
+    settings: &Settings,
+    job: &Job,
+) -> Result<Box<dyn Transport>> {
+    match target {
+        Target::Local { workdir } => {
+            let base_env = local::INHERITED_VARS
+                .iter()
+                .filter_map(|k| job.driver_var(k).map(|v| (k.to_string(), v.to_string())))
+                .collect();
+            Ok(Box::new(local::LocalTransport::new(
+                workdir.clone(),
+                settings.local.shell.clone(),
+                base_env,
+            )))
+        }
+        Target::Ssh(_) => {
+            let _ = paths;
+            anyhow::bail!("the SSH transport is not built yet")
+        }
+    }
+}

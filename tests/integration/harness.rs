@@ -1,0 +1,114 @@
+//! The harness: a state dir, a settings file and a simulated GitLab Runner
+//! (`dormant::runner_sim`, the same code `dormant try` uses) that calls the
+//! built binary with the runner's temp dir, environment, stage order, retries,
+//! `CI_JOB_STATUS` and signals.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+pub use dormant::runner_sim::{JobReport, JobResult};
+use dormant::runner_sim::{Runner, SimJob};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_dormant");
+
+/// One runner manager: its own state dir, settings and identity.
+pub struct Rig {
+    pub dir: tempfile::TempDir,
+    pub runner: Runner,
+    pub settings_path: PathBuf,
+    pub state_dir: PathBuf,
+}
+
+impl Rig {
+    /// A runner with `runner_id` and `system_id`, the `local` provider and `extra` settings.
+    pub fn new(runner_id: &str, system_id: &str, extra: &str) -> Rig {
+        let dir = tempfile::tempdir().unwrap();
+        let state_dir = dir.path().join("state");
+        let settings_path = dir.path().join("dormant.toml");
+        Rig::write_settings(&settings_path, system_id, extra);
+        let mut runner = Runner::new(PathBuf::from(BIN), dir.path().join("tmp"), runner_id);
+        runner.retry_pause = Duration::from_millis(50);
+        runner.env = [
+            ("PATH", std::env::var("PATH").unwrap_or_default()),
+            ("HOME", std::env::var("HOME").unwrap_or_default()),
+            ("DORMANT_CONFIG", settings_path.display().to_string()),
+            ("DORMANT_STATE_DIR", state_dir.display().to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        Rig {
+            dir,
+            runner,
+            settings_path,
+            state_dir,
+        }
+    }
+
+    pub fn local(runner_id: &str, system_id: &str) -> Rig {
+        Rig::new(runner_id, system_id, "")
+    }
+
+    pub fn write_settings(path: &Path, system_id: &str, extra: &str) {
+        std::fs::write(
+            path,
+            format!("system_id = \"{}\"\nrunner_system_id_file = \"/nonexistent/.runner_system_id\"\n{extra}\n", system_id.replace('"', "\\\"")),
+        )
+        .unwrap();
+    }
+
+    pub fn run(&self, job: &SimJob) -> JobReport {
+        self.runner.run_job(job).unwrap()
+    }
+
+    /// Runs `dormant <args>` as an operator would, with this rig's settings.
+    pub fn dormant(&self, args: &[&str]) -> Output {
+        Command::new(BIN)
+            .args(args)
+            .env_clear()
+            .envs(&self.runner.env)
+            .output()
+            .unwrap()
+    }
+
+    pub fn env_dir(&self, key: &str) -> PathBuf {
+        let id = dormant::envkey::EnvironmentKey::parse(key).unwrap().env_id;
+        self.state_dir.join("environments").join(id.to_string())
+    }
+
+    pub fn record(&self, key: &str) -> Option<serde_json::Value> {
+        let text = std::fs::read_to_string(self.env_dir(key).join("record.json")).ok()?;
+        Some(serde_json::from_str(&text).unwrap())
+    }
+
+    pub fn status(&self, key: &str) -> Option<String> {
+        self.record(key)
+            .map(|r| r["status"].as_str().unwrap().to_string())
+    }
+}
+
+/// Job ids unique across the test binary (tests run in parallel in one process).
+pub fn job_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1000);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+pub fn job(project: u64) -> SimJob {
+    SimJob::new(job_id(), project)
+}
+
+/// Asserts with the job log in the message.
+#[track_caller]
+pub fn assert_result(r: &JobReport, want: JobResult) {
+    assert_eq!(
+        r.result,
+        want,
+        "job log:\n{}\ncleanup:\n{}",
+        r.log(),
+        r.cleanup_output()
+    );
+}
