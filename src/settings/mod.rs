@@ -157,13 +157,27 @@ impl Settings {
         let mut unknown = Vec::new();
         let de = toml::Deserializer::parse(text)
             .map_err(|e| anyhow::anyhow!("{}", e.to_string().trim_end()))?;
-        let settings: Settings =
-            serde_ignored::deserialize(de, |path| unknown.push(path.to_string()))
-                .map_err(|e| anyhow::anyhow!("{}", e.to_string().trim_end()))?;
+        // serde_ignored collects every unknown key; serde_path_to_error names
+        // the key of a value of the wrong type (`suspend.ttl: ...`).
+        let mut record = |path: serde_ignored::Path<'_>| unknown.push(path.to_string());
+        let parsed: Result<Settings, _> =
+            serde_path_to_error::deserialize(serde_ignored::Deserializer::new(de, &mut record));
         let mut problems: Vec<String> = unknown
             .into_iter()
             .map(|k| format!("{k}: unknown setting (see examples/dormant.toml for every setting)"))
             .collect();
+        let settings = match parsed {
+            Ok(s) => s,
+            Err(e) => {
+                let path = e.path().to_string();
+                problems.push(format!("{path}: {}", e.into_inner().message().trim_end()));
+                bail!(
+                    "{} problem(s):\n  {}",
+                    problems.len(),
+                    problems.join("\n  ")
+                );
+            }
+        };
         settings.validate(&mut problems);
         if !problems.is_empty() {
             bail!(
@@ -320,8 +334,16 @@ mod tests {
     fn bad_values_name_the_key() {
         let err = Settings::parse_str("provider = \"gcp\"\n").unwrap_err();
         assert!(format!("{err:#}").contains("provider"), "{err:#}");
-        let err = Settings::parse_str("[suspend]\nttl = \"seven days\"\n").unwrap_err();
-        assert!(format!("{err:#}").contains("ttl"), "{err:#}");
+        let err = Settings::parse_str("colour = 1\n[suspend]\nttl = \"seven days\"\n").unwrap_err();
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("suspend.ttl: \"seven days\" is not a duration"),
+            "{text}"
+        );
+        assert!(
+            text.contains("colour: unknown setting"),
+            "unknown keys before a bad value are reported too: {text}"
+        );
         let err = Settings::parse_str("runner_id = \"a/b\"\n").unwrap_err();
         assert!(format!("{err:#}").contains("runner_id"), "{err:#}");
     }

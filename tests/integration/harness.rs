@@ -112,3 +112,15 @@ pub fn assert_result(r: &JobReport, want: JobResult) {
         r.cleanup_output()
     );
 }
+
+/// Whether a process exists and is not a zombie (a killed child may linger as
+/// a zombie until it is reaped; it runs nothing).
+pub fn process_running(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next())
+            .is_some_and(|state| state != 'Z' && state != 'X'),
+        Err(_) => false,
+    }
+}
