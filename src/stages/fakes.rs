@@ -1,1 +1,207 @@
-//! In-memory fakes of the provider and the transport, for stage-logic tests.
+//! In-memory fakes of the provider and the transports, so stage logic is
+//! tested without processes or clouds, including failures real backends
+//! rarely produce on demand (a stop that fails, a SIGTERM mid-suspension).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{bail, Result};
+use async_trait::async_trait;
+use tokio_util::sync::CancellationToken;
+
+use crate::context::{Ctx, JobLog};
+use crate::job::{Job, JobInput, SuspendRequest};
+use crate::provider::{
+    Machine, MachineSpec, MachineState, ManagedMachine, Provider, SshTarget, Target,
+};
+use crate::settings::Settings;
+use crate::state::{EnvPaths, StateStore};
+use crate::transport::{Script, ScriptExit, Transport};
+
+use super::{Session, Transports};
+
+#[derive(Default)]
+pub struct FakeCloud {
+    pub machines: BTreeMap<String, MachineState>,
+    pub calls: Vec<String>,
+    pub fail_start: bool,
+    pub fail_stop: bool,
+    pub fail_delete: bool,
+    /// Fired while a stop is in progress (a SIGTERM arriving mid-suspension).
+    pub cancel_during_stop: Option<CancellationToken>,
+}
+
+#[derive(Clone, Default)]
+pub struct FakeProvider {
+    pub cloud: Arc<Mutex<FakeCloud>>,
+}
+
+impl FakeProvider {
+    pub fn calls(&self) -> Vec<String> {
+        self.cloud.lock().unwrap().calls.clone()
+    }
+    pub fn state(&self, id: &str) -> Option<MachineState> {
+        self.cloud.lock().unwrap().machines.get(id).cloned()
+    }
+    fn call(&self, what: String) {
+        self.cloud.lock().unwrap().calls.push(what);
+    }
+}
+
+#[async_trait]
+impl Provider for FakeProvider {
+    fn name(&self) -> &'static str {
+        "fake"
+    }
+
+    async fn create_or_reclaim(&self, spec: &MachineSpec, _ctx: &Ctx) -> Result<Machine> {
+        self.call(format!("create {}", spec.name));
+        self.cloud
+            .lock()
+            .unwrap()
+            .machines
+            .insert(spec.name.clone(), MachineState::Running);
+        Ok(Machine::new(spec.name.clone()).with("address", "fake"))
+    }
+
+    async fn start(&self, m: &Machine, _ctx: &Ctx) -> Result<Machine> {
+        self.call(format!("start {}", m.id));
+        let mut c = self.cloud.lock().unwrap();
+        if c.fail_start {
+            bail!("fake start failure");
+        }
+        c.machines.insert(m.id.clone(), MachineState::Running);
+        Ok(m.clone())
+    }
+
+    async fn stop(&self, m: &Machine, ctx: &Ctx) -> Result<()> {
+        self.call(format!("stop {}", m.id));
+        let (fail, cancel) = {
+            let c = self.cloud.lock().unwrap();
+            (c.fail_stop, c.cancel_during_stop.clone())
+        };
+        if let Some(token) = cancel {
+            token.cancel();
+        }
+        // A real stop waits; it must not be cut short by the SIGTERM above.
+        ctx.sleep(
+            std::time::Duration::from_millis(20),
+            "stopping the fake machine",
+        )
+        .await?;
+        if fail {
+            bail!("fake stop failure");
+        }
+        self.cloud
+            .lock()
+            .unwrap()
+            .machines
+            .insert(m.id.clone(), MachineState::Stopped);
+        Ok(())
+    }
+
+    async fn delete(&self, m: &Machine, _ctx: &Ctx) -> Result<()> {
+        self.call(format!("delete {}", m.id));
+        let mut c = self.cloud.lock().unwrap();
+        if c.fail_delete {
+            bail!("fake delete failure");
+        }
+        c.machines.insert(m.id.clone(), MachineState::Gone);
+        Ok(())
+    }
+
+    async fn describe(&self, m: &Machine, _ctx: &Ctx) -> Result<MachineState> {
+        Ok(self.state(&m.id).unwrap_or(MachineState::Gone))
+    }
+
+    async fn list(&self, _ctx: &Ctx) -> Result<Vec<ManagedMachine>> {
+        Ok(Vec::new())
+    }
+
+    fn target(&self, _m: &Machine) -> Result<Target> {
+        Ok(Target::Ssh(SshTarget {
+            host: "fake".into(),
+            port: 22,
+            user: "u".into(),
+            identity_file: None,
+            workdir: None,
+        }))
+    }
+
+    fn key_fields(&self, m: &Machine) -> Vec<(String, String)> {
+        vec![("machine".into(), m.id.clone())]
+    }
+}
+
+/// Transports whose scripts all exit with `exit_code`.
+pub struct FakeTransports {
+    pub exit_code: i32,
+    pub fail_connect: bool,
+}
+
+struct FakeTransport {
+    exit_code: i32,
+    fail_connect: bool,
+}
+
+impl Transports for FakeTransports {
+    fn open(&self, _t: &Target, _p: &EnvPaths) -> Result<Box<dyn Transport>> {
+        Ok(Box::new(FakeTransport {
+            exit_code: self.exit_code,
+            fail_connect: self.fail_connect,
+        }))
+    }
+}
+
+#[async_trait]
+impl Transport for FakeTransport {
+    async fn connect(&self, _ctx: &Ctx) -> Result<()> {
+        if self.fail_connect {
+            bail!("fake connection failure");
+        }
+        Ok(())
+    }
+    async fn run_script(&self, _s: &Script<'_>, _ctx: &Ctx) -> Result<ScriptExit> {
+        Ok(ScriptExit::Code(self.exit_code))
+    }
+    async fn close(&self, _ctx: &Ctx) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A session for job `job_id` of project 5 on runner "1", system "s_test".
+pub fn session(
+    store: &StateStore,
+    provider: &FakeProvider,
+    transports: FakeTransports,
+    job_id: u64,
+    suspend: SuspendRequest,
+    job_status: &str,
+) -> (Session, Arc<Mutex<Vec<u8>>>) {
+    let settings = Settings {
+        system_id: Some("s_test".into()),
+        ..Settings::default()
+    };
+    let (log, buf) = JobLog::capture();
+    let job = Job::from_map([("CUSTOM_ENV_CI_JOB_STATUS", job_status)]);
+    let input = JobInput {
+        job_id,
+        project_id: 5,
+        project_path: Some("g/p".into()),
+        payload_runner_id: Some("1".into()),
+        image: None,
+        suspend,
+    };
+    let s = Session {
+        settings,
+        job,
+        input,
+        runner_id: "1".into(),
+        store: store.clone(),
+        provider: Arc::new(provider.clone()),
+        transports: Arc::new(transports),
+        log,
+        cancel: CancellationToken::new(),
+    };
+    (s, buf)
+}
