@@ -46,7 +46,10 @@ pub fn system_id(settings: &Settings, store: &StateStore) -> Result<String> {
             .simple()
             .to_string()[..12]
     );
-    std::fs::write(&kept, format!("{derived}\n"))
+    // Atomic (temp + rename): two first jobs on a fresh host may race here.
+    let tmp = kept.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, format!("{derived}\n"))
+        .and_then(|()| std::fs::rename(&tmp, &kept))
         .with_context(|| format!("writing {}", kept.display()))?;
     Ok(derived)
 }
