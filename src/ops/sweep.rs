@@ -99,6 +99,12 @@ pub async fn release_environment(
         env.save(&rec)?;
         rec.machine
     };
+    let machine = match machine {
+        Some(m) => Some(m),
+        None => provider.find(id, ctx).await.with_context(|| {
+            format!("looking up the machine of environment {id} before releasing it")
+        })?,
+    };
     if let Some(machine) = &machine {
         if let Err(e) = provider.delete(machine, ctx).await {
             let _ = crate::stages::prepare::update_record(paths, |r| {

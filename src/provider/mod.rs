@@ -145,6 +145,18 @@ pub trait Provider: Send + Sync {
     /// Every machine this provider manages for this runner (tags / directories).
     async fn list(&self, ctx: &Ctx) -> Result<Vec<ManagedMachine>>;
 
+    /// The machine of an environment, looked up by its tags or directory: for a
+    /// release whose record never got the machine (prepare died between creating
+    /// it and saving it), so nothing leaks.
+    async fn find(&self, env_id: Uuid, ctx: &Ctx) -> Result<Option<Machine>> {
+        Ok(self
+            .list(ctx)
+            .await?
+            .into_iter()
+            .find(|m| m.env_id == Some(env_id) && m.state != MachineState::Gone)
+            .map(|m| m.machine))
+    }
+
     /// Where to connect to run scripts.
     fn target(&self, machine: &Machine) -> Result<Target>;
 

@@ -416,4 +416,49 @@ mod tests {
         cleanup(&s).await.unwrap();
         assert_eq!(p.calls().len(), calls, "a second cleanup does nothing");
     }
+
+    #[tokio::test]
+    async fn a_machine_made_before_prepare_died_is_found_and_deleted() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::open(dir.path()).unwrap();
+        let p = FakeProvider::default();
+        p.cloud.lock().unwrap().fail_after_create = true;
+        let (s, _) = session(&store, &p, ok(), 1, suspend_on_success(), "running");
+        assert!(crate::stages::prepare::prepare(&s).await.is_err());
+        let name = crate::provider::MachineSpec::machine_name(crate::identity::new_env_id("1", 1));
+        assert_eq!(p.state(&name), Some(crate::provider::MachineState::Running));
+        cleanup(&s).await.unwrap();
+        assert_eq!(
+            p.state(&name),
+            Some(crate::provider::MachineState::Gone),
+            "no leaked machine: {:?}",
+            p.calls()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_retried_prepare_adopts_its_half_released_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::open(dir.path()).unwrap();
+        let p = FakeProvider::default();
+        let broken = FakeTransports {
+            exit_code: 0,
+            fail_connect: true,
+        };
+        let (s, _) = session(&store, &p, broken, 1, suspend_on_success(), "running");
+        assert!(crate::stages::prepare::prepare(&s).await.is_err());
+        p.cloud.lock().unwrap().fail_delete = true;
+        assert!(cleanup(&s).await.is_err(), "the release failed");
+        p.cloud.lock().unwrap().fail_delete = false;
+        let (s, _) = session(&store, &p, ok(), 1, suspend_on_success(), "running");
+        crate::stages::prepare::prepare(&s)
+            .await
+            .expect("the retry adopts the environment");
+        let rec = store
+            .env_paths(crate::identity::new_env_id("1", 1))
+            .peek()
+            .unwrap()
+            .unwrap();
+        assert_eq!(rec.status, EnvStatus::Active);
+    }
 }

@@ -27,6 +27,8 @@ pub struct FakeCloud {
     pub fail_start: bool,
     pub fail_stop: bool,
     pub fail_delete: bool,
+    /// create_or_reclaim makes the machine, then fails (a crash before state is saved).
+    pub fail_after_create: bool,
     /// Fired while a stop is in progress (a SIGTERM arriving mid-suspension).
     pub cancel_during_stop: Option<CancellationToken>,
 }
@@ -56,11 +58,11 @@ impl Provider for FakeProvider {
 
     async fn create_or_reclaim(&self, spec: &MachineSpec, _ctx: &Ctx) -> Result<Machine> {
         self.call(format!("create {}", spec.name));
-        self.cloud
-            .lock()
-            .unwrap()
-            .machines
-            .insert(spec.name.clone(), MachineState::Running);
+        let mut c = self.cloud.lock().unwrap();
+        c.machines.insert(spec.name.clone(), MachineState::Running);
+        if c.fail_after_create {
+            bail!("fake failure after the machine was made");
+        }
         Ok(Machine::new(spec.name.clone()).with("address", "fake"))
     }
 
@@ -115,7 +117,18 @@ impl Provider for FakeProvider {
     }
 
     async fn list(&self, _ctx: &Ctx) -> Result<Vec<ManagedMachine>> {
-        Ok(Vec::new())
+        let c = self.cloud.lock().unwrap();
+        Ok(c.machines
+            .iter()
+            .map(|(name, state)| ManagedMachine {
+                machine: Machine::new(name.clone()),
+                env_id: name
+                    .strip_prefix("dormant-")
+                    .and_then(|id| uuid::Uuid::parse_str(id).ok()),
+                state: state.clone(),
+                launched_at: None,
+            })
+            .collect())
     }
 
     fn target(&self, _m: &Machine) -> Result<Target> {

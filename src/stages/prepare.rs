@@ -86,6 +86,13 @@ async fn prepare_new(s: &Session, locked: &LockedJob, ctx: &Ctx) -> Result<(), F
                 env.save(&rec)?;
             }
             Some(rec) if rec.current_job == Some(s.job_id()) => {}
+            // This job made it and an earlier attempt's cleanup could not finish
+            // releasing it: adopt it; create_or_reclaim finds its machine.
+            Some(mut rec) if rec.created_by_job == s.job_id() => {
+                rec.status = EnvStatus::Active;
+                rec.current_job = Some(s.job_id());
+                env.save(&rec)?;
+            }
             Some(rec) => {
                 return Err(anyhow::anyhow!(
                     "environment {env_id} for job {} already exists and belongs to job {:?} ({}); \
