@@ -50,6 +50,8 @@ pub enum Command {
         #[arg(long)]
         delete_orphans: bool,
     },
+    /// Print the registry as Prometheus text (environments by status, oldest suspension).
+    Metrics,
     /// Drive a sample job through every stage like GitLab Runner, suspend it,
     /// resume it in a second job, release it, and print a summary.
     Try {

@@ -125,6 +125,10 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
         Command::Sweep { delete_orphans } => {
             Ok(ops::list::sweep(&settings, &job, delete_orphans, log, cancel).await?)
         }
+        Command::Metrics => {
+            let store = state::StateStore::open(&settings.state_dir(&job)?)?;
+            Ok(ops::metrics::metrics(&store, &mut std::io::stdout())?)
+        }
         Command::Try { keep } => Ok(ops::try_job::try_job(
             cli.config.as_deref(),
             &settings,

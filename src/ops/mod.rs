@@ -1,6 +1,7 @@
 //! Operator commands beside the four stages: `list`, `inspect`, `release`,
-//! `sweep`, and `try`, which drives a whole job like GitLab Runner would.
+//! `sweep`, `metrics`, and `try`, which drives a whole job like GitLab Runner would.
 
 pub mod list;
+pub mod metrics;
 pub mod sweep;
 pub mod try_job;
