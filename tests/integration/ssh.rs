@@ -283,3 +283,60 @@ fn a_script_exiting_255_by_itself_is_a_build_failure() {
     let r = rig.run(&job(47).script("no-such-command-here"));
     assert_result(&r, JobResult::BuildFailure(Some(127)));
 }
+
+#[test]
+fn prepare_waits_for_a_host_that_is_not_up_yet_and_says_so() {
+    let mut sshd = Sshd::start();
+    let (rig, _ws) = ssh_rig(&sshd);
+    sshd.stop();
+    let started = Instant::now();
+    let r = std::thread::scope(|s| {
+        let run = s.spawn(|| rig.run(&job(48)));
+        std::thread::sleep(Duration::from_millis(1500));
+        sshd.restart();
+        run.join().unwrap()
+    });
+    assert_result(&r, JobResult::Success);
+    let prepare = &r.call("prepare#1").expect("one prepare attempt").output;
+    assert!(
+        prepare.contains(&format!("waiting for SSH on root@127.0.0.1:{}", sshd.port)),
+        "{prepare}"
+    );
+    assert!(
+        prepare.contains("Connection refused"),
+        "says why: {prepare}"
+    );
+    assert!(prepare.contains("SSH to root@127.0.0.1"), "{prepare}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn a_host_that_never_comes_up_fails_prepare_within_ready_timeout() {
+    let mut sshd = Sshd::start();
+    let ws_root = sshd.dir.path().join("ws");
+    let rig = Rig::new(
+        RUNNER,
+        "s_55aa55aa55aa",
+        &format!(
+            "provider = \"ssh\"\n[ssh]\nworkspace_root = \"{}\"\nready_timeout = \"2s\"\n\
+             [[ssh.hosts]]\naddress = \"127.0.0.1\"\nport = {}\nuser = \"root\"\n\
+             identity_file = \"{}\"\n",
+            ws_root.display(),
+            sshd.port,
+            sshd.client_key.display()
+        ),
+    );
+    sshd.stop();
+    let started = Instant::now();
+    let r = rig.run(&job(49));
+    assert_result(&r, JobResult::SystemFailure);
+    assert_eq!(r.prepare_attempts, 3);
+    let prepare = &r.call("prepare#1").unwrap().output;
+    assert!(prepare.contains("timed out waiting for SSH"), "{prepare}");
+    assert!(prepare.contains("last error"), "{prepare}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+}

@@ -137,9 +137,18 @@ impl Sshd {
         children.len()
     }
 
-    fn stop(&mut self) {
+    /// Stops the server (established connections are cut too).
+    pub fn stop(&mut self) {
+        self.cut_connections();
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Starts a stopped server again, same port, same host key.
+    pub fn restart(&mut self) {
+        let before = self.log().matches("Server listening").count();
+        self.child = spawn(&self.binary, self.dir.path());
+        self.wait_listening(before);
     }
 
     fn wait_listening(&self, seen_before: usize) {
@@ -158,7 +167,6 @@ impl Sshd {
 
 impl Drop for Sshd {
     fn drop(&mut self) {
-        self.cut_connections();
         self.stop();
     }
 }

@@ -134,14 +134,22 @@ impl Master {
     /// Closes the master (if one runs) and removes the control directory.
     /// Idempotent; a master that already died is not an error.
     pub async fn close(&self) -> Result<()> {
-        if let Some(session) = self.attach().await {
-            // `close` on a resumed session reports an error when the master's
-            // log has content or it exited first; the socket is gone either way.
-            if let Err(e) = session.close().await {
-                tracing::debug!("closing the SSH master of {}: {e}", self.paths.id);
-            }
-        }
+        // Every live master, not just the first: two stage processes that
+        // overlapped (a cleanup beside a run the runner gave up on) may each
+        // have started one.
         for dir in self.connection_dirs() {
+            let socket = dir.join("master");
+            if socket.exists() {
+                let session = Session::resume(
+                    socket.into_boxed_path(),
+                    Some(dir.join("log").into_boxed_path()),
+                );
+                // `close` on a resumed session reports an error when the master's
+                // log has content or it exited first; it is gone either way.
+                if let Err(e) = session.close().await {
+                    tracing::debug!("closing the SSH master of {}: {e}", self.paths.id);
+                }
+            }
             let _ = std::fs::remove_dir_all(&dir);
         }
         match std::fs::remove_dir(&self.paths.control_dir) {
