@@ -24,11 +24,13 @@ if [ ! -x "$SSHD" ]; then
 fi
 if [ -n "${DORMANT_BIN:-}" ]; then
   BIN=$DORMANT_BIN
+  profile="binary $BIN"
 else
   flags=(--no-default-features --quiet)
   [ "$profile" = release ] && flags+=(--release)
   cargo build "${flags[@]}"
   BIN=target/$profile/dormant
+  profile="$profile build"
 fi
 mkdir -p /run/sshd 2>/dev/null || true
 
@@ -143,7 +145,7 @@ overhead=$(awk -v a="$run_med" -v b="$bare_med" 'BEGIN { printf "%.1f", a - b }'
 total() { awk -v m="$1" -v n="$STAGES" 'BEGIN { printf "%.0f", m * n }'; }
 
 echo
-echo "dormant SSH benchmark: $STAGES run stages on loopback ($profile build, $(ssh -V 2>&1 | cut -d, -f1), $(nproc) cores)"
+echo "dormant SSH benchmark: $STAGES run stages on loopback ($profile, $(ssh -V 2>&1 | cut -d, -f1), $(nproc) cores)"
 echo
 echo "| per stage                                   | median ms | mean ms | min ms | max ms | $STAGES stages ms |"
 echo "|---------------------------------------------|----------:|--------:|-------:|-------:|------------:|"

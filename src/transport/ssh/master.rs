@@ -114,6 +114,20 @@ impl Master {
         found
     }
 
+    /// The master whose socket exists, without asking it anything (a stage's
+    /// fast path: the caller must cope with a socket nobody answers).
+    pub fn attach_unchecked(&self) -> Option<Session> {
+        self.connection_dirs().into_iter().find_map(|dir| {
+            let socket = dir.join("master");
+            socket.exists().then(|| {
+                Session::resume(
+                    socket.into_boxed_path(),
+                    Some(dir.join("log").into_boxed_path()),
+                )
+            })
+        })
+    }
+
     /// The live master, or a new one (waiting until the host accepts SSH,
     /// bounded by `ctx` and `ssh.ready_timeout`). A reconnect is said in the job log.
     pub async fn session(&self, ctx: &Ctx, purpose: Purpose) -> Result<Session> {

@@ -59,6 +59,9 @@ impl SshTransport {
             .arg("-S")
             .arg(session.control_socket())
             .args(["-o", "BatchMode=yes", "-o", "ControlMaster=no", "-T"])
+            // Without a master ssh would fall back to a new connection to
+            // "none": make that fail at once instead of resolving a name.
+            .args(["-o", "ProxyCommand=false"])
             // Port 9 ("discard"): if the master is gone, ssh must fail rather
             // than quietly open a second connection.
             .args(["-p", "9", "none", "--"])
@@ -66,6 +69,105 @@ impl SshTransport {
             .process_group(0)
             .kill_on_drop(true);
         cmd
+    }
+
+    /// One attempt at running the script over `session`.
+    async fn run_once(
+        &self,
+        session: &Session,
+        body: &[u8],
+        script: &Script<'_>,
+        ctx: &Ctx,
+    ) -> Result<Once> {
+        let dest = self.master.destination();
+        let line = remote::command_line(body.len(), self.master.target.workdir.as_deref());
+        let mut child = self
+            .channel(session, &line)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting ssh for {} on {dest}", script.stage))?;
+
+        let mut stdin = child.stdin.take().context("ssh has no stdin")?;
+        let body = body.to_vec();
+        let writer = tokio::spawn(async move {
+            let r = stdin.write_all(&body).await;
+            drop(stdin);
+            r
+        });
+        let state = Arc::new(Mutex::new(ChannelState::default()));
+        let stderr = child.stderr.take().context("ssh has no stderr")?;
+        let reader = {
+            let state = state.clone();
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(stderr).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    let mut st = state.lock().unwrap();
+                    match remote::parse_report(&line) {
+                        Report::Pgid(p) => {
+                            st.pgid = Some(p);
+                            // The script runs: what ssh said before is worth reading.
+                            for l in &st.other {
+                                eprintln!("{l}");
+                            }
+                        }
+                        Report::Exit(c) => st.exit = Some(c),
+                        Report::Error(e) => st.error = Some(e),
+                        Report::Other(l) => {
+                            // ssh itself or the wrapper's shell. Before the script
+                            // starts it is held back: a dead master's fallback noise
+                            // is retried away, any other failure quotes it.
+                            if st.pgid.is_some() {
+                                eprintln!("{l}");
+                            }
+                            st.other.push(l);
+                        }
+                    }
+                }
+            })
+        };
+
+        let status = tokio::select! {
+            status = child.wait() => status.context("waiting for ssh")?,
+            _ = ctx.cancel.cancelled() => {
+                let exit = self.cancel(session, &mut child, &state, script.stage, ctx).await;
+                reader.abort();
+                writer.abort();
+                return Ok(Once::Done(exit));
+            }
+        };
+        let _ = tokio::time::timeout(KILL_STEP, reader).await;
+        let _ = writer.await;
+        let st = std::mem::take(&mut *state.lock().unwrap());
+        if let Some(code) = st.exit {
+            return Ok(Once::Done(ScriptExit::Code(code)));
+        }
+        if let Some(e) = st.error {
+            bail!("{e} ({dest})");
+        }
+        if st.pgid.is_none() {
+            if let Some(l) = st.other.iter().find(|l| is_control_socket_failure(l)) {
+                // The local master is gone: nothing reached the host.
+                return Ok(Once::MasterUnreachable(l.clone()));
+            }
+        }
+        let said = if st.other.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", st.other.join("; "))
+        };
+        if session.check().await.is_err() {
+            return Err(anyhow!(
+                "the SSH connection to {dest} was lost during {}{said}",
+                script.stage
+            ));
+        }
+        Err(anyhow!(
+            "the {} script on {dest} ended without reporting its exit status (ssh {status}){said}: \
+             its processes were killed on the host, or bash is missing there",
+            script.stage
+        ))
     }
 
     /// Kills the remote process group `pgid` with `signal` (best effort).
@@ -142,6 +244,18 @@ impl SshTransport {
     }
 }
 
+/// How one attempt at a channel ended.
+enum Once {
+    Done(ScriptExit),
+    /// The master's socket did not answer: the script never left this host.
+    MasterUnreachable(String),
+}
+
+/// ssh's message when the control socket has no master behind it.
+fn is_control_socket_failure(line: &str) -> bool {
+    line.contains("Control socket connect(")
+}
+
 /// What the wrapper reported so far.
 #[derive(Debug, Default)]
 struct ChannelState {
@@ -198,80 +312,28 @@ impl Transport for SshTransport {
     }
 
     async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<ScriptExit> {
-        let session = self.master.session(ctx, Purpose::Reconnect).await?;
-        let dest = self.master.destination();
         let body = remote::script_with_env(script.body, script.env)?;
-        let line = remote::command_line(body.len(), self.master.target.workdir.as_deref());
-        let mut child = self
-            .channel(&session, &line)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::inherit())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("starting ssh for {} on {dest}", script.stage))?;
-
-        let mut stdin = child.stdin.take().context("ssh has no stdin")?;
-        let writer = tokio::spawn(async move {
-            let r = stdin.write_all(&body).await;
-            drop(stdin);
-            r
-        });
-        let state = Arc::new(Mutex::new(ChannelState::default()));
-        let stderr = child.stderr.take().context("ssh has no stderr")?;
-        let reader = {
-            let state = state.clone();
-            tokio::spawn(async move {
-                let mut lines = BufReader::new(stderr).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    let mut st = state.lock().unwrap();
-                    match remote::parse_report(&line) {
-                        Report::Pgid(p) => st.pgid = Some(p),
-                        Report::Exit(c) => st.exit = Some(c),
-                        Report::Error(e) => st.error = Some(e),
-                        Report::Other(l) => {
-                            // The wrapper's shell or ssh itself: the reader of the job log should see it.
-                            eprintln!("{l}");
-                            st.other.push(l);
-                        }
-                    }
+        // No `-O check` round trip first: the channel itself finds out, and a
+        // master whose socket does not answer cannot have started the script.
+        let mut session = match self.master.attach_unchecked() {
+            Some(s) => s,
+            None => self.master.session(ctx, Purpose::Reconnect).await?,
+        };
+        let mut reconnected = false;
+        loop {
+            match self.run_once(&session, &body, script, ctx).await? {
+                Once::Done(exit) => return Ok(exit),
+                Once::MasterUnreachable(why) if !reconnected => {
+                    tracing::debug!("master unreachable: {why}");
+                    reconnected = true;
+                    session = self.master.session(ctx, Purpose::Reconnect).await?;
                 }
-            })
-        };
-
-        let status = tokio::select! {
-            status = child.wait() => status.context("waiting for ssh")?,
-            _ = ctx.cancel.cancelled() => {
-                let exit = self.cancel(&session, &mut child, &state, script.stage, ctx).await;
-                reader.abort();
-                writer.abort();
-                return Ok(exit);
+                Once::MasterUnreachable(why) => bail!(
+                    "the new SSH connection to {} does not take sessions: {why}",
+                    self.master.destination()
+                ),
             }
-        };
-        let _ = tokio::time::timeout(KILL_STEP, reader).await;
-        let _ = writer.await;
-        let st = std::mem::take(&mut *state.lock().unwrap());
-        if let Some(code) = st.exit {
-            return Ok(ScriptExit::Code(code));
         }
-        if let Some(e) = st.error {
-            bail!("{e} ({dest})");
-        }
-        let said = if st.other.is_empty() {
-            String::new()
-        } else {
-            format!(": {}", st.other.join("; "))
-        };
-        if session.check().await.is_err() {
-            return Err(anyhow!(
-                "the SSH connection to {dest} was lost during {}{said}",
-                script.stage
-            ));
-        }
-        Err(anyhow!(
-            "the {} script on {dest} ended without reporting its exit status (ssh {status}){said}: \
-             its processes were killed on the host, or bash is missing there",
-            script.stage
-        ))
     }
 
     async fn close(&self, _ctx: &Ctx) -> Result<()> {

@@ -8,13 +8,15 @@
 //!   (a script's own 255 is not confused with ssh's 255);
 //! - `dormant-error <text>`: the wrapper could not run the script.
 //!
-//! The script is written to a private temp file first (`head -c <len>`) and
-//! run with stdin from /dev/null, so a command in it that reads stdin cannot
-//! swallow the rest of the script.
+//! The script is written to a private temp file first (`head -c <len>`),
+//! checked to be complete (a connection lost while it arrives must not run
+//! half a script), and run with stdin from /dev/null, so a command in it that
+//! reads stdin cannot swallow the rest of the script.
 
 /// The wrapper, run as `bash -c WRAPPER dormant <script bytes> <workdir>`.
 pub const WRAPPER: &str = r#"d=$(mktemp -d "${TMPDIR:-/tmp}/dormant.XXXXXXXX") || { echo "dormant-error cannot create a temp dir on the host" >&2; exit 97; }
 if ! head -c "$1" > "$d/script"; then echo "dormant-error cannot store the stage script in $d" >&2; rm -rf "$d"; exit 97; fi
+if [ "$(wc -c < "$d/script")" -ne "$1" ]; then echo "dormant-error the stage script arrived incomplete: not run" >&2; rm -rf "$d"; exit 97; fi
 if [ -n "$2" ] && ! cd -- "$2" 2>/dev/null; then echo "dormant-error the work directory $2 does not exist on the host" >&2; rm -rf "$d"; exit 97; fi
 if command -v setsid >/dev/null 2>&1; then
   setsid bash "$d/script" </dev/null 2>&1 &
@@ -152,5 +154,29 @@ mod tests {
         );
         assert_eq!(reports.last(), Some(&Report::Exit(255)));
         assert_eq!(out.status.code(), Some(255));
+    }
+
+    #[test]
+    fn a_truncated_script_is_not_run() {
+        let line = command_line(100, None);
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(&line)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                c.stdin.take().unwrap().write_all(b"echo ran\n")?;
+                c.wait_with_output()
+            })
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "");
+        assert!(
+            String::from_utf8_lossy(&out.stderr)
+                .starts_with("dormant-error the stage script arrived incomplete"),
+            "{out:?}"
+        );
     }
 }
