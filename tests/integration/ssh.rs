@@ -345,3 +345,29 @@ fn a_host_that_never_comes_up_fails_prepare_within_ready_timeout() {
         started.elapsed()
     );
 }
+
+#[test]
+fn processes_a_script_leaves_behind_do_not_outlive_its_stage() {
+    let sshd = Sshd::start();
+    let (rig, _ws) = ssh_rig(&sshd);
+    let pidfile = sshd.dir.path().join("left-behind");
+    let started = Instant::now();
+    let r = rig.run(&job(50).script(&format!(
+        "sleep 300 & echo $! > '{}'; echo leaving",
+        pidfile.display()
+    )));
+    assert_result(&r, JobResult::Success);
+    let build = r.call("build_script").unwrap();
+    assert!(
+        build.elapsed < Duration::from_secs(10),
+        "the stage does not wait for its leftovers: {:?}",
+        build.elapsed
+    );
+    let pid: u32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(!alive(pid), "the leftover sleep {pid} was killed");
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
