@@ -371,3 +371,27 @@ fn processes_a_script_leaves_behind_do_not_outlive_its_stage() {
     assert!(!alive(pid), "the leftover sleep {pid} was killed");
     assert!(started.elapsed() < Duration::from_secs(30));
 }
+
+#[test]
+fn dormant_try_passes_on_the_ssh_provider() {
+    let sshd = Sshd::start();
+    let (rig, ws_root) = ssh_rig(&sshd);
+    let before = sshd.connections();
+    let out = rig.dormant(&["try"]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert_eq!(
+        sshd.connections() - before,
+        2,
+        "one handshake per job (try runs two): {text}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&ws_root).unwrap().count(),
+        0,
+        "try released its workspace"
+    );
+}
