@@ -197,13 +197,13 @@ fn a_connection_cut_mid_script_is_a_system_failure() {
     let (rig, _ws) = ssh_rig(&sshd);
     let marker = sshd.dir.path().join("cut-marker");
     let j = job(44).script(&format!(
-        "echo started; touch '{}'; sleep 60; echo not reached",
+        "echo started; echo $$ > '{}'; sleep 60; echo not reached",
         marker.display()
     ));
     let started = Instant::now();
     let r = std::thread::scope(|s| {
         let run = s.spawn(|| rig.run(&j));
-        while !marker.exists() {
+        while std::fs::read_to_string(&marker).map_or(true, |t| !t.ends_with('\n')) {
             assert!(
                 started.elapsed() < Duration::from_secs(30),
                 "the script never started"
@@ -224,6 +224,18 @@ fn a_connection_cut_mid_script_is_a_system_failure() {
     assert!(build.output.contains("was lost during build_script"));
     assert!(!r.log().contains("not reached"));
     assert!(started.elapsed() < Duration::from_secs(50));
+    // Without a connection nobody can stop the script on the host; here the
+    // host is this machine, so tidy up its process group.
+    if let Ok(pid) = std::fs::read_to_string(&marker)
+        .unwrap()
+        .trim()
+        .parse::<i32>()
+    {
+        // SAFETY: kill(2) on the process group the script's own pid leads (setsid).
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+        }
+    }
 }
 
 #[test]

@@ -15,9 +15,10 @@
 
 /// The wrapper, run as `bash -c WRAPPER dormant <script bytes> <workdir>`.
 pub const WRAPPER: &str = r#"d=$(mktemp -d "${TMPDIR:-/tmp}/dormant.XXXXXXXX") || { echo "dormant-error cannot create a temp dir on the host" >&2; exit 97; }
-if ! head -c "$1" > "$d/script"; then echo "dormant-error cannot store the stage script in $d" >&2; rm -rf "$d"; exit 97; fi
-if [ "$(wc -c < "$d/script")" -ne "$1" ]; then echo "dormant-error the stage script arrived incomplete: not run" >&2; rm -rf "$d"; exit 97; fi
-if [ -n "$2" ] && ! cd -- "$2" 2>/dev/null; then echo "dormant-error the work directory $2 does not exist on the host" >&2; rm -rf "$d"; exit 97; fi
+trap 'rm -rf "$d"' EXIT
+if ! head -c "$1" > "$d/script"; then echo "dormant-error cannot store the stage script in $d" >&2; exit 97; fi
+if [ "$(wc -c < "$d/script")" -ne "$1" ]; then echo "dormant-error the stage script arrived incomplete: not run" >&2; exit 97; fi
+if [ -n "$2" ] && ! cd -- "$2" 2>/dev/null; then echo "dormant-error the work directory $2 does not exist on the host" >&2; exit 97; fi
 if command -v setsid >/dev/null 2>&1; then
   setsid bash "$d/script" </dev/null 2>&1 &
 else
@@ -25,11 +26,13 @@ else
   bash "$d/script" </dev/null 2>&1 &
 fi
 p=$!
+# Only now (the script must keep the default): a lost connection must not
+# kill the wrapper before it has cleaned up.
+trap '' PIPE
 echo "dormant-pgid $p" >&2
 wait "$p"
 rc=$?
 kill -KILL -- "-$p" 2>/dev/null
-rm -rf "$d"
 echo "dormant-exit $rc" >&2
 exit "$rc"
 "#;
