@@ -407,3 +407,143 @@ fn dormant_try_passes_on_the_ssh_provider() {
         "try released its workspace"
     );
 }
+
+#[test]
+fn a_suspended_workspace_frees_its_slot_and_a_full_host_makes_prepare_wait() {
+    let sshd = Sshd::start();
+    let ws_root = sshd.dir.path().join("ws");
+    let rig = Rig::new(
+        RUNNER,
+        "s_55aa55aa55aa",
+        &format!(
+            "provider = \"ssh\"\n[ssh]\nworkspace_root = \"{}\"\nslot_wait = \"60s\"\n\
+             [[ssh.hosts]]\nname = \"one-slot\"\naddress = \"127.0.0.1\"\nport = {}\nuser = \"root\"\n\
+             identity_file = \"{}\"\nslots = 1\n",
+            ws_root.display(),
+            sshd.port,
+            sshd.client_key.display()
+        ),
+    );
+    // A suspended environment does not hold the host's only slot...
+    let r = rig.run(&job(51).suspend_on(true, false));
+    assert_result(&r, JobResult::Success);
+    let r = rig.run(&job(52));
+    assert_result(&r, JobResult::Success);
+    assert!(!r.log().contains("busy"), "{}", r.log());
+
+    // ...an active one does: the next job waits for it, saying so.
+    let marker = sshd.dir.path().join("holding");
+    let holder = job(53).script(&format!("touch '{}'; sleep 2", marker.display()));
+    let (first, second) = std::thread::scope(|s| {
+        let a = s.spawn(|| rig.run(&holder));
+        let t = Instant::now();
+        while !marker.exists() {
+            assert!(t.elapsed() < Duration::from_secs(30));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let b = rig.run(&job(54));
+        (a.join().unwrap(), b)
+    });
+    assert_result(&first, JobResult::Success);
+    assert_result(&second, JobResult::Success);
+    assert!(
+        second
+            .log()
+            .contains("every SSH host slot is busy (one-slot 1/1): waiting"),
+        "{}",
+        second.log()
+    );
+    assert!(second.log().contains("got a slot on SSH host one-slot"));
+}
+
+#[test]
+fn sigterm_while_waiting_for_ssh_ends_prepare_promptly() {
+    let mut sshd = Sshd::start();
+    let (rig, _ws) = ssh_rig(&sshd);
+    sshd.stop();
+    let mut j = job(55);
+    j.cancel = Some(("prepare".into(), Duration::from_millis(1500)));
+    let r = rig.run(&j);
+    assert_result(&r, JobResult::Canceled);
+    let prepare = r.call("prepare#1").unwrap();
+    assert!(
+        prepare.output.contains("waiting for SSH"),
+        "{}",
+        prepare.output
+    );
+    assert!(prepare.output.contains("cancelled"), "{}", prepare.output);
+    assert!(
+        prepare.elapsed < Duration::from_secs(8),
+        "{:?}",
+        prepare.elapsed
+    );
+}
+
+/// The transport as the EC2 provider uses it: the environment's own key
+/// (no identity file in the target), and an address that changes between
+/// connections while the pinned host key stays valid.
+#[tokio::test]
+async fn the_environments_own_key_and_a_changed_address_keep_the_pin() {
+    use dormant::context::{Ctx, JobLog};
+    use dormant::provider::SshTarget;
+    use dormant::settings::ssh::SshSettings;
+    use dormant::transport::ssh::SshTransport;
+    use dormant::transport::{Script, ScriptExit, Transport};
+
+    let sshd = Sshd::start();
+    let state = tempfile::tempdir().unwrap();
+    let paths = EnvPaths::new(state.path(), uuid::Uuid::new_v4());
+    paths.create().unwrap();
+    let public = dormant::transport::keys::ensure_keypair(&paths).unwrap();
+    sshd.authorize(&public);
+    let (log, lines) = JobLog::capture();
+    let ctx = Ctx::new(
+        log,
+        tokio_util::sync::CancellationToken::new(),
+        Duration::from_secs(60),
+    );
+    for address in ["127.0.0.1", "localhost"] {
+        let t = SshTransport::new(
+            SshTarget {
+                host: address.into(),
+                port: sshd.port,
+                user: "root".into(),
+                identity_file: None,
+                workdir: None,
+            },
+            paths.clone(),
+            SshSettings::default(),
+        );
+        t.connect(&ctx).await.unwrap();
+        let exit = t
+            .run_script(
+                &Script {
+                    body: b"test -n \"$DORMANT_ENVIRONMENT_KEY\" && exit 7\n",
+                    stage: "build_script",
+                    env: &[("DORMANT_ENVIRONMENT_KEY".into(), "k".into())],
+                },
+                &ctx,
+            )
+            .await
+            .unwrap();
+        assert_eq!(exit, ScriptExit::Code(7));
+        t.close(&ctx).await.unwrap();
+        assert!(!paths.control_dir.exists());
+    }
+    let pinned = std::fs::read_to_string(&paths.known_hosts).unwrap();
+    assert_eq!(pinned.lines().count(), 1, "{pinned}");
+    assert!(
+        pinned.starts_with(&format!("dormant-{} ", paths.id)),
+        "{pinned}"
+    );
+    let text = String::from_utf8(lines.lock().unwrap().clone()).unwrap();
+    assert!(text.contains("pinned for environment"), "{text}");
+    assert!(text.contains("host key matches the one pinned"), "{text}");
+    assert!(
+        !sshd
+            .log()
+            .contains("Accepted publickey for root from 127.0.0.1")
+            || sshd.log().contains("ED25519"),
+        "sanity"
+    );
+}
