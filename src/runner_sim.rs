@@ -59,6 +59,9 @@ pub struct SimJob {
     pub cache_stages: bool,
     /// Send SIGTERM to the process group of this stage's call after a delay.
     pub cancel: Option<(String, Duration)>,
+    /// Test hooks: (stage, local shell command) run by the simulated runner
+    /// just before it calls that stage (e.g. kill an SSH master between stages).
+    pub before_stage: Vec<(String, String)>,
 }
 
 /// What happened to one call.
@@ -334,6 +337,10 @@ impl Runner {
                      status: &str,
                      calls: &mut Vec<Call>|
          -> Result<i32> {
+            for (_, cmd) in job.before_stage.iter().filter(|(s, _)| s == name) {
+                let status = Command::new("sh").arg("-c").arg(cmd).status()?;
+                tracing::debug!(stage = name, %status, "before-stage hook");
+            }
             let script = attempt.dir.join(format!("script-{name}"));
             std::fs::write(
                 &script,

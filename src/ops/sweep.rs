@@ -88,11 +88,19 @@ pub async fn release_environment(
     paths: &EnvPaths,
     ctx: &Ctx,
 ) -> Result<()> {
+    delete_machine(provider, paths, ctx).await?;
+    paths.remove_all()
+}
+
+/// The first half of a release: marks the record `releasing` and deletes the
+/// machine, leaving the environment's files (cleanup closes the SSH connection,
+/// whose socket is among them, before removing them).
+pub async fn delete_machine(provider: &dyn Provider, paths: &EnvPaths, ctx: &Ctx) -> Result<()> {
     let id = paths.id;
     let machine = {
         let env = paths.lock()?;
         let Some(mut rec) = env.load()? else {
-            return paths.remove_all();
+            return Ok(());
         };
         rec.status = EnvStatus::Releasing;
         rec.current_job = None;
@@ -115,7 +123,7 @@ pub async fn release_environment(
             });
         }
     }
-    paths.remove_all()
+    Ok(())
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! behind the default-on `ec2` cargo feature). Tests inject fakes.
 
 pub mod local;
+pub mod ssh_hosts;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -186,7 +187,10 @@ pub fn dirs(settings: &Settings, paths: &EnvPaths) -> Result<Dirs> {
 pub fn from_settings(settings: &Settings, store: &StateStore) -> Result<Arc<dyn Provider>> {
     match settings.provider {
         ProviderKind::Local => Ok(Arc::new(local::LocalProvider::new(store.clone()))),
-        ProviderKind::Ssh => anyhow::bail!("provider = \"ssh\" is not built yet"),
+        ProviderKind::Ssh => Ok(Arc::new(ssh_hosts::SshHostsProvider::new(
+            settings.ssh.clone(),
+            store.clone(),
+        ))),
         ProviderKind::Ec2 => anyhow::bail!("provider = \"ec2\" is not built yet"),
     }
 }

@@ -20,6 +20,7 @@ use crate::exit::Failure;
 use crate::ops::sweep;
 use crate::state::job::LockedJob;
 use crate::state::{now_unix, EnvPaths, EnvStatus, EnvironmentRecord, JobState, Mode};
+use crate::transport::Transport;
 
 use super::outcome::Outcome;
 use super::prepare::update_record;
@@ -110,15 +111,40 @@ async fn settle(
     ctx: &Ctx,
 ) -> Result<()> {
     let id = state.env_id;
-    if let Some(machine) = &rec.machine {
-        if let Ok(target) = s.provider.target(machine) {
-            if let Ok(t) = s.transports.open(&target, paths) {
-                if let Err(e) = t.close(ctx).await {
-                    tracing::debug!("closing the connection to {id}: {e:#}");
-                }
-            }
+    // The connection is closed after the provider's stop or delete, not
+    // before: the `ssh` provider removes a released workspace over it, so a
+    // job costs one SSH handshake. Closing a master whose machine is already
+    // stopped is still immediate (`ssh -O exit` talks to the local master).
+    let transport = rec
+        .machine
+        .as_ref()
+        .and_then(|m| s.provider.target(m).ok())
+        .and_then(|t| s.transports.open(&t, paths).ok());
+    let result = settle_machine(s, state, &rec, outcome, decision, transport.as_deref(), ctx).await;
+    // Idempotent: a release already closed it before removing the files.
+    close(transport.as_deref(), id, ctx).await;
+    result
+}
+
+async fn close(transport: Option<&dyn Transport>, id: uuid::Uuid, ctx: &Ctx) {
+    if let Some(t) = transport {
+        if let Err(e) = t.close(ctx).await {
+            tracing::debug!("closing the connection to {id}: {e:#}");
         }
     }
+}
+
+async fn settle_machine(
+    s: &Session,
+    state: &JobState,
+    rec: &EnvironmentRecord,
+    outcome: Outcome,
+    decision: Decision,
+    transport: Option<&dyn Transport>,
+    ctx: &Ctx,
+) -> Result<()> {
+    let id = state.env_id;
+    let paths = &s.store.env_paths(id);
     match decision {
         Decision::Resuspend => {
             s.log.info(format!(
@@ -165,7 +191,7 @@ async fn settle(
                 s.log.info(format!(
                     "termination arrived during the suspension of {id}: releasing it now"
                 ));
-                return release(s, paths, ctx).await;
+                return release(s, paths, transport, ctx).await;
             }
             match stopped {
                 Ok(()) => {
@@ -194,15 +220,25 @@ async fn settle(
                 "job {} {why}: releasing environment {id}",
                 state.job_id
             ));
-            release(s, paths, ctx).await
+            release(s, paths, transport, ctx).await
         }
     }
 }
 
 /// Deletes the machine, then the environment's files. A failed delete leaves
 /// the record as `releasing` for the sweep to retry.
-pub(crate) async fn release(s: &Session, paths: &EnvPaths, ctx: &Ctx) -> Result<()> {
-    sweep::release_environment(s.provider.as_ref(), paths, &ctx.uncancellable()).await
+/// The connection is closed between the two: after the delete (which may use
+/// it) and before the files (which hold its control socket) go.
+pub(crate) async fn release(
+    s: &Session,
+    paths: &EnvPaths,
+    transport: Option<&dyn Transport>,
+    ctx: &Ctx,
+) -> Result<()> {
+    let deleted = sweep::delete_machine(s.provider.as_ref(), paths, &ctx.uncancellable()).await;
+    close(transport, paths.id, ctx).await;
+    deleted?;
+    paths.remove_all()
 }
 
 #[cfg(test)]

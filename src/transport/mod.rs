@@ -3,6 +3,7 @@
 
 pub mod keys;
 pub mod local;
+pub mod ssh;
 
 use anyhow::Result;
 use async_trait::async_trait;
@@ -67,9 +68,10 @@ pub fn open(
                 base_env,
             )))
         }
-        Target::Ssh(_) => {
-            let _ = paths;
-            anyhow::bail!("the SSH transport is not built yet")
-        }
+        Target::Ssh(t) => Ok(Box::new(ssh::SshTransport::new(
+            t.clone(),
+            paths.clone(),
+            settings.ssh.clone(),
+        ))),
     }
 }

@@ -4,3 +4,5 @@
 
 mod core;
 mod harness;
+mod ssh;
+mod sshd;

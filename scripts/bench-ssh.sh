@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Benchmark of the SSH transport on loopback (a script, not a test).
+#
+# Starts a private sshd on 127.0.0.1 (own host key, own config), then drives
+# the dormant binary through one job exactly as GitLab Runner would — config,
+# prepare, N run stages (each a new process), cleanup — with provider = "ssh",
+# and compares per-stage costs:
+#   - dormant run: a whole `dormant run` process re-attaching the job's master;
+#   - bare `ssh -S <socket> none true` over that same master;
+#   - a fresh `ssh` connection per stage (what most custom executors do).
+#
+# Usage: scripts/bench-ssh.sh [--release] [STAGES]   (default 10 stages, debug build)
+# Env:   DORMANT_BIN (use this binary), DORMANT_TEST_SSHD (default /usr/sbin/sshd).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+profile=debug
+if [ "${1:-}" = "--release" ]; then profile=release; shift; fi
+STAGES=${1:-10}
+SSHD=${DORMANT_TEST_SSHD:-/usr/sbin/sshd}
+if [ ! -x "$SSHD" ]; then
+  echo "bench-ssh: no sshd at $SSHD: run scripts/install-test-deps.sh" >&2
+  exit 1
+fi
+if [ -n "${DORMANT_BIN:-}" ]; then
+  BIN=$DORMANT_BIN
+  profile="binary $BIN"
+else
+  flags=(--no-default-features --quiet)
+  [ "$profile" = release ] && flags+=(--release)
+  cargo build "${flags[@]}"
+  BIN=target/$profile/dormant
+  profile="$profile build"
+fi
+mkdir -p /run/sshd 2>/dev/null || true
+
+# Short paths: the control socket lives under the state dir.
+work=$(mktemp -d /tmp/dbench.XXXXXX)
+sshd_pid=
+cleanup() {
+  [ -n "$sshd_pid" ] && kill "$sshd_pid" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+ssh-keygen -q -t ed25519 -N '' -f "$work/host_key"
+ssh-keygen -q -t ed25519 -N '' -f "$work/client_key"
+cp "$work/client_key.pub" "$work/authorized_keys"
+mkdir -p "$work/home" "$work/ws"
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+cat > "$work/sshd_config" <<EOF
+Port $port
+ListenAddress 127.0.0.1
+HostKey $work/host_key
+PidFile $work/sshd.pid
+AuthorizedKeysFile $work/authorized_keys
+UsePAM no
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PermitRootLogin prohibit-password
+StrictModes no
+MaxSessions 50
+LogLevel VERBOSE
+SetEnv HOME=$work/home
+EOF
+"$SSHD" -D -f "$work/sshd_config" -E "$work/sshd.log" </dev/null &
+sshd_pid=$!
+for _ in $(seq 200); do grep -q "Server listening" "$work/sshd.log" 2>/dev/null && break; sleep 0.02; done
+
+cat > "$work/dormant.toml" <<EOF
+provider = "ssh"
+runner_id = "1"
+system_id = "s_bench0000000"
+[ssh]
+workspace_root = "$work/ws"
+[[ssh.hosts]]
+name = "bench"
+address = "127.0.0.1"
+port = $port
+user = "root"
+identity_file = "$work/client_key"
+EOF
+
+# The runner's environment for one call.
+job_id=$((RANDOM + 1000))
+tmp="$work/custom-executor"
+mkdir -m 700 "$tmp"
+printf '{"id":%s,"token":"x","job_info":{"project_id":1,"project_full_path":"g/p"},"variables":[{"key":"CI_RUNNER_ID","value":"1"}]}\n' \
+  "$job_id" > "$tmp/response.json"
+call() {
+  env -i PATH="$PATH" HOME="$HOME" TMPDIR="$tmp" \
+    DORMANT_CONFIG="$work/dormant.toml" DORMANT_STATE_DIR="$work/state" \
+    BUILD_FAILURE_EXIT_CODE=1 SYSTEM_FAILURE_EXIT_CODE=2 \
+    BUILD_EXIT_CODE_FILE="$tmp/build_exit_code" JOB_RESPONSE_FILE="$tmp/response.json" \
+    CUSTOM_ENV_CI_JOB_ID="$job_id" CUSTOM_ENV_CI_JOB_STATUS="${status:-running}" \
+    CUSTOM_ENV_CI_BUILDS_DIR="$builds" CUSTOM_ENV_CI_PROJECT_DIR="$builds/g/p" \
+    "$BIN" "$@"
+}
+now() { date +%s%N; }
+ms() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", (b - a) / 1e6 }'; }
+# stats FILE -> "median mean min max" in ms
+stats() { sort -n "$1" | awk '{ v[NR] = $1; s += $1 } END { m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2; printf "%.1f %.1f %.1f %.1f\n", m, s / NR, v[1], v[NR] }'; }
+
+builds=
+conns_before=$(grep -c "Connection from" "$work/sshd.log" || true)
+builds=$(call config | python3 -c 'import json,sys; print(json.load(sys.stdin)["builds_dir"])')
+t0=$(now); call prepare > "$work/prepare.log" 2>&1; t1=$(now)
+prepare_ms=$(ms "$t0" "$t1")
+
+printf '#!/usr/bin/env bash\ntrap '"'"'exit 1'"'"' TERM\nset -eo pipefail\ntrue\nexit 0\n' > "$tmp/script"
+: > "$work/run.ms"
+for i in $(seq "$STAGES"); do
+  t0=$(now); call run "$tmp/script" "step_$i" >> "$work/run.log" 2>&1; t1=$(now)
+  ms "$t0" "$t1" >> "$work/run.ms"; echo >> "$work/run.ms"
+done
+conns_job=$(( $(grep -c "Connection from" "$work/sshd.log") - conns_before ))
+
+# Bare ssh over dormant's own master, while it is still up.
+socket=$(ls -d "$work"/state/ctl/*/.ssh-connection*/master | head -1)
+: > "$work/bare.ms"
+for _ in $(seq "$STAGES"); do
+  t0=$(now); ssh -S "$socket" -o BatchMode=yes -p 9 none true; t1=$(now)
+  ms "$t0" "$t1" >> "$work/bare.ms"; echo >> "$work/bare.ms"
+done
+
+status=success
+t0=$(now); call cleanup > "$work/cleanup.log" 2>&1; t1=$(now)
+cleanup_ms=$(ms "$t0" "$t1")
+
+# A fresh connection per stage, host key already known (the best case for it).
+ssh-keyscan -p "$port" 127.0.0.1 2>/dev/null > "$work/known_hosts"
+: > "$work/fresh.ms"
+for _ in $(seq "$STAGES"); do
+  t0=$(now)
+  ssh -F /dev/null -i "$work/client_key" -p "$port" -o BatchMode=yes -o IdentitiesOnly=yes \
+    -o UserKnownHostsFile="$work/known_hosts" root@127.0.0.1 true
+  t1=$(now)
+  ms "$t0" "$t1" >> "$work/fresh.ms"; echo >> "$work/fresh.ms"
+done
+
+read -r run_med run_mean run_min run_max < <(stats "$work/run.ms")
+read -r bare_med bare_mean bare_min bare_max < <(stats "$work/bare.ms")
+read -r fresh_med fresh_mean fresh_min fresh_max < <(stats "$work/fresh.ms")
+overhead=$(awk -v a="$run_med" -v b="$bare_med" 'BEGIN { printf "%.1f", a - b }')
+total() { awk -v m="$1" -v n="$STAGES" 'BEGIN { printf "%.0f", m * n }'; }
+
+echo
+echo "dormant SSH benchmark: $STAGES run stages on loopback ($profile, $(ssh -V 2>&1 | cut -d, -f1), $(nproc) cores)"
+echo
+echo "| per stage                                   | median ms | mean ms | min ms | max ms | $STAGES stages ms |"
+echo "|---------------------------------------------|----------:|--------:|-------:|-------:|------------:|"
+printf '| `dormant run` over the reused master        | %9s | %7s | %6s | %6s | %11s |\n' "$run_med" "$run_mean" "$run_min" "$run_max" "$(total "$run_mean")"
+printf '| bare `ssh -S <socket> none true`            | %9s | %7s | %6s | %6s | %11s |\n' "$bare_med" "$bare_mean" "$bare_min" "$bare_max" "$(total "$bare_mean")"
+printf '| fresh `ssh host true` per stage             | %9s | %7s | %6s | %6s | %11s |\n' "$fresh_med" "$fresh_mean" "$fresh_min" "$fresh_max" "$(total "$fresh_mean")"
+echo
+echo "dormant's own overhead per stage over the bare multiplexed channel (medians): $overhead ms"
+echo "prepare (workspace, first handshake, host key pinned, probes): $prepare_ms ms; cleanup (release, close): $cleanup_ms ms"
+echo "SSH connections sshd accepted for the whole job (prepare + $STAGES stages): $conns_job"

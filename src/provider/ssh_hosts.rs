@@ -1,0 +1,477 @@
+//! The `ssh` provider: an environment is a workspace directory
+//! `<ssh.workspace_root>/<environment id>` on one of the `[[ssh.hosts]]`.
+//!
+//! - Slots: each host runs at most `slots` active environments. Slots are
+//!   counted in `<state>/ssh-slots.json` under `ssh-slots.lock`; prepare waits
+//!   (bounded by `ssh.slot_wait`, with progress) when every host is full.
+//! - Suspend keeps the workspace and **frees the slot**: a suspended workspace
+//!   costs disk, not CPU, so it should not block other jobs. Resume returns to
+//!   the same host and takes a slot there again (waiting if it is full).
+//! - Release removes the workspace and frees the slot.
+//!
+//! Remote calls go through the environment's own ControlMaster (the one the
+//! transport uses), so creating, resuming and releasing cost no extra SSH
+//! handshake within a job.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::{Machine, MachineSpec, MachineState, ManagedMachine, Provider, SshTarget, Target};
+use crate::context::{Backoff, Ctx};
+use crate::settings::ssh::{SshHost, SshSettings};
+use crate::state::store::{self, FileLock, FORMAT_VERSION};
+use crate::state::{EnvPaths, EnvStatus, StateStore};
+use crate::transport::ssh::master::{Master, Purpose};
+use crate::transport::ssh::remote::shell_quote;
+
+/// The slot file's lock is held for a read-modify-write only.
+const SLOT_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+/// Remote housekeeping commands (mkdir, test, rm) finish in well under this.
+const REMOTE_CALL_TIMEOUT: Duration = Duration::from_secs(120);
+/// Slot polling: quick first, then every few seconds.
+const SLOT_POLL_FIRST: Duration = Duration::from_millis(500);
+const SLOT_POLL_MAX: Duration = Duration::from_secs(5);
+const SLOT_PROGRESS_EVERY: Duration = Duration::from_secs(30);
+
+/// `<state>/ssh-slots.json`: which environments hold a slot on which host.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Slots {
+    version: u32,
+    #[serde(default)]
+    hosts: BTreeMap<String, Vec<Uuid>>,
+}
+
+pub struct SshHostsProvider {
+    settings: SshSettings,
+    store: StateStore,
+}
+
+impl SshHostsProvider {
+    pub fn new(settings: SshSettings, store: StateStore) -> Self {
+        SshHostsProvider { settings, store }
+    }
+
+    fn host(&self, name: &str) -> Result<&SshHost> {
+        self.settings
+            .hosts
+            .iter()
+            .find(|h| h.name() == name)
+            .ok_or_else(|| {
+                anyhow!(
+                    "SSH host {name:?} is no longer in the [[ssh.hosts]] settings; add it back to reach its workspaces"
+                )
+            })
+    }
+
+    fn slots_path(&self) -> PathBuf {
+        self.store.root().join("ssh-slots.json")
+    }
+
+    fn with_slots<T>(&self, change: impl FnOnce(&mut Slots) -> T) -> Result<T> {
+        let _lock = FileLock::acquire(
+            &self.store.root().join("ssh-slots.lock"),
+            SLOT_LOCK_TIMEOUT,
+            "the SSH host slots",
+        )?;
+        let mut slots: Slots = store::read_json(&self.slots_path())?.unwrap_or_default();
+        slots.version = FORMAT_VERSION;
+        // A slot whose environment was released, or is suspended, is free.
+        for ids in slots.hosts.values_mut() {
+            ids.retain(|id| {
+                matches!(self.store.env_paths(*id).peek(), Ok(Some(rec)) if rec.status != EnvStatus::Suspended)
+            });
+        }
+        let out = change(&mut slots);
+        store::write_json(&self.slots_path(), &slots)?;
+        Ok(out)
+    }
+
+    /// Takes a slot for `env` on `only` (resume) or on the least busy host.
+    /// Waits, bounded and with progress, while every candidate is full.
+    async fn acquire_slot(&self, env: Uuid, only: Option<&str>, ctx: &Ctx) -> Result<SshHost> {
+        let ctx = ctx.within(self.settings.slot_wait.get());
+        let started = Instant::now();
+        let mut backoff = Backoff::new(SLOT_POLL_FIRST, SLOT_POLL_MAX);
+        let mut last_note: Option<Instant> = None;
+        loop {
+            let candidates: Vec<&SshHost> = match only {
+                Some(name) => vec![self.host(name)?],
+                None => self.settings.hosts.iter().collect(),
+            };
+            let (picked, busy) = self.with_slots(|slots| {
+                if let Some((name, _)) = slots.hosts.iter().find(|(_, ids)| ids.contains(&env)) {
+                    if let Some(h) = candidates.iter().find(|h| h.name() == name) {
+                        return (Some((*h).clone()), String::new());
+                    }
+                }
+                let used = |h: &SshHost| slots.hosts.get(h.name()).map_or(0, Vec::len) as u32;
+                let best = candidates
+                    .iter()
+                    .filter(|h| used(h) < h.slots)
+                    .min_by_key(|h| used(h) * 1000 / h.slots);
+                match best {
+                    Some(h) => {
+                        slots
+                            .hosts
+                            .entry(h.name().to_string())
+                            .or_default()
+                            .push(env);
+                        (Some((*h).clone()), String::new())
+                    }
+                    None => (
+                        None,
+                        candidates
+                            .iter()
+                            .map(|h| format!("{} {}/{}", h.name(), used(h), h.slots))
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                    ),
+                }
+            })?;
+            if let Some(h) = picked {
+                if last_note.is_some() {
+                    ctx.log.info(format!(
+                        "got a slot on SSH host {} after {:.0} s",
+                        h.name(),
+                        started.elapsed().as_secs_f64()
+                    ));
+                }
+                return Ok(h);
+            }
+            if last_note.is_none_or(|t| t.elapsed() >= SLOT_PROGRESS_EVERY) {
+                last_note = Some(Instant::now());
+                ctx.log.info(format!(
+                    "every SSH host slot is busy ({busy}): waiting for one to free up ({:.0} s so far, up to {})",
+                    started.elapsed().as_secs_f64(),
+                    self.settings.slot_wait
+                ));
+            }
+            ctx.sleep(backoff.next_delay(), "waiting for a free SSH host slot")
+                .await
+                .with_context(|| format!("every SSH host slot stayed busy ({busy})"))?;
+        }
+    }
+
+    fn release_slot(&self, env: Uuid) -> Result<()> {
+        self.with_slots(|slots| {
+            for ids in slots.hosts.values_mut() {
+                ids.retain(|id| *id != env);
+            }
+        })
+    }
+
+    fn env_of(machine: &Machine) -> Result<Uuid> {
+        machine
+            .field("env")
+            .and_then(|e| Uuid::parse_str(e).ok())
+            .with_context(|| format!("ssh machine {} has no environment id", machine.id))
+    }
+
+    /// The recorded workspace, checked to be `<workspace_root>/<env id>`
+    /// before anything removes it.
+    fn workspace(&self, machine: &Machine) -> Result<String> {
+        let env = Self::env_of(machine)?;
+        let ws = machine
+            .field("workspace")
+            .with_context(|| format!("ssh machine {} has no workspace", machine.id))?;
+        let expected = self.settings.workspace(&self.store.env_paths(env));
+        if ws != expected {
+            bail!(
+                "the workspace {ws} of environment {env} is not {expected} (ssh.workspace_root changed?): \
+                 refusing to touch it"
+            );
+        }
+        Ok(ws.to_string())
+    }
+
+    fn machine(&self, host: &SshHost, paths: &EnvPaths) -> Machine {
+        let ws = self.settings.workspace(paths);
+        Machine::new(format!("{}:{ws}", host.name()))
+            .with("host", host.name())
+            .with("workspace", ws)
+            .with("env", paths.id.to_string())
+    }
+
+    fn master(&self, host: &SshHost, paths: &EnvPaths, workdir: Option<String>) -> Master {
+        Master::new(
+            ssh_target(host, workdir),
+            paths.clone(),
+            self.settings.clone(),
+        )
+    }
+
+    /// Runs a short shell command over the environment's master; returns stdout.
+    async fn remote(&self, master: &Master, ctx: &Ctx, what: &str, cmd: &str) -> Result<String> {
+        let session = master.session(ctx, Purpose::Connect).await?;
+        let out = tokio::time::timeout(REMOTE_CALL_TIMEOUT, session.raw_command(cmd).output())
+            .await
+            .with_context(|| format!("{what} on {} timed out", master.destination()))?
+            .with_context(|| format!("{what} on {}", master.destination()))?;
+        if !out.status.success() {
+            bail!(
+                "{what} on {} failed ({}): {}",
+                master.destination(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+fn ssh_target(host: &SshHost, workdir: Option<String>) -> SshTarget {
+    SshTarget {
+        host: host.address.clone(),
+        port: host.port,
+        user: host.user.clone(),
+        identity_file: Some(host.identity_file.clone()),
+        workdir,
+    }
+}
+
+#[async_trait]
+impl Provider for SshHostsProvider {
+    fn name(&self) -> &'static str {
+        "ssh"
+    }
+
+    async fn create_or_reclaim(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine> {
+        let host = self.acquire_slot(spec.env_id, None, ctx).await?;
+        let machine = self.machine(&host, &spec.paths);
+        let ws = self.workspace(&machine)?;
+        let master = self.master(&host, &spec.paths, None);
+        let q = shell_quote(&ws);
+        let out = self
+            .remote(
+                &master,
+                ctx,
+                "creating the workspace",
+                &format!("if [ -d {q} ]; then echo reused; fi; mkdir -p {q}"),
+            )
+            .await?;
+        ctx.log.info(format!(
+            "{} workspace {ws} on SSH host {}",
+            if out.contains("reused") {
+                "reusing"
+            } else {
+                "created"
+            },
+            host.name()
+        ));
+        Ok(machine)
+    }
+
+    async fn start(&self, machine: &Machine, ctx: &Ctx) -> Result<Machine> {
+        let env = Self::env_of(machine)?;
+        let name = machine.field("host").context("ssh machine has no host")?;
+        let ws = self.workspace(machine)?;
+        let host = self.acquire_slot(env, Some(name), ctx).await?;
+        let master = self.master(&host, &self.store.env_paths(env), None);
+        let out = self
+            .remote(
+                &master,
+                ctx,
+                "checking the workspace",
+                &format!("[ -d {} ] && echo present; true", shell_quote(&ws)),
+            )
+            .await?;
+        if !out.contains("present") {
+            bail!(
+                "the workspace {ws} of environment {env} is gone from SSH host {name}: its files cannot be resumed"
+            );
+        }
+        Ok(machine.clone())
+    }
+
+    async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
+        let env = Self::env_of(machine)?;
+        self.release_slot(env)?;
+        ctx.log.info(format!(
+            "workspace {} kept on SSH host {}; its slot is free while the environment is suspended",
+            machine.field("workspace").unwrap_or("?"),
+            machine.field("host").unwrap_or("?")
+        ));
+        Ok(())
+    }
+
+    async fn delete(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
+        let env = Self::env_of(machine)?;
+        let ws = self.workspace(machine)?;
+        let name = machine.field("host").context("ssh machine has no host")?;
+        let host = self.host(name)?;
+        let master = self.master(host, &self.store.env_paths(env), None);
+        self.remote(
+            &master,
+            ctx,
+            "removing the workspace",
+            &format!("rm -rf -- {}", shell_quote(&ws)),
+        )
+        .await?;
+        // The sweep and `dormant release` delete without a transport that
+        // would close the master afterwards.
+        let _ = master.close().await;
+        self.release_slot(env)
+    }
+
+    async fn describe(&self, machine: &Machine, _ctx: &Ctx) -> Result<MachineState> {
+        // No SSH call: a held slot means a job is using it, else it waits suspended.
+        let env = Self::env_of(machine)?;
+        let held = self.with_slots(|s| s.hosts.values().any(|ids| ids.contains(&env)))?;
+        Ok(if held {
+            MachineState::Running
+        } else {
+            MachineState::Stopped
+        })
+    }
+
+    async fn list(&self, _ctx: &Ctx) -> Result<Vec<ManagedMachine>> {
+        // Workspaces are listed from the registry: reaching every host would
+        // cost a connection each and needs host keys no environment pinned.
+        let mut out = Vec::new();
+        for id in self.store.environment_ids()? {
+            let paths = self.store.env_paths(id);
+            if let Ok(Some(rec)) = paths.peek() {
+                if let Some(m) = rec.machine.filter(|m| m.field("workspace").is_some()) {
+                    let state = if rec.status == EnvStatus::Suspended {
+                        MachineState::Stopped
+                    } else {
+                        MachineState::Running
+                    };
+                    out.push(ManagedMachine {
+                        machine: m,
+                        env_id: Some(id),
+                        state,
+                        launched_at: Some(rec.created_at),
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn target(&self, machine: &Machine) -> Result<Target> {
+        let name = machine.field("host").context("ssh machine has no host")?;
+        let host = self.host(name)?;
+        Ok(Target::Ssh(ssh_target(
+            host,
+            Some(self.workspace(machine)?),
+        )))
+    }
+
+    fn key_fields(&self, machine: &Machine) -> Vec<(String, String)> {
+        machine
+            .field("host")
+            .map(|h| vec![("host".to_string(), h.to_string())])
+            .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::context::JobLog;
+    use crate::state::EnvironmentRecord;
+    use tokio_util::sync::CancellationToken;
+
+    fn provider(slots: u32) -> (tempfile::TempDir, SshHostsProvider) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::open(dir.path()).unwrap();
+        let mut settings = SshSettings::default();
+        for name in ["a", "b"] {
+            settings.hosts.push(SshHost {
+                name: Some(name.into()),
+                address: "127.0.0.1".into(),
+                user: "root".into(),
+                identity_file: "/id".into(),
+                slots,
+                ..Default::default()
+            });
+        }
+        (dir, SshHostsProvider::new(settings, store))
+    }
+
+    fn active_env(p: &SshHostsProvider) -> Uuid {
+        let id = Uuid::new_v4();
+        let paths = p.store.env_paths(id);
+        paths.create().unwrap();
+        let rec = EnvironmentRecord::new(id, "ssh", "1", "s", 1, 1);
+        paths.lock().unwrap().save(&rec).unwrap();
+        id
+    }
+
+    fn ctx(budget: Duration) -> Ctx {
+        Ctx::new(JobLog::capture().0, CancellationToken::new(), budget)
+    }
+
+    #[tokio::test]
+    async fn slots_spread_over_hosts_and_a_full_fleet_waits_bounded() {
+        let (_d, p) = provider(1);
+        let (e1, e2, e3) = (active_env(&p), active_env(&p), active_env(&p));
+        let h1 = p
+            .acquire_slot(e1, None, &ctx(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        let h2 = p
+            .acquire_slot(e2, None, &ctx(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        assert_ne!(h1.name(), h2.name(), "the least busy host is picked");
+        // A retried prepare gets the slot it already holds.
+        let again = p
+            .acquire_slot(e1, None, &ctx(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        assert_eq!(again.name(), h1.name());
+        let err = p
+            .acquire_slot(e3, None, &ctx(Duration::from_millis(700)))
+            .await
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("a 1/1, b 1/1"), "{err:#}");
+        // Suspending e1 frees its slot for e3.
+        p.release_slot(e1).unwrap();
+        let h3 = p
+            .acquire_slot(e3, None, &ctx(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        assert_eq!(h3.name(), h1.name());
+    }
+
+    #[tokio::test]
+    async fn slots_of_released_environments_are_reclaimed() {
+        let (_d, p) = provider(1);
+        let e1 = active_env(&p);
+        p.acquire_slot(e1, Some("a"), &ctx(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        p.store.env_paths(e1).remove_all().unwrap();
+        let e2 = active_env(&p);
+        let h = p
+            .acquire_slot(e2, Some("a"), &ctx(Duration::from_secs(2)))
+            .await
+            .unwrap();
+        assert_eq!(h.name(), "a");
+    }
+
+    #[test]
+    fn a_workspace_outside_the_root_is_never_touched() {
+        let (_d, p) = provider(1);
+        let env = Uuid::new_v4();
+        let m = Machine::new("a:/")
+            .with("env", env.to_string())
+            .with("workspace", "/")
+            .with("host", "a");
+        assert!(p.workspace(&m).is_err());
+        let good = p.machine(&p.settings.hosts[0].clone(), &p.store.env_paths(env));
+        assert_eq!(
+            p.workspace(&good).unwrap(),
+            format!("/var/lib/dormant-workspaces/{env}")
+        );
+        assert_eq!(p.key_fields(&good), vec![("host".into(), "a".into())]);
+    }
+}

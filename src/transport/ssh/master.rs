@@ -1,0 +1,494 @@
+//! One SSH ControlMaster per environment, shared by every stage process of a
+//! job (and by the `ssh` provider's own remote calls), so a job pays for one
+//! SSH handshake.
+//!
+//! The master is started with the `openssh` crate (`SessionBuilder::connect`)
+//! and immediately detached: it lives in its own session, outlives the stage
+//! process that started it, and ends when cleanup closes it or, if nobody does,
+//! after `ssh.control_persist` of idleness. Its socket lives in the
+//! environment's short control directory (`<state>/ctl/<12 hex>/.ssh-connection*/master`);
+//! a later process finds it there and re-attaches with `Session::resume`.
+//!
+//! Host keys: the first successful connection pins the host key in the
+//! environment's own `known_hosts` (`StrictHostKeyChecking=accept-new`) under
+//! the alias `dormant-<environment id>` (`HostKeyAlias`), so the pin follows
+//! the environment, not its address (an EC2 instance's public IP changes on
+//! every start). A changed key is refused, naming both fingerprints.
+
+use std::num::NonZeroUsize;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use openssh::{ControlPersist, KnownHosts, Session, SessionBuilder};
+
+use crate::context::{Backoff, Ctx};
+use crate::provider::SshTarget;
+use crate::settings::ssh::SshSettings;
+use crate::state::store::ensure_private_dir;
+use crate::state::EnvPaths;
+
+/// The prefix of the crate's per-master temp directory inside the control dir.
+const CONNECTION_DIR_PREFIX: &str = ".ssh-connection";
+/// `<control dir>/.ssh-connectionXXXXXX/master` plus ssh's own temporary
+/// suffix (`.` + 16 chars) must fit in a Unix socket path (108 bytes with NUL).
+const MAX_CONTROL_DIR_LEN: usize = 61;
+/// Readiness progress lines: at most one per this interval, so a slow boot
+/// says it is still waiting without flooding the job log.
+const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+/// Readiness polling: the first retry is quick (a host that is just up), then
+/// it backs off to a few seconds.
+const FIRST_RETRY: Duration = Duration::from_millis(250);
+const MAX_RETRY: Duration = Duration::from_secs(5);
+
+/// Why a master is being started: the first connection of a prepare, or a
+/// reconnect because the one prepare made is gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    Connect,
+    Reconnect,
+}
+
+/// The master of one environment on one target.
+#[derive(Debug, Clone)]
+pub struct Master {
+    pub target: SshTarget,
+    pub paths: EnvPaths,
+    settings: SshSettings,
+}
+
+impl Master {
+    pub fn new(target: SshTarget, paths: EnvPaths, settings: SshSettings) -> Self {
+        Master {
+            target,
+            paths,
+            settings,
+        }
+    }
+
+    /// `user@host:port`, for messages.
+    pub fn destination(&self) -> String {
+        format!(
+            "{}@{}:{}",
+            self.target.user, self.target.host, self.target.port
+        )
+    }
+
+    /// The key ssh logs in with: the target's, else the environment's own.
+    pub fn identity(&self) -> PathBuf {
+        self.target
+            .identity_file
+            .clone()
+            .unwrap_or_else(|| self.paths.ssh_key.clone())
+    }
+
+    /// The name the host key is pinned under in the environment's known_hosts.
+    pub fn host_alias(&self) -> String {
+        format!("dormant-{}", self.paths.id)
+    }
+
+    /// The ssh config file every ssh process of this environment reads (`-F`).
+    pub fn config_file(&self) -> PathBuf {
+        self.paths.dir.join("ssh_config")
+    }
+
+    /// A live master of this environment, if one runs. Dead masters' leftover
+    /// directories are removed on the way.
+    pub async fn attach(&self) -> Option<Session> {
+        let mut found = None;
+        for dir in self.connection_dirs() {
+            let socket = dir.join("master");
+            if found.is_none() && socket.exists() {
+                let session = Session::resume(
+                    socket.into_boxed_path(),
+                    Some(dir.join("log").into_boxed_path()),
+                );
+                if session.check().await.is_ok() {
+                    found = Some(session);
+                    continue;
+                }
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        found
+    }
+
+    /// The master whose socket exists, without asking it anything (a stage's
+    /// fast path: the caller must cope with a socket nobody answers).
+    pub fn attach_unchecked(&self) -> Option<Session> {
+        self.connection_dirs().into_iter().find_map(|dir| {
+            let socket = dir.join("master");
+            socket.exists().then(|| {
+                Session::resume(
+                    socket.into_boxed_path(),
+                    Some(dir.join("log").into_boxed_path()),
+                )
+            })
+        })
+    }
+
+    /// The live master, or a new one (waiting until the host accepts SSH,
+    /// bounded by `ctx` and `ssh.ready_timeout`). A reconnect is said in the job log.
+    pub async fn session(&self, ctx: &Ctx, purpose: Purpose) -> Result<Session> {
+        if let Some(s) = self.attach().await {
+            return Ok(s);
+        }
+        if purpose == Purpose::Reconnect {
+            ctx.log.info(format!(
+                "the SSH connection of environment {} to {} is gone (closed, timed out or the host restarted): reconnecting",
+                self.paths.id,
+                self.destination()
+            ));
+        }
+        let ctx = ctx.within(self.settings.ready_timeout.get());
+        self.start(&ctx).await
+    }
+
+    /// Closes the master (if one runs) and removes the control directory.
+    /// Idempotent; a master that already died is not an error.
+    pub async fn close(&self) -> Result<()> {
+        // Every live master, not just the first: two stage processes that
+        // overlapped (a cleanup beside a run the runner gave up on) may each
+        // have started one.
+        for dir in self.connection_dirs() {
+            let socket = dir.join("master");
+            if socket.exists() {
+                let session = Session::resume(
+                    socket.into_boxed_path(),
+                    Some(dir.join("log").into_boxed_path()),
+                );
+                // `close` on a resumed session reports an error when the master's
+                // log has content or it exited first; it is gone either way.
+                if let Err(e) = session.close().await {
+                    tracing::debug!("closing the SSH master of {}: {e}", self.paths.id);
+                }
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        match std::fs::remove_dir(&self.paths.control_dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e).with_context(|| {
+                format!(
+                    "removing control directory {}",
+                    self.paths.control_dir.display()
+                )
+            }),
+        }
+    }
+
+    fn connection_dirs(&self) -> Vec<PathBuf> {
+        let Ok(entries) = std::fs::read_dir(&self.paths.control_dir) else {
+            return Vec::new();
+        };
+        let mut dirs: Vec<PathBuf> = entries
+            .filter_map(Result::ok)
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(CONNECTION_DIR_PREFIX)
+            })
+            .map(|e| e.path())
+            .collect();
+        dirs.sort();
+        dirs
+    }
+
+    /// Starts a master, waiting for the host with bounded backoff.
+    async fn start(&self, ctx: &Ctx) -> Result<Session> {
+        self.preflight()?;
+        let dest = self.destination();
+        let first_pin = !has_content(&self.paths.known_hosts);
+        let started = Instant::now();
+        let mut backoff = Backoff::new(FIRST_RETRY, MAX_RETRY);
+        let mut last_note: Option<Instant> = None;
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            // The first attempt goes straight to ssh: a ready host costs one
+            // connection. Later ones wait for TCP first, which is cheap.
+            let result = if attempt == 1 {
+                self.launch(ctx).await
+            } else {
+                match self.tcp_ready(ctx).await {
+                    Ok(()) => self.launch(ctx).await,
+                    Err(e) => Err(Attempt::Retry(e)),
+                }
+            };
+            let reason = match result {
+                Ok(session) => {
+                    let secs = started.elapsed().as_secs_f64();
+                    if first_pin {
+                        ctx.log.info(format!(
+                            "SSH to {dest} ready after {secs:.1} s; host key {} pinned for environment {}",
+                            fingerprints(&self.paths.known_hosts).join(", "),
+                            self.paths.id
+                        ));
+                    } else {
+                        ctx.log.info(format!(
+                            "SSH to {dest} ready after {secs:.1} s (host key matches the one pinned for environment {})",
+                            self.paths.id
+                        ));
+                    }
+                    return Ok(session);
+                }
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Retry(reason)) => reason,
+            };
+            if last_note.is_none_or(|t| t.elapsed() >= PROGRESS_EVERY) {
+                last_note = Some(Instant::now());
+                ctx.log.info(format!(
+                    "waiting for SSH on {dest} ({:.0} s so far, up to {} s): {reason}",
+                    started.elapsed().as_secs_f64(),
+                    ctx.remaining().as_secs() + started.elapsed().as_secs()
+                ));
+            }
+            if let Err(e) = ctx
+                .sleep(backoff.next_delay(), &format!("waiting for SSH on {dest}"))
+                .await
+            {
+                return Err(anyhow!(
+                    "{e:#} after {:.0} s and {attempt} attempt(s); last error: {reason}",
+                    started.elapsed().as_secs_f64()
+                ));
+            }
+        }
+    }
+
+    /// Local problems no amount of waiting fixes.
+    fn preflight(&self) -> Result<()> {
+        let control = &self.paths.control_dir;
+        if control.as_os_str().len() > MAX_CONTROL_DIR_LEN {
+            bail!(
+                "the SSH control directory {} is {} bytes long, more than the {MAX_CONTROL_DIR_LEN} a Unix \
+                 socket path allows here: use a shorter state_dir",
+                control.display(),
+                control.as_os_str().len()
+            );
+        }
+        let key = self.identity();
+        let meta = std::fs::metadata(&key).with_context(|| {
+            format!(
+                "the SSH identity file {} for {} cannot be read",
+                key.display(),
+                self.destination()
+            )
+        })?;
+        if meta.permissions().mode() & 0o077 != 0 {
+            bail!(
+                "the SSH identity file {} is accessible by other users (mode {:o}): ssh refuses such keys; \
+                 run chmod 600 on it",
+                key.display(),
+                meta.permissions().mode() & 0o777
+            );
+        }
+        ensure_private_dir(control)?;
+        std::fs::write(self.config_file(), self.config_text())
+            .with_context(|| format!("writing the ssh config {}", self.config_file().display()))?;
+        Ok(())
+    }
+
+    /// Options the crate's builder has no setter for; `-o` options on the
+    /// command line still win over these.
+    fn config_text(&self) -> String {
+        format!(
+            "# Written by dormant for environment {id}; rewritten on every connect.\n\
+             Host *\n\
+             \x20 HostKeyAlias {alias}\n\
+             \x20 GlobalKnownHostsFile /dev/null\n\
+             \x20 UpdateHostKeys no\n\
+             \x20 CheckHostIP no\n\
+             \x20 HashKnownHosts no\n\
+             \x20 ServerAliveCountMax 3\n\
+             \x20 PasswordAuthentication no\n\
+             \x20 KbdInteractiveAuthentication no\n\
+             \x20 LogLevel ERROR\n",
+            id = self.paths.id,
+            alias = self.host_alias(),
+        )
+    }
+
+    async fn tcp_ready(&self, ctx: &Ctx) -> Result<(), String> {
+        let limit = self.settings.connect_timeout.get().min(ctx.remaining());
+        let connect = tokio::net::TcpStream::connect((self.target.host.as_str(), self.target.port));
+        tokio::select! {
+            r = tokio::time::timeout(limit, connect) => match r {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(format!("TCP port {} not open yet: {e}", self.target.port)),
+                Err(_) => Err(format!("no TCP answer from port {} within {} s", self.target.port, limit.as_secs())),
+            },
+            _ = ctx.cancel.cancelled() => Err("cancelled".into()),
+        }
+    }
+
+    async fn launch(&self, ctx: &Ctx) -> Result<Session, Attempt> {
+        let mut b = SessionBuilder::default();
+        b.user(self.target.user.clone())
+            .port(self.target.port)
+            .keyfile(self.identity())
+            .known_hosts_check(KnownHosts::Add)
+            .user_known_hosts_file(&self.paths.known_hosts)
+            .control_directory(&self.paths.control_dir)
+            .control_persist(ControlPersist::IdleFor(
+                NonZeroUsize::new(self.settings.control_persist.as_secs().max(1) as usize)
+                    .expect("at least 1"),
+            ))
+            .connect_timeout(self.settings.connect_timeout.get())
+            .server_alive_interval(self.settings.server_alive_interval.get())
+            .config_file(self.config_file());
+        let connect = b.connect(&self.target.host);
+        // ConnectTimeout bounds the TCP connect only; a stuck handshake is cut here.
+        let limit = (self.settings.connect_timeout.get() * 3).min(ctx.remaining());
+        let result = tokio::select! {
+            r = tokio::time::timeout(limit, connect) => r,
+            _ = ctx.cancel.cancelled() => {
+                return Err(Attempt::Fatal(anyhow!("cancelled (termination signal) while connecting to {}", self.destination())));
+            }
+        };
+        match result {
+            Ok(Ok(session)) => {
+                // Detached: the master must outlive this process. A resumed
+                // handle does not close it on drop.
+                let (ctl, log) = session.detach();
+                Ok(Session::resume(ctl, log))
+            }
+            Ok(Err(e)) => {
+                let text = format!("{:#}", anyhow::Error::from(e));
+                Err(self.classify(&text))
+            }
+            Err(_) => Err(Attempt::Retry(format!(
+                "the SSH handshake did not finish within {} s",
+                limit.as_secs()
+            ))),
+        }
+    }
+
+    fn classify(&self, ssh_error: &str) -> Attempt {
+        if let Some(offered) = host_key_mismatch(ssh_error) {
+            let pinned = fingerprints(&self.paths.known_hosts);
+            return Attempt::Fatal(anyhow!(
+                "the host key of environment {id} has changed: {dest} now presents {offered}, but the key \
+                 pinned for environment {id} in {kh} is {pinned}. Refusing to connect: the machine may have \
+                 been replaced or the connection intercepted. If the change is expected, release the \
+                 environment (dormant release <key>) and start a new one",
+                id = self.paths.id,
+                dest = self.destination(),
+                kh = self.paths.known_hosts.display(),
+                pinned = if pinned.is_empty() {
+                    "unknown".to_string()
+                } else {
+                    pinned.join(", ")
+                },
+            ));
+        }
+        let line = ssh_error
+            .lines()
+            .map(str::trim)
+            .rfind(|l| !l.is_empty())
+            .unwrap_or("ssh failed without a message");
+        Attempt::Retry(line.to_string())
+    }
+}
+
+/// One connection attempt's failure: wait and retry, or give up now.
+enum Attempt {
+    Retry(String),
+    Fatal(anyhow::Error),
+}
+
+fn has_content(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.len() > 0)
+}
+
+/// If ssh refused a changed host key, the fingerprint the host offered
+/// (`SHA256:...`, or "a different key" when ssh did not print it).
+pub fn host_key_mismatch(ssh_error: &str) -> Option<String> {
+    if !ssh_error.contains("REMOTE HOST IDENTIFICATION HAS CHANGED")
+        && !ssh_error.contains("Host key verification failed")
+    {
+        return None;
+    }
+    let after = ssh_error
+        .split_once("sent by the remote host is")
+        .map(|(_, rest)| rest)
+        .unwrap_or(ssh_error);
+    Some(
+        after
+            .split(|c: char| c.is_whitespace())
+            .find(|w| w.starts_with("SHA256:"))
+            .map(|w| w.trim_end_matches('.').to_string())
+            .unwrap_or_else(|| "a different key".to_string()),
+    )
+}
+
+/// The fingerprints pinned in a known_hosts file (`SHA256:... (ED25519)`).
+pub fn fingerprints(known_hosts: &Path) -> Vec<String> {
+    let Ok(out) = std::process::Command::new("ssh-keygen")
+        .arg("-l")
+        .arg("-f")
+        .arg(known_hosts)
+        .output()
+    else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            // "256 SHA256:abc dormant-<id> (ED25519)"
+            let mut parts = l.split_whitespace();
+            let _bits = parts.next()?;
+            let fp = parts.next()?;
+            let kind = l.rsplit_once(' ').map(|(_, k)| k).unwrap_or("");
+            Some(format!("{fp} {kind}").trim().to_string())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_changed_host_key_is_recognised_with_the_offered_fingerprint() {
+        let err = "failed to connect to the remote host: @@@@@@@@@@@\n\
+            @    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\n\
+            The fingerprint for the ED25519 key sent by the remote host is\n\
+            SHA256:AbCdEf0123456789.\n\
+            Please contact your system administrator.\n\
+            Host key verification failed.";
+        assert_eq!(
+            host_key_mismatch(err).as_deref(),
+            Some("SHA256:AbCdEf0123456789")
+        );
+        assert_eq!(
+            host_key_mismatch("Host key verification failed.").as_deref(),
+            Some("a different key")
+        );
+        assert_eq!(
+            host_key_mismatch("root@h: Permission denied (publickey)."),
+            None
+        );
+    }
+
+    #[test]
+    fn the_config_pins_by_environment_not_by_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = EnvPaths::new(dir.path(), uuid::Uuid::nil());
+        let m = Master::new(
+            SshTarget {
+                host: "127.0.0.1".into(),
+                port: 22,
+                user: "root".into(),
+                identity_file: None,
+                workdir: None,
+            },
+            paths.clone(),
+            SshSettings::default(),
+        );
+        let text = m.config_text();
+        assert!(text.contains("HostKeyAlias dormant-00000000-0000-0000-0000-000000000000"));
+        assert!(text.contains("GlobalKnownHostsFile /dev/null"));
+        assert_eq!(m.identity(), paths.ssh_key);
+    }
+}

@@ -1,0 +1,246 @@
+//! A private OpenSSH server for tests: its own host key, config and
+//! authorized keys in a temp dir, listening on 127.0.0.1 at a free port, in
+//! the foreground, stopped on drop. Reusable by any test that needs a real
+//! SSH host (the `ssh` provider, the EC2 provider's routed instances).
+//!
+//! The binary is `$DORMANT_TEST_SSHD` or `/usr/sbin/sshd`; without one the
+//! tests fail (never skip): run `scripts/install-test-deps.sh`.
+
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long sshd may take to say it is listening.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub struct Sshd {
+    pub dir: tempfile::TempDir,
+    pub port: u16,
+    /// A key pair this server accepts: the "operator's" identity file.
+    pub client_key: PathBuf,
+    child: Child,
+    binary: PathBuf,
+}
+
+impl Sshd {
+    /// Starts a server that accepts `client_key`.
+    pub fn start() -> Sshd {
+        let binary = std::env::var_os("DORMANT_TEST_SSHD")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/usr/sbin/sshd"));
+        assert!(
+            binary.exists(),
+            "no sshd at {} (DORMANT_TEST_SSHD): run scripts/install-test-deps.sh",
+            binary.display()
+        );
+        // Debian's sshd refuses to start without its privilege-separation dir.
+        let _ = std::fs::create_dir_all("/run/sshd");
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("home")).unwrap();
+        keygen(&dir.path().join("host_ed25519"));
+        let client_key = dir.path().join("client_ed25519");
+        keygen(&client_key);
+        let port = free_port();
+        let pubkey = std::fs::read_to_string(client_key.with_extension("pub")).unwrap();
+        std::fs::write(dir.path().join("authorized_keys"), pubkey).unwrap();
+        let d = dir.path().display();
+        std::fs::write(
+            dir.path().join("sshd_config"),
+            format!(
+                "Port {port}\nListenAddress 127.0.0.1\nHostKey {d}/host_ed25519\nPidFile {d}/sshd.pid\n\
+                 AuthorizedKeysFile {d}/authorized_keys\nUsePAM no\nPasswordAuthentication no\n\
+                 KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\nStrictModes no\n\
+                 MaxSessions 50\nMaxStartups 100\nLogLevel VERBOSE\nSetEnv HOME={d}/home\n"
+            ),
+        )
+        .unwrap();
+        let child = spawn(&binary, dir.path());
+        let sshd = Sshd {
+            dir,
+            port,
+            client_key,
+            child,
+            binary,
+        };
+        sshd.wait_listening(0);
+        sshd
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join("sshd.log")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// TCP connections accepted so far (each SSH handshake is one).
+    pub fn connections(&self) -> usize {
+        self.log().matches("Connection from 127.0.0.1").count()
+    }
+
+    /// Authorizes one more public key (e.g. an environment's own key).
+    pub fn authorize(&self, public_key_line: &str) {
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.dir.path().join("authorized_keys"))
+            .unwrap();
+        writeln!(f, "{}", public_key_line.trim()).unwrap();
+    }
+
+    pub fn host_public_key(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("host_ed25519.pub")).unwrap()
+    }
+
+    /// The host key's fingerprint as ssh prints it (`SHA256:...`).
+    pub fn host_fingerprint(&self) -> String {
+        let out = Command::new("ssh-keygen")
+            .arg("-l")
+            .arg("-f")
+            .arg(self.dir.path().join("host_ed25519.pub"))
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .to_string()
+    }
+
+    /// Restarts the server with a new host key on the same port, as a
+    /// replaced (or impersonated) machine would look.
+    pub fn swap_host_key(&mut self) {
+        self.stop();
+        for f in ["host_ed25519", "host_ed25519.pub"] {
+            std::fs::remove_file(self.dir.path().join(f)).unwrap();
+        }
+        keygen(&self.dir.path().join("host_ed25519"));
+        let before = self.log().matches("Server listening").count();
+        self.child = spawn(&self.binary, self.dir.path());
+        self.wait_listening(before);
+    }
+
+    /// Cuts every established connection: kills the per-connection sshd
+    /// processes (the listener's children), as a network failure would.
+    pub fn cut_connections(&self) -> usize {
+        let children = children_of(self.child.id());
+        for pid in &children {
+            // SAFETY: kill(2) on a pid we just read as our sshd's child.
+            unsafe {
+                libc::kill(*pid as i32, libc::SIGKILL);
+            }
+        }
+        children.len()
+    }
+
+    /// Stops the server (established connections are cut too).
+    pub fn stop(&mut self) {
+        self.cut_connections();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts a stopped server again, same port, same host key.
+    pub fn restart(&mut self) {
+        let before = self.log().matches("Server listening").count();
+        self.child = spawn(&self.binary, self.dir.path());
+        self.wait_listening(before);
+    }
+
+    fn wait_listening(&self, seen_before: usize) {
+        let start = Instant::now();
+        while self.log().matches("Server listening").count() <= seen_before {
+            assert!(
+                start.elapsed() < START_TIMEOUT,
+                "sshd did not start listening within {} s; its log:\n{}",
+                START_TIMEOUT.as_secs(),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Sshd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn spawn(binary: &Path, dir: &Path) -> Child {
+    Command::new(binary)
+        .arg("-D")
+        .arg("-f")
+        .arg(dir.join("sshd_config"))
+        .arg("-E")
+        .arg(dir.join("sshd.log"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "starting {}: {e}: run scripts/install-test-deps.sh",
+                binary.display()
+            )
+        })
+}
+
+pub fn keygen(path: &Path) {
+    let out = Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+        .arg(path)
+        .output()
+        .expect("ssh-keygen (openssh-client): run scripts/install-test-deps.sh");
+    assert!(out.status.success(), "{out:?}");
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Pids whose parent is `pid`.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(p) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ..."; comm may hold spaces, so split after ')'.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|s| s.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// Whether a process is alive (and not a zombie).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(
+            stat.rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().next()),
+            Some("Z") | Some("X")
+        ),
+        Err(_) => false,
+    }
+}
