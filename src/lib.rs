@@ -35,6 +35,7 @@ use settings::Settings;
 /// panic becomes a system failure, never the 101 the runner would call unknown.
 pub fn main_entry() -> i32 {
     let job = Job::from_env();
+    scrub_job_variables();
     let codes = job.exit_codes();
     std::panic::set_hook(Box::new(|info| {
         eprintln!("dormant: internal error (a bug, please report it): {info}");
@@ -54,6 +55,20 @@ pub fn main_entry() -> i32 {
     match std::panic::catch_unwind(AssertUnwindSafe(|| run(cli, job, codes))) {
         Ok(code) => code,
         Err(_) => codes.system_failure,
+    }
+}
+
+/// The job's variables (`CUSTOM_ENV_*`, the job token among them) now live in
+/// `Job`; remove them from the process environment so no child — an SSH master
+/// that outlives the stage, an `ssh` channel — inherits them. Called before any
+/// thread exists.
+fn scrub_job_variables() {
+    let names: Vec<_> = std::env::vars_os()
+        .map(|(k, _)| k)
+        .filter(|k| k.to_str().is_some_and(|k| k.starts_with("CUSTOM_ENV_")))
+        .collect();
+    for name in names {
+        std::env::remove_var(name);
     }
 }
 

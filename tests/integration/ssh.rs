@@ -540,3 +540,28 @@ async fn the_environments_own_key_and_a_changed_address_keep_the_pin() {
     assert!(text.contains("pinned for environment"), "{text}");
     assert!(text.contains("host key matches the one pinned"), "{text}");
 }
+
+#[test]
+fn the_job_token_never_reaches_the_environment_of_the_ssh_master() {
+    // The master lives between stages; before build_script, look at every
+    // process's environment on this host for the simulated job token.
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig(&sshd);
+    let found = rig.dir.path().join("token-holders");
+    let mut j = job(41);
+    j.before_stage = vec![(
+        "build_script".into(),
+        format!(
+            "for f in /proc/[0-9]*/environ; do grep -qa -- '{}' \"$f\" 2>/dev/null && echo \"$f $(tr '\\0' ' ' < \"${{f%environ}}cmdline\")\"; done > {} || true",
+            dormant::runner_sim::SECRET_TOKEN,
+            found.display()
+        ),
+    )];
+    let r = rig.run(&j);
+    assert_result(&r, JobResult::Success);
+    let holders = std::fs::read_to_string(&found).unwrap();
+    assert!(
+        holders.trim().is_empty(),
+        "processes holding the job token: {holders}"
+    );
+}
