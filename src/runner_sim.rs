@@ -72,6 +72,18 @@ pub struct Call {
     pub elapsed: Duration,
     /// stdout and stderr as the job log would show them (one pipe, in order).
     pub output: String,
+    /// Each output line with the time it arrived, from the start of the call.
+    pub arrivals: Vec<(Duration, String)>,
+}
+
+impl Call {
+    /// When the first line containing `text` arrived.
+    pub fn arrived(&self, text: &str) -> Option<Duration> {
+        self.arrivals
+            .iter()
+            .find(|(_, l)| l.contains(text))
+            .map(|(t, _)| *t)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -549,7 +561,7 @@ impl Runner {
             .stdin(Stdio::null())
             .process_group(0);
         let is_config = args.first() == Some(&"config");
-        let (mut reader, writer) = std::io::pipe()?;
+        let (reader, writer) = std::io::pipe()?;
         let mut stdout_reader = None;
         if is_config {
             let (r, w) = std::io::pipe()?;
@@ -580,8 +592,18 @@ impl Runner {
                 }
             })
         });
+        // Read line by line, noting when each line arrived, so tests can tell
+        // live output from output that only appears when the call ends.
         let mut output = String::new();
-        reader.read_to_string(&mut output)?;
+        let mut arrivals = Vec::new();
+        let mut lines = std::io::BufReader::new(reader);
+        let mut buf = Vec::new();
+        while std::io::BufRead::read_until(&mut lines, b'\n', &mut buf)? > 0 {
+            let line = String::from_utf8_lossy(&buf).into_owned();
+            arrivals.push((started.elapsed(), line.trim_end_matches('\n').to_string()));
+            output.push_str(&line);
+            buf.clear();
+        }
         let status = child.wait()?;
         if let Some(k) = killer {
             let _ = k.join();
@@ -598,6 +620,7 @@ impl Runner {
                 exit_code,
                 elapsed: started.elapsed(),
                 output,
+                arrivals,
             },
             stdout,
         ))

@@ -565,3 +565,19 @@ fn the_job_token_never_reaches_the_environment_of_the_ssh_master() {
         "processes holding the job token: {holders}"
     );
 }
+
+#[test]
+fn script_output_streams_live_over_ssh() {
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig(&sshd);
+    let r = rig.run(&job(41).script("echo early-line; sleep 3; echo late-line >&2"));
+    assert_result(&r, JobResult::Success);
+    let call = r.call("build_script").unwrap();
+    let early = call.arrived("early-line").expect("early line");
+    assert!(
+        call.elapsed.saturating_sub(early) >= Duration::from_millis(1500),
+        "the first line arrived at {early:?}, only at the end of a {:?} stage",
+        call.elapsed
+    );
+    assert!(call.arrived("late-line").is_some());
+}
