@@ -5,6 +5,8 @@
 //! workspace on one of a list of SSH hosts), `ec2` (one instance per environment,
 //! behind the default-on `ec2` cargo feature). Tests inject fakes.
 
+#[cfg(feature = "ec2")]
+pub mod ec2;
 pub mod local;
 
 use std::collections::BTreeMap;
@@ -44,6 +46,13 @@ impl Machine {
         self.fields.get(k).map(String::as_str)
     }
 }
+
+/// A job's request that the operator's settings do not allow (an image or an
+/// instance type outside an allow-list). Prepare reports it as a refusal (build
+/// failure), which the runner does not retry: retrying cannot make it allowed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct Refusal(pub String);
 
 /// What a provider needs to create (or reclaim) the machine of an environment.
 #[derive(Debug, Clone)]
@@ -175,6 +184,12 @@ pub fn from_settings(settings: &Settings, store: &StateStore) -> Result<Arc<dyn 
     match settings.provider {
         ProviderKind::Local => Ok(Arc::new(local::LocalProvider::new(store.clone()))),
         ProviderKind::Ssh => anyhow::bail!("provider = \"ssh\" is not built yet"),
-        ProviderKind::Ec2 => anyhow::bail!("provider = \"ec2\" is not built yet"),
+        #[cfg(feature = "ec2")]
+        ProviderKind::Ec2 => Ok(Arc::new(ec2::Ec2Provider::new(settings, store)?)),
+        #[cfg(not(feature = "ec2"))]
+        ProviderKind::Ec2 => anyhow::bail!(
+            "provider = \"ec2\" but this dormant was built without EC2 support (cargo feature `ec2`); \
+             use a build with default features"
+        ),
     }
 }
