@@ -370,6 +370,52 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_documents_every_ec2_setting() {
+        let text = include_str!("../../examples/dormant.toml");
+        let section = text.split("\n[ec2]\n").nth(1).expect("an [ec2] section");
+        for key in [
+            "region",
+            "endpoint_url",
+            "subnet_id",
+            "security_group_ids",
+            "instance_type",
+            "allowed_instance_types",
+            "image",
+            "image_owners",
+            "allowed_images",
+            "image_cache_ttl",
+            "ssh_user",
+            "ssh_port",
+            "address",
+            "connect_address",
+            "root_volume_size_gb",
+            "root_volume_type",
+            "root_volume_encrypted",
+            "root_volume_kms_key_id",
+            "iam_instance_profile",
+            "tags",
+            "suspend_mode",
+            "max_environments",
+            "prepare_timeout",
+            "builds_dir",
+            "cache_dir",
+        ] {
+            assert!(
+                section.contains(&format!("{key} =")),
+                "examples/dormant.toml does not document ec2.{key}"
+            );
+        }
+        // Uncommenting the required ones gives a valid ec2 configuration.
+        let enabled = text
+            .replace("provider = \"local\"", "provider = \"ec2\"")
+            .replace("# subnet_id =", "subnet_id =")
+            .replace("# image = ", "image = ")
+            .replace("image_owners = []", "image_owners = [\"136693071363\"]");
+        let s = Settings::parse_str(&enabled).unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(s.ec2.image.as_deref(), Some("debian-12-amd64-*"));
+    }
+
+    #[test]
     fn ami_ids_and_host_ports() {
         assert!(is_ami_id("ami-0abc123"));
         assert!(!is_ami_id("ami-"));

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::errors::{api_error, ErrorKind};
 use super::image::lock_async;
-use super::instance::{self, filter, tag, tag_filter, LIVE_STATES};
+use super::instance::{self, tag, tag_filter, LIVE_STATES};
 use crate::context::{Backoff, Ctx};
 use crate::state::store::{read_json, write_json, FORMAT_VERSION};
 use crate::state::{now_unix, StateStore};
@@ -57,25 +57,31 @@ impl Capacity<'_> {
         )
     }
 
-    /// Live instances of this runner (pending, running, stopping, stopped).
+    /// Live instances of this runner (pending, running, stopping, stopped),
+    /// plus launches from the ledger that DescribeInstances does not show yet.
     async fn in_use(&self, ledger: &Ledger, ctx: &Ctx) -> Result<usize> {
+        // No state filter: terminated instances stay listed for a while, which
+        // tells a finished launch from one not visible yet.
         let found = instance::find(
             self.client,
             vec![
                 tag_filter(tag::MANAGED_BY, tag::MANAGED_BY_VALUE),
                 tag_filter(tag::RUNNER, self.runner_id),
                 tag_filter(tag::SYSTEM, self.system_id),
-                filter("instance-state-name", LIVE_STATES),
             ],
             ctx,
         )
         .await?;
-        let recent_unseen = ledger
+        let live = found
+            .iter()
+            .filter(|i| LIVE_STATES.contains(&i.state_name.as_str()))
+            .count();
+        let not_visible_yet = ledger
             .launches
             .iter()
             .filter(|(id, _)| !found.iter().any(|i| &i.id == id))
             .count();
-        Ok(found.len() + recent_unseen)
+        Ok(live + not_visible_yet)
     }
 
     /// Calls `launch` once a slot is free and EC2 has capacity; returns its result.
@@ -86,50 +92,62 @@ impl Capacity<'_> {
     {
         let started = Instant::now();
         let mut backoff = Backoff::new(CAPACITY_FIRST, CAPACITY_MAX);
+        let mut last_reason: Option<String> = None;
         loop {
-            let reason = if self.max == 0 {
-                match launch().await {
-                    Ok(id) => return Ok(id),
-                    Err(e) => capacity_reason(e)?,
+            let attempt = async {
+                if last_reason.is_some() {
+                    ctx.sleep(backoff.next_delay(), "waiting for capacity")
+                        .await?;
                 }
-            } else {
-                let (ledger_path, lock_path) = self.paths();
-                crate::state::store::ensure_private_dir(ledger_path.parent().expect("ec2 dir"))?;
-                // Held from the count through RunInstances only; never while sleeping.
-                let _lock = lock_async(&lock_path, ctx, "waiting for the capacity lock").await?;
-                let mut ledger = read_json::<Ledger>(&ledger_path)?.unwrap_or_default();
-                let now = now_unix();
-                ledger
-                    .launches
-                    .retain(|(_, at)| now.saturating_sub(*at) < LEDGER_WINDOW_SECS);
-                let used = self.in_use(&ledger, ctx).await?;
-                if used >= self.max as usize {
-                    format!("{used} of {} environments in use", self.max)
-                } else {
-                    match launch().await {
-                        Ok(id) => {
-                            ledger.version = FORMAT_VERSION;
-                            ledger.launches.push((id.clone(), now_unix()));
-                            write_json(&ledger_path, &ledger)?;
-                            return Ok(id);
-                        }
-                        Err(e) => capacity_reason(e)?,
-                    }
-                }
+                self.try_launch(ctx, &mut launch).await
+            }
+            .await;
+            let reason = match attempt {
+                Ok(Ok(id)) => return Ok(id),
+                Ok(Err(reason)) => reason,
+                Err(e) => return Err(with_reason(e, started, &last_reason)),
             };
             ctx.log.info(format!(
                 "waiting for capacity: {reason}, {} s",
                 started.elapsed().as_secs()
             ));
-            ctx.sleep(backoff.next_delay(), "waiting for capacity")
-                .await
-                .map_err(|e| {
-                    e.context(format!(
-                        "no capacity after {} s: {reason}; raise ec2.max_environments, release suspended \
-                         environments (`dormant list`, `dormant release KEY`), or raise prepare_timeout",
-                        started.elapsed().as_secs()
-                    ))
-                })?;
+            last_reason = Some(reason);
+        }
+    }
+
+    /// One attempt: `Ok(Err(reason))` when there is no capacity now.
+    async fn try_launch<F, Fut>(&self, ctx: &Ctx, launch: &mut F) -> Result<Result<String, String>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<String>>,
+    {
+        if self.max == 0 {
+            return match launch().await {
+                Ok(id) => Ok(Ok(id)),
+                Err(e) => capacity_reason(e).map(Err),
+            };
+        }
+        let (ledger_path, lock_path) = self.paths();
+        crate::state::store::ensure_private_dir(ledger_path.parent().expect("ec2 dir"))?;
+        // Held from the count through RunInstances only; never while sleeping.
+        let _lock = lock_async(&lock_path, ctx, "waiting for the capacity lock").await?;
+        let mut ledger = read_json::<Ledger>(&ledger_path)?.unwrap_or_default();
+        let now = now_unix();
+        ledger
+            .launches
+            .retain(|(_, at)| now.saturating_sub(*at) < LEDGER_WINDOW_SECS);
+        let used = self.in_use(&ledger, ctx).await?;
+        if used >= self.max as usize {
+            return Ok(Err(format!("{used} of {} environments in use", self.max)));
+        }
+        match launch().await {
+            Ok(id) => {
+                ledger.version = FORMAT_VERSION;
+                ledger.launches.push((id.clone(), now_unix()));
+                write_json(&ledger_path, &ledger)?;
+                Ok(Ok(id))
+            }
+            Err(e) => capacity_reason(e).map(Err),
         }
     }
 }
@@ -142,23 +160,42 @@ where
 {
     let started = Instant::now();
     let mut backoff = Backoff::new(CAPACITY_FIRST, CAPACITY_MAX);
+    let mut last_reason: Option<String> = None;
     loop {
-        let reason = match op().await {
-            Ok(()) => return Ok(()),
-            Err(e) => capacity_reason(e)?,
+        let attempt = async {
+            if last_reason.is_some() {
+                ctx.sleep(backoff.next_delay(), "waiting for capacity")
+                    .await?;
+            }
+            match op().await {
+                Ok(()) => Ok(None),
+                Err(e) => capacity_reason(e).map(Some),
+            }
+        }
+        .await;
+        let reason = match attempt {
+            Ok(None) => return Ok(()),
+            Ok(Some(reason)) => reason,
+            Err(e) => return Err(with_reason(e, started, &last_reason)),
         };
         ctx.log.info(format!(
             "waiting for capacity: {reason}, {} s",
             started.elapsed().as_secs()
         ));
-        ctx.sleep(backoff.next_delay(), "waiting for capacity")
-            .await
-            .map_err(|e| {
-                e.context(format!(
-                    "no capacity after {} s: {reason}",
-                    started.elapsed().as_secs()
-                ))
-            })?;
+        last_reason = Some(reason);
+    }
+}
+
+/// An error after capacity waits (usually the deadline) says what was waited for.
+fn with_reason(e: anyhow::Error, started: Instant, last: &Option<String>) -> anyhow::Error {
+    match last {
+        Some(reason) => e.context(format!(
+            "no capacity after {} s: {reason}; raise ec2.max_environments, release suspended environments \
+             (`dormant list`, `dormant release KEY`), pick another instance type or subnet, or raise \
+             prepare_timeout",
+            started.elapsed().as_secs()
+        )),
+        None => e,
     }
 }
 

@@ -329,7 +329,9 @@ impl Ec2Provider {
     /// After a failed create: terminate whatever this environment launched (it
     /// is new, never suspended), so a failed prepare leaks no instance.
     async fn abandon(&self, client: &Client, spec: &MachineSpec, ctx: &Ctx) {
-        let ctx = ctx.uncancellable().within(ABANDON_BUDGET);
+        // A fresh budget: the prepare's own deadline may be what just ran out, and
+        // a termination signal must not stop the clean-up of what it launched.
+        let ctx = Ctx::new(ctx.log.clone(), Default::default(), ABANDON_BUDGET);
         let found = instance::find(
             client,
             vec![

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use aws_sdk_ec2::Client;
 
 use super::instance::{self, InstanceInfo};
@@ -46,15 +46,26 @@ pub async fn wait_for(client: &Client, id: &str, want: Want, ctx: &Ctx) -> Resul
     let mut last_progress = Instant::now();
     let what = format!("waiting for instance {id} to be {}", want.as_str());
     let mut polls = 0u32;
+    let mut last = "not polled yet".to_string();
     loop {
-        ctx.sleep(backoff.next_delay(), &what).await?;
+        let seen = async {
+            ctx.sleep(backoff.next_delay(), &what).await?;
+            instance::describe(client, id, ctx).await
+        }
+        .await
+        .with_context(|| {
+            format!(
+                "{what}: it was {last} after {} s",
+                started.elapsed().as_secs()
+            )
+        })?;
         polls += 1;
-        let seen = instance::describe(client, id, ctx).await?;
         let state_name = match &seen {
             None => "not visible yet".to_string(),
             Some(i) => i.state_name.clone(),
         };
         tracing::debug!(id, state = %state_name, polls, "polled instance state");
+        last.clone_from(&state_name);
         match (&seen, want) {
             (None, _) if started.elapsed() < NOT_VISIBLE_GRACE => {}
             (None, _) => bail!(
