@@ -12,7 +12,6 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use aws_sdk_ec2::config::{BehaviorVersion, Credentials, Region};
 use aws_sdk_ec2::types::{Filter, Instance, InstanceStateName};
 use dormant::context::{Ctx, JobLog};
 use dormant::provider::ec2::Ec2Provider;
@@ -23,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::harness::{self, JobResult};
-use crate::moto::{Moto, Proxy, ACCESS_KEY, REGION, SECRET_KEY};
+use crate::moto::{direct_client, CloudInit, Moto, Proxy, ACCESS_KEY, REGION, SECRET_KEY};
 
 const TEST_KEY: &str =
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDormantTestKeyDormantTestKeyDormantTest dormant-test";
@@ -32,9 +31,9 @@ const CANONICAL: &str = "099720109477";
 const UBUNTU_PATTERN: &str = "ubuntu/images/hvm-ssd/ubuntu-*";
 
 struct Ec2 {
-    _moto: Moto,
+    moto: Moto,
     proxy: Proxy,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     store: StateStore,
     settings: Settings,
     provider: Arc<Ec2Provider>,
@@ -45,16 +44,6 @@ struct Ec2 {
     system_id: String,
     log: Arc<Mutex<Vec<u8>>>,
     job_log: JobLog,
-}
-
-fn direct_client(url: &str) -> aws_sdk_ec2::Client {
-    let conf = aws_sdk_ec2::config::Builder::new()
-        .behavior_version(BehaviorVersion::latest())
-        .region(Region::new(REGION))
-        .endpoint_url(url)
-        .credentials_provider(Credentials::new(ACCESS_KEY, SECRET_KEY, None, None, "test"))
-        .build();
-    aws_sdk_ec2::Client::from_conf(conf)
 }
 
 /// The `[ec2]` section: defaults for these tests, overridden by `extra` (key, TOML value).
@@ -126,9 +115,9 @@ async fn rig(extra: &[(&str, &str)]) -> Ec2 {
         Arc::new(Ec2Provider::with_credentials(&settings, &store, ACCESS_KEY, SECRET_KEY).unwrap());
     let (job_log, log) = JobLog::capture();
     Ec2 {
-        _moto: moto,
+        moto,
         proxy,
-        _dir: dir,
+        dir,
         store,
         settings,
         provider,
@@ -562,6 +551,11 @@ async fn max_environments_waits_for_a_slot_then_proceeds() {
         .create_or_reclaim(&rig.spec(), &rig.ctx(120))
         .await
         .unwrap();
+    let calls = rig.proxy.actions();
+    eprintln!(
+        "MEASURE fresh create with max_environments: {} EC2 calls: {calls:?}",
+        calls.len()
+    );
     // A suspended environment still takes its slot.
     p.stop(&first, &rig.ctx(60)).await.unwrap();
 
@@ -575,6 +569,28 @@ async fn max_environments_waits_for_a_slot_then_proceeds() {
     );
     assert!(text.contains("ec2.max_environments"), "{text}");
     assert!(rig.live_of(spec.env_id).await.is_empty());
+
+    // SIGTERM during the wait ends it promptly.
+    let ctx = rig.ctx(60);
+    let cancel = ctx.cancel.clone();
+    let waiting = {
+        let p = p.clone();
+        let spec = rig.spec();
+        tokio::spawn(async move { p.create_or_reclaim(&spec, &ctx).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let cancelled = Instant::now();
+    cancel.cancel();
+    let e = waiting.await.unwrap().unwrap_err();
+    assert!(
+        cancelled.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        cancelled.elapsed()
+    );
+    assert!(
+        err_text(&e).contains("cancelled (termination signal)"),
+        "{e:#}"
+    );
 
     // A slot frees while the prepare waits: it proceeds.
     let spec = rig.spec();
@@ -747,6 +763,8 @@ async fn capacity_and_throttling_errors_are_waited_out_visibly() {
     // The first DescribeInstances (the reclaim lookup) is throttled twice.
     rig.proxy
         .fail("DescribeInstances", 0, 2, 503, "RequestLimitExceeded");
+    // A 5xx is retried a few times too.
+    rig.proxy.fail("DescribeImages", 0, 1, 500, "InternalError");
     let m = rig
         .provider
         .create_or_reclaim(&rig.spec(), &rig.ctx(120))
@@ -770,6 +788,16 @@ async fn capacity_and_throttling_errors_are_waited_out_visibly() {
         log.matches("EC2 DescribeInstances: RequestLimitExceeded")
             .count(),
         2,
+        "{log}"
+    );
+    assert_eq!(
+        rig.proxy.count("DescribeImages"),
+        2,
+        "{:?}",
+        rig.proxy.actions()
+    );
+    assert!(
+        log.contains("EC2 DescribeImages: InternalError (a transient fault)"),
         "{log}"
     );
 
@@ -905,6 +933,11 @@ async fn errors_name_the_setting_or_the_permission() {
             vec![("security_group_ids", "[\"sg-0deadbeef\"]".into())],
             None,
             "ec2.security_group_ids",
+        ),
+        (
+            vec![("endpoint_url", "\"http://127.0.0.1:1\"".into())],
+            None,
+            "cannot reach the EC2 endpoint",
         ),
         (
             vec![],
@@ -1096,4 +1129,30 @@ async fn list_and_sweep_find_orphans_of_this_runner_manager_only() {
     ));
     assert_eq!(rig.state(&known.id).await, InstanceStateName::Running);
     assert_eq!(rig.state(&foreign.id).await, InstanceStateName::Running);
+}
+
+#[tokio::test]
+async fn the_cloud_init_stand_in_installs_the_environment_key_for_a_test_sshd() {
+    // What the end-to-end test (EC2 from moto, SSH to a loopback sshd through
+    // ec2.connect_address) relies on: the key from user-data lands in authorized_keys.
+    let rig = rig(&[]).await;
+    let keys = rig.dir.path().join("authorized_keys");
+    let _cloud_init = CloudInit::start(rig.moto.url(), keys.clone());
+    rig.provider
+        .create_or_reclaim(&rig.spec(), &rig.ctx(120))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&keys).unwrap_or_default();
+        if text.contains(TEST_KEY) {
+            assert_eq!(text, format!("{TEST_KEY}\n"));
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the key never arrived: {text:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -366,3 +366,110 @@ fn serve(mut conn: TcpStream, upstream: u16, state: &Mutex<State>) -> std::io::R
     let _ = conn.shutdown(Shutdown::Both);
     Ok(())
 }
+
+/// Plays cloud-init for a loopback test sshd: reads the user-data of the
+/// emulator's instances and writes their `ssh_authorized_keys` into an
+/// `authorized_keys` file, so an end-to-end job (EC2 from moto, SSH through
+/// `ec2.connect_address` to the test sshd) logs in with the environment's own
+/// key delivered exactly the way it reaches a real instance. Stops on drop.
+pub struct CloudInit {
+    stop: Arc<AtomicBool>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CloudInit {
+    pub fn start(moto_url: String, authorized_keys: PathBuf) -> CloudInit {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let client = direct_client(&moto_url);
+                let mut seen = std::collections::BTreeSet::new();
+                let mut keys = std::collections::BTreeSet::new();
+                while !flag.load(Ordering::SeqCst) {
+                    if let Ok(out) = client.describe_instances().send().await {
+                        for id in out
+                            .reservations()
+                            .iter()
+                            .flat_map(|r| r.instances())
+                            .filter_map(|i| i.instance_id())
+                        {
+                            if seen.contains(id) {
+                                continue;
+                            }
+                            let Ok(attr) = client
+                                .describe_instance_attribute()
+                                .instance_id(id)
+                                .attribute(aws_sdk_ec2::types::InstanceAttributeName::UserData)
+                                .send()
+                                .await
+                            else {
+                                continue;
+                            };
+                            seen.insert(id.to_string());
+                            let data = attr
+                                .user_data()
+                                .and_then(|u| u.value())
+                                .and_then(|v| aws_smithy_types::base64::decode(v).ok())
+                                .map(|b| String::from_utf8_lossy(&b).to_string())
+                                .unwrap_or_default();
+                            keys.extend(authorized_keys_of(&data));
+                        }
+                        let text: String = keys.iter().map(|k| format!("{k}\n")).collect();
+                        let tmp = authorized_keys.with_extension("tmp");
+                        if std::fs::write(&tmp, text).is_ok() {
+                            let _ = std::fs::rename(&tmp, &authorized_keys);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            });
+        });
+        CloudInit {
+            stop,
+            handle: Some(handle),
+        }
+    }
+}
+
+impl Drop for CloudInit {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The `ssh_authorized_keys` entries of a `#cloud-config` document.
+pub fn authorized_keys_of(user_data: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut inside = false;
+    for line in user_data.lines() {
+        if line.starts_with("ssh_authorized_keys:") {
+            inside = true;
+        } else if inside {
+            match line.strip_prefix("  - ") {
+                Some(k) => out.push(k.trim().to_string()),
+                None => inside = false,
+            }
+        }
+    }
+    out
+}
+
+/// A client straight to moto (not through a proxy), with the test credentials.
+pub fn direct_client(url: &str) -> aws_sdk_ec2::Client {
+    use aws_sdk_ec2::config::{BehaviorVersion, Credentials, Region};
+    let conf = aws_sdk_ec2::config::Builder::new()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new(REGION))
+        .endpoint_url(url)
+        .credentials_provider(Credentials::new(ACCESS_KEY, SECRET_KEY, None, None, "test"))
+        .build();
+    aws_sdk_ec2::Client::from_conf(conf)
+}

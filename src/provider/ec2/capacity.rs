@@ -20,9 +20,10 @@ use crate::state::store::{read_json, write_json, FORMAT_VERSION};
 use crate::state::{now_unix, StateStore};
 
 /// Capacity comes back in seconds (a slot freed by another job) to minutes
-/// (EC2 capacity in a zone): check after 2 s, then back off to every 30 s.
+/// (EC2 capacity in a zone): check after 2 s, then back off to every 15 s
+/// (a freed slot is noticed within ~18 s; one DescribeInstances per waiting prepare).
 pub const CAPACITY_FIRST: Duration = Duration::from_secs(2);
-pub const CAPACITY_MAX: Duration = Duration::from_secs(30);
+pub const CAPACITY_MAX: Duration = Duration::from_secs(15);
 /// DescribeInstances may not list an instance for a while after its launch
 /// (eventual consistency): launches this recent are counted from our own ledger.
 const LEDGER_WINDOW_SECS: u64 = 300;
