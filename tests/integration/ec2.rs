@@ -1156,3 +1156,42 @@ async fn the_cloud_init_stand_in_installs_the_environment_key_for_a_test_sshd() 
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test]
+async fn the_ttl_sweep_terminates_expired_suspended_instances_only() {
+    use dormant::state::EnvStatus;
+    let rig = rig(&[]).await;
+    let p = &rig.provider;
+    let mut records = Vec::new();
+    for age_days in [8u64, 1] {
+        let spec = rig.spec();
+        let m = p.create_or_reclaim(&spec, &rig.ctx(120)).await.unwrap();
+        p.stop(&m, &rig.ctx(60)).await.unwrap();
+        let mut rec = EnvironmentRecord::new(spec.env_id, "ec2", "7", &rig.system_id, 42, 1);
+        rec.machine = Some(m.clone());
+        rec.status = EnvStatus::Suspended;
+        rec.current_job = None;
+        rec.suspended_at = Some(dormant::state::now_unix() - age_days * 86400);
+        spec.paths.create().unwrap();
+        spec.paths.lock().unwrap().save(&rec).unwrap();
+        records.push((spec, m));
+    }
+    let report = dormant::ops::sweep::expired(&rig.store, p.as_ref(), &rig.settings, &rig.ctx(120))
+        .await
+        .unwrap();
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let (old, old_m) = &records[0];
+    let (young, young_m) = &records[1];
+    assert_eq!(report.released, vec![old.env_id]);
+    assert!(matches!(
+        rig.state(&old_m.id).await,
+        InstanceStateName::Terminated | InstanceStateName::ShuttingDown
+    ));
+    assert!(!old.paths.exists());
+    assert_eq!(
+        rig.state(&young_m.id).await,
+        InstanceStateName::Stopped,
+        "kept: within the TTL"
+    );
+    assert!(young.paths.exists());
+}
