@@ -385,6 +385,34 @@ async fn reclaim_after_lost_state_starts_a_stopped_instance_and_replaces_a_termi
         .create_or_reclaim(&spec, &rig.ctx(120))
         .await
         .unwrap();
+    // Adopted while it is still stopping: waited for, then started.
+    rig.direct
+        .stop_instances()
+        .instance_ids(&first.id)
+        .send()
+        .await
+        .unwrap();
+    rig.proxy.slow_stop(Some(Duration::from_secs(3)));
+    let m = rig
+        .provider
+        .create_or_reclaim(&spec, &rig.ctx(120))
+        .await
+        .unwrap();
+    assert_eq!(m.id, first.id);
+    assert_eq!(rig.state(&m.id).await, InstanceStateName::Running);
+    assert!(
+        rig.log()
+            .contains(&format!("adopting instance {} (stopping)", m.id)),
+        "{}",
+        rig.log()
+    );
+    assert!(
+        rig.log()
+            .contains(&format!("instance {} stopped after", m.id)),
+        "{}",
+        rig.log()
+    );
+
     // The state dir is gone and the instance was stopped meanwhile.
     rig.direct
         .stop_instances()
@@ -1028,6 +1056,29 @@ async fn hibernate_mode_launches_with_hibernation_and_stops_with_hibernate() {
         .unwrap();
     assert!(stop.body.contains("Hibernate=true"), "{}", stop.body);
     assert_eq!(rig.state(&m.id).await, InstanceStateName::Stopped);
+
+    // EC2 refuses to hibernate (agent not ready, unsupported image): a plain
+    // stop keeps the disk, which is what a suspended job needs.
+    rig.provider.start(&m, &rig.ctx(60)).await.unwrap();
+    rig.proxy.clear_calls();
+    rig.proxy.fail(
+        "StopInstances",
+        0,
+        1,
+        400,
+        "UnsupportedHibernationConfiguration",
+    );
+    rig.provider.stop(&m, &rig.ctx(60)).await.unwrap();
+    let stops: Vec<_> = rig
+        .proxy
+        .calls()
+        .into_iter()
+        .filter(|c| c.action == "StopInstances")
+        .collect();
+    assert_eq!(stops.len(), 2);
+    assert!(stops[0].body.contains("Hibernate=true") && stops[1].body.contains("Hibernate=false"));
+    assert_eq!(rig.state(&m.id).await, InstanceStateName::Stopped);
+    assert!(rig.log().contains("cannot hibernate"), "{}", rig.log());
 }
 
 #[tokio::test]
@@ -1097,11 +1148,27 @@ async fn list_and_sweep_find_orphans_of_this_runner_manager_only() {
             .env("PATH", std::env::var("PATH").unwrap_or_default())
             .env("HOME", rig.store.root())
             .env("DORMANT_CONFIG", &cfg)
+            .env("AWS_EC2_METADATA_DISABLED", "true")
             .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
             .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
             .output()
             .unwrap()
     };
+    // No credentials anywhere (IMDS disabled: only loopback traffic here).
+    let empty_home = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(harness::BIN)
+        .arg("sweep")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", empty_home.path())
+        .env("DORMANT_CONFIG", &cfg)
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("standard AWS credential chain"), "{err}");
+
     let out = sweep(&["sweep"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");

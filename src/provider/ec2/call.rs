@@ -58,7 +58,7 @@ where
         let delay = backoff.next_delay();
         ctx.log.info(format!(
             "EC2 {action}: {} ({}), retrying in {:.0} s ({} s so far)",
-            err.code.as_deref().unwrap_or("transient error"),
+            err.code.as_deref().unwrap_or("no answer from EC2"),
             if err.kind == ErrorKind::Throttled {
                 "the account's API rate limit"
             } else {

@@ -95,8 +95,11 @@ impl ApiError {
         let message = err
             .message()
             .map(str::to_string)
-            .unwrap_or_else(|| format!("{}", DisplayErrorContext(err)));
+            .unwrap_or_else(|| without_debug_dump(&format!("{}", DisplayErrorContext(err))));
+        let no_credentials = code.is_none() && message.to_ascii_lowercase().contains("credential");
         let kind = match (&code, err) {
+            // Missing credentials surface as a dispatch failure: not transient.
+            _ if no_credentials => ErrorKind::Fatal,
             (Some(c), _) if THROTTLE_CODES.contains(&c.as_str()) => ErrorKind::Throttled,
             (Some(c), _) if CAPACITY_CODES.contains(&c.as_str()) => ErrorKind::Capacity,
             (Some(c), _) if c == "InvalidInstanceID.NotFound" => ErrorKind::NotFound,
@@ -120,6 +123,23 @@ impl ApiError {
     }
 }
 
+/// `DisplayErrorContext` ends with the error's `Debug` form in parentheses:
+/// one line for the job log is enough.
+fn without_debug_dump(text: &str) -> String {
+    let cut = [
+        " (DispatchFailure(",
+        " (TimeoutError(",
+        " (ConstructionFailure(",
+        " (ResponseError(",
+        " (ServiceError(",
+    ]
+    .iter()
+    .filter_map(|p| text.find(p))
+    .min()
+    .unwrap_or(text.len());
+    text[..cut].to_string()
+}
+
 /// The IAM action behind an API call.
 fn permission(action: &str) -> String {
     format!("ec2:{action}")
@@ -140,14 +160,13 @@ where
         None => {
             let text = format!("{}", DisplayErrorContext(err)).to_ascii_lowercase();
             return match err {
-                SdkError::ConstructionFailure(_) if text.contains("credential") || text.contains("identity") => {
-                    Some(format!("no AWS credentials were found: {CREDENTIALS_HELP}"))
+                _ if text.contains("credential") => {
+                    Some(format!("no usable AWS credentials were found: {CREDENTIALS_HELP}"))
                 }
                 SdkError::DispatchFailure(_) => Some(
                     "cannot reach the EC2 endpoint: check ec2.region / ec2.endpoint_url and the runner host's network"
                         .into(),
                 ),
-                _ if text.contains("credential") => Some(format!("AWS credentials: {CREDENTIALS_HELP}")),
                 _ => None,
             };
         }
