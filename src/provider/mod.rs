@@ -193,3 +193,29 @@ pub fn from_settings(settings: &Settings, store: &StateStore) -> Result<Arc<dyn 
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ec2_is_built_or_says_it_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::open(dir.path()).unwrap();
+        let settings = Settings::parse_str(
+            "provider = \"ec2\"\nsystem_id = \"s_x\"\n[ec2]\nregion = \"us-east-1\"\nsubnet_id = \"subnet-1\"\nimage = \"ami-0abc\"\n",
+        )
+        .unwrap();
+        let built = from_settings(&settings, &store);
+        if cfg!(feature = "ec2") {
+            // Building it makes no cloud call and reads no credentials.
+            assert_eq!(built.unwrap().name(), "ec2");
+        } else {
+            let e = built.err().unwrap();
+            assert!(
+                format!("{e:#}").contains("built without EC2 support"),
+                "{e:#}"
+            );
+        }
+    }
+}
