@@ -946,11 +946,33 @@ type ErrorCase = (
 #[tokio::test]
 async fn errors_name_the_setting_or_the_permission() {
     let rig = rig(&[]).await;
+    let instance_store = rig
+        .direct
+        .describe_images()
+        .owners("amazon")
+        .filters(
+            Filter::builder()
+                .name("root-device-type")
+                .values("instance-store")
+                .build(),
+        )
+        .send()
+        .await
+        .unwrap()
+        .images()
+        .iter()
+        .find_map(|i| i.image_id().map(str::to_string))
+        .expect("moto's catalogue has an instance-store image");
     let cases: Vec<ErrorCase> = vec![
         (
             vec![("image", "\"ami-0deadbeef\"".into())],
             None,
             "ec2.image",
+        ),
+        (
+            vec![("image", format!("{instance_store:?}"))],
+            None,
+            "needs an EBS-backed image",
         ),
         (
             vec![("subnet_id", "\"subnet-0deadbeef\"".into())],
