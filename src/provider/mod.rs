@@ -5,6 +5,8 @@
 //! workspace on one of a list of SSH hosts), `ec2` (one instance per environment,
 //! behind the default-on `ec2` cargo feature). Tests inject fakes.
 
+#[cfg(feature = "ec2")]
+pub mod ec2;
 pub mod local;
 pub mod ssh_hosts;
 
@@ -45,6 +47,13 @@ impl Machine {
         self.fields.get(k).map(String::as_str)
     }
 }
+
+/// A job's request that the operator's settings do not allow (an image or an
+/// instance type outside an allow-list). Prepare reports it as a refusal (build
+/// failure), which the runner does not retry: retrying cannot make it allowed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct Refusal(pub String);
 
 /// What a provider needs to create (or reclaim) the machine of an environment.
 #[derive(Debug, Clone)]
@@ -191,6 +200,38 @@ pub fn from_settings(settings: &Settings, store: &StateStore) -> Result<Arc<dyn 
             settings.ssh.clone(),
             store.clone(),
         ))),
-        ProviderKind::Ec2 => anyhow::bail!("provider = \"ec2\" is not built yet"),
+        #[cfg(feature = "ec2")]
+        ProviderKind::Ec2 => Ok(Arc::new(ec2::Ec2Provider::new(settings, store)?)),
+        #[cfg(not(feature = "ec2"))]
+        ProviderKind::Ec2 => anyhow::bail!(
+            "provider = \"ec2\" but this dormant was built without EC2 support (cargo feature `ec2`); \
+             use a build with default features"
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ec2_is_built_or_says_it_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::open(dir.path()).unwrap();
+        let settings = Settings::parse_str(
+            "provider = \"ec2\"\nsystem_id = \"s_x\"\n[ec2]\nregion = \"us-east-1\"\nsubnet_id = \"subnet-1\"\nimage = \"ami-0abc\"\n",
+        )
+        .unwrap();
+        let built = from_settings(&settings, &store);
+        if cfg!(feature = "ec2") {
+            // Building it makes no cloud call and reads no credentials.
+            assert_eq!(built.unwrap().name(), "ec2");
+        } else {
+            let e = built.err().unwrap();
+            assert!(
+                format!("{e:#}").contains("built without EC2 support"),
+                "{e:#}"
+            );
+        }
     }
 }

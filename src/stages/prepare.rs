@@ -16,7 +16,7 @@ use anyhow::{Context, Result};
 use crate::context::Ctx;
 use crate::envkey::EnvironmentKey;
 use crate::exit::Failure;
-use crate::provider::{Machine, MachineSpec};
+use crate::provider::{Machine, MachineSpec, Refusal};
 use crate::state::job::LockedJob;
 use crate::state::{now_unix, EnvPaths, EnvStatus, EnvironmentRecord, JobState, Mode};
 
@@ -133,7 +133,8 @@ async fn prepare_new(s: &Session, locked: &LockedJob, ctx: &Ctx) -> Result<(), F
         .provider
         .create_or_reclaim(&spec, ctx)
         .await
-        .with_context(|| format!("creating {} environment {env_id}", s.provider.name()))?;
+        .with_context(|| format!("creating {} environment {env_id}", s.provider.name()))
+        .map_err(refused_or_system)?;
     let key = environment_key(s, &system_id, env_id, &machine);
     update_record(&paths, |rec| {
         rec.machine = Some(machine.clone());
@@ -282,6 +283,16 @@ async fn prepare_resume(
     ));
     announce(s, &key, env_id, true);
     Ok(())
+}
+
+/// A provider's [`Refusal`] (an allow-list said no) is the job's fault and is
+/// not retried; anything else is a system failure.
+fn refused_or_system(e: anyhow::Error) -> Failure {
+    if e.downcast_ref::<Refusal>().is_some() {
+        Failure::Refused(e)
+    } else {
+        Failure::System(e)
+    }
 }
 
 /// Waits for the environment to run commands (SSH readiness, tool probes).

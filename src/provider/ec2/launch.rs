@@ -1,0 +1,166 @@
+//! RunInstances for one environment: a deterministic name and ClientToken,
+//! `Name` and `dormant:*` tags on the instance and its volumes (set atomically
+//! at launch, so a retried prepare finds the instance by tag even when the
+//! first attempt died before saving state), IMDSv2 required, EBS root, and the
+//! environment's SSH public key in cloud-init user-data.
+
+use anyhow::{bail, Result};
+use aws_sdk_ec2::types::{
+    BlockDeviceMapping, EbsBlockDevice, HibernationOptionsRequest, HttpTokensState,
+    IamInstanceProfileSpecification, InstanceMetadataEndpointState, InstanceMetadataOptionsRequest,
+    InstanceType, ResourceType, Tag, TagSpecification, VolumeType,
+};
+use aws_sdk_ec2::Client;
+
+use super::call::call;
+use super::image::ImageInfo;
+use super::instance::tag;
+use crate::context::Ctx;
+use crate::provider::MachineSpec;
+use crate::settings::ec2::{Ec2Settings, SuspendMode};
+
+/// The tags of an environment's instance and volumes.
+pub fn tags(spec: &MachineSpec, settings: &Ec2Settings) -> Vec<(String, String)> {
+    let mut t: Vec<(String, String)> = vec![
+        ("Name".into(), spec.name.clone()),
+        (tag::MANAGED_BY.into(), tag::MANAGED_BY_VALUE.into()),
+        (tag::ENV.into(), spec.env_id.to_string()),
+        (tag::RUNNER.into(), spec.runner_id.clone()),
+        (tag::SYSTEM.into(), spec.system_id.clone()),
+        (tag::PROJECT.into(), spec.project_id.to_string()),
+        (tag::JOB.into(), spec.job_id.to_string()),
+    ];
+    t.extend(settings.tags.iter().map(|(k, v)| (k.clone(), v.clone())));
+    t
+}
+
+/// A ClientToken (≤ 64 ASCII characters) that makes RunInstances idempotent on
+/// real EC2: a retried call returns the instance the first one made. The
+/// generation counts instances of this environment already gone, because EC2
+/// answers a reused token with the (terminated) instance it first made.
+pub fn client_token(spec: &MachineSpec, generation: usize) -> String {
+    format!("dormant-{}-{generation}", spec.env_id.simple())
+}
+
+/// cloud-init user-data installing the environment's public key for the image's
+/// default user. The key pair is made by `transport::keys::ensure_keypair`.
+pub fn user_data(spec: &MachineSpec, settings: &Ec2Settings) -> Result<String> {
+    let Some(key) = spec.ssh_public_key.as_deref().map(str::trim) else {
+        bail!(
+            "environment {} has no SSH public key to put in user-data",
+            spec.env_id
+        );
+    };
+    if key.contains('\n') || !key.starts_with("ssh-") {
+        bail!(
+            "the SSH public key of environment {} is not one OpenSSH key line",
+            spec.env_id
+        );
+    }
+    let mut text = format!(
+        "#cloud-config\n# dormant environment {}: its own SSH key, for the image's default user ({}).\n\
+         ssh_authorized_keys:\n  - {key}\n",
+        spec.env_id, settings.ssh_user
+    );
+    if settings.ssh_user == "root" {
+        text.push_str("disable_root: false\n");
+    }
+    Ok(aws_smithy_types::base64::encode(text))
+}
+
+pub struct LaunchRequest<'a> {
+    pub spec: &'a MachineSpec,
+    pub settings: &'a Ec2Settings,
+    pub image: &'a ImageInfo,
+    pub instance_type: &'a str,
+    pub client_token: String,
+    pub user_data: String,
+}
+
+/// One RunInstances call (throttling retried inside); returns the instance id.
+/// Capacity errors come back to the capacity loop.
+pub async fn run_instance(client: &Client, req: &LaunchRequest<'_>, ctx: &Ctx) -> Result<String> {
+    let s = req.settings;
+    let sdk_tags: Vec<Tag> = tags(req.spec, s)
+        .into_iter()
+        .map(|(k, v)| Tag::builder().key(k).value(v).build())
+        .collect();
+    let spec_for = |rt: ResourceType| {
+        TagSpecification::builder()
+            .resource_type(rt)
+            .set_tags(Some(sdk_tags.clone()))
+            .build()
+    };
+    let wants_root = s.root_volume_size_gb.is_some()
+        || s.root_volume_type.is_some()
+        || s.root_volume_encrypted.is_some()
+        || s.root_volume_kms_key_id.is_some();
+    let root = if wants_root {
+        let Some(device) = req.image.root_device_name.clone() else {
+            bail!(
+                "image {} reports no root device name, so ec2.root_volume_* cannot be applied",
+                req.image.image_id
+            );
+        };
+        Some(
+            BlockDeviceMapping::builder()
+                .device_name(device)
+                .ebs(
+                    EbsBlockDevice::builder()
+                        .set_volume_size(s.root_volume_size_gb.map(|g| g as i32))
+                        .set_volume_type(s.root_volume_type.as_deref().map(VolumeType::from))
+                        .set_encrypted(s.root_volume_encrypted)
+                        .set_kms_key_id(s.root_volume_kms_key_id.clone())
+                        .delete_on_termination(true)
+                        .build(),
+                )
+                .build(),
+        )
+    } else {
+        None
+    };
+    let profile = s.iam_instance_profile.as_ref().map(|p| {
+        let b = IamInstanceProfileSpecification::builder();
+        if p.starts_with("arn:") {
+            b.arn(p)
+        } else {
+            b.name(p)
+        }
+        .build()
+    });
+    let out = call("RunInstances", ctx, || {
+        client
+            .run_instances()
+            .image_id(&req.image.image_id)
+            .instance_type(InstanceType::from(req.instance_type))
+            .min_count(1)
+            .max_count(1)
+            .set_subnet_id(s.subnet_id.clone())
+            .set_security_group_ids(
+                (!s.security_group_ids.is_empty()).then(|| s.security_group_ids.clone()),
+            )
+            .client_token(&req.client_token)
+            .user_data(&req.user_data)
+            .metadata_options(
+                InstanceMetadataOptionsRequest::builder()
+                    .http_tokens(HttpTokensState::Required)
+                    .http_endpoint(InstanceMetadataEndpointState::Enabled)
+                    .build(),
+            )
+            .tag_specifications(spec_for(ResourceType::Instance))
+            .tag_specifications(spec_for(ResourceType::Volume))
+            .set_block_device_mappings(root.clone().map(|r| vec![r]))
+            .set_iam_instance_profile(profile.clone())
+            .set_hibernation_options((s.suspend_mode == SuspendMode::Hibernate).then(|| {
+                HibernationOptionsRequest::builder()
+                    .configured(true)
+                    .build()
+            }))
+            .send()
+    })
+    .await?;
+    match out.instances().first().and_then(|i| i.instance_id()) {
+        Some(id) => Ok(id.to_string()),
+        None => bail!("EC2 RunInstances answered without an instance"),
+    }
+}

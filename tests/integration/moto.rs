@@ -1,0 +1,475 @@
+//! The EC2 emulator for tests: moto's server mode on 127.0.0.1 (started per
+//! test, killed on drop), and a small HTTP proxy in front of it that records
+//! every EC2 action (to count API calls) and injects what moto cannot produce:
+//! error responses (capacity, throttling, NotFound right after a launch,
+//! UnauthorizedOperation) and slow state transitions (a `running` instance
+//! shown as `pending` for a while).
+//!
+//! Network rule: only loopback. moto hands out 10.x / 54.x addresses for its
+//! instances; nothing here connects to them.
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long moto may take to answer after it was started (measured ≈ 0.4 s).
+const MOTO_START_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub const REGION: &str = "us-east-1";
+pub const ACCESS_KEY: &str = "testing";
+pub const SECRET_KEY: &str = "testing";
+
+fn moto_binary() -> PathBuf {
+    if let Ok(p) = std::env::var("DORMANT_TEST_MOTO_SERVER") {
+        if !p.is_empty() {
+            return PathBuf::from(p);
+        }
+    }
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/moto_server");
+    assert!(
+        p.exists(),
+        "moto (the EC2 emulator) is not installed at {}: run scripts/install-test-deps.sh \
+         (or point DORMANT_TEST_MOTO_SERVER at a moto_server)",
+        p.display()
+    );
+    p
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A moto server on 127.0.0.1, killed on drop.
+pub struct Moto {
+    child: Child,
+    pub port: u16,
+}
+
+impl Moto {
+    pub fn start() -> Moto {
+        let bin = moto_binary();
+        for _ in 0..3 {
+            let port = free_port();
+            let mut child = Command::new(&bin)
+                .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
+            let started = Instant::now();
+            while started.elapsed() < MOTO_START_TIMEOUT {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break; // port taken in between: try another
+                }
+                if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                    return Moto { child, port };
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("moto did not start on 127.0.0.1 ({})", bin.display());
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One EC2 request the proxy saw.
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub at: Instant,
+    pub action: String,
+    pub body: String,
+}
+
+/// An injected error: the next `times` calls of `action`, after `skip` of them pass.
+#[derive(Debug, Clone)]
+struct Fault {
+    action: String,
+    skip: usize,
+    times: usize,
+    status: u16,
+    code: String,
+}
+
+/// While `until` has not passed, DescribeInstances shows instances in state
+/// `real` as `shown` (a slow transition).
+#[derive(Debug, Clone)]
+struct Slow {
+    real: (u8, &'static str),
+    shown: (u8, &'static str),
+    until: Option<Instant>,
+}
+
+#[derive(Default)]
+struct State {
+    calls: Vec<Call>,
+    faults: Vec<Fault>,
+    slow: Vec<Slow>,
+}
+
+/// The recording, fault-injecting proxy. Stops on drop.
+pub struct Proxy {
+    pub port: u16,
+    state: Arc<Mutex<State>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Proxy {
+    pub fn start(upstream: u16) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let state = Arc::new(Mutex::new(State::default()));
+        let stop = Arc::new(AtomicBool::new(false));
+        {
+            let state = state.clone();
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                for conn in listener.incoming() {
+                    if stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    let state = state.clone();
+                    std::thread::spawn(move || {
+                        let _ = serve(conn, upstream, &state);
+                    });
+                }
+            });
+        }
+        Proxy { port, state, stop }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The next `times` calls of `action` (after `skip` pass) fail with `code`.
+    pub fn fail(&self, action: &str, skip: usize, times: usize, status: u16, code: &str) {
+        self.state.lock().unwrap().faults.push(Fault {
+            action: action.into(),
+            skip,
+            times,
+            status,
+            code: code.into(),
+        });
+    }
+
+    /// Shows running instances as pending for `d` (`None`: forever).
+    pub fn slow_launch(&self, d: Option<Duration>) -> Option<Instant> {
+        self.slow((16, "running"), (0, "pending"), d)
+    }
+
+    /// Shows stopped instances as stopping for `d`.
+    pub fn slow_stop(&self, d: Option<Duration>) -> Option<Instant> {
+        self.slow((80, "stopped"), (64, "stopping"), d)
+    }
+
+    fn slow(
+        &self,
+        real: (u8, &'static str),
+        shown: (u8, &'static str),
+        d: Option<Duration>,
+    ) -> Option<Instant> {
+        let until = d.map(|d| Instant::now() + d);
+        self.state
+            .lock()
+            .unwrap()
+            .slow
+            .push(Slow { real, shown, until });
+        until
+    }
+
+    pub fn calls(&self) -> Vec<Call> {
+        self.state.lock().unwrap().calls.clone()
+    }
+
+    pub fn actions(&self) -> Vec<String> {
+        self.calls().into_iter().map(|c| c.action).collect()
+    }
+
+    pub fn count(&self, action: &str) -> usize {
+        self.calls().iter().filter(|c| c.action == action).count()
+    }
+
+    pub fn clear_calls(&self) {
+        self.state.lock().unwrap().calls.clear();
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Reads one HTTP/1.1 message head and its Content-Length body.
+fn read_message(
+    conn: &mut impl Read,
+    eof_without_length: bool,
+) -> std::io::Result<(String, Vec<u8>)> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    let head_end = loop {
+        if let Some(i) = find(&buf, b"\r\n\r\n") {
+            break i;
+        }
+        let n = conn.read(&mut chunk)?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+    let len = head
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim()
+                .eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse::<usize>().ok())?
+        })
+        .unwrap_or(if eof_without_length { usize::MAX } else { 0 });
+    let mut body = buf[head_end + 4..].to_vec();
+    while body.len() < len {
+        let n = conn.read(&mut chunk)?;
+        if n == 0 {
+            break;
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    Ok((head, body))
+}
+
+fn form_value(body: &str, key: &str) -> Option<String> {
+    body.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k == key).then(|| v.to_string())
+    })
+}
+
+fn respond(conn: &mut TcpStream, status: u16, body: &[u8]) -> std::io::Result<()> {
+    write!(
+        conn,
+        "HTTP/1.1 {status} X\r\nContent-Type: text/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    conn.write_all(body)?;
+    conn.flush()
+}
+
+fn serve(mut conn: TcpStream, upstream: u16, state: &Mutex<State>) -> std::io::Result<()> {
+    let (head, body) = read_message(&mut conn, false)?;
+    let text = String::from_utf8_lossy(&body).to_string();
+    let action = form_value(&text, "Action").unwrap_or_else(|| "?".into());
+    let fault = {
+        let mut st = state.lock().unwrap();
+        st.calls.push(Call {
+            at: Instant::now(),
+            action: action.clone(),
+            body: text.clone(),
+        });
+        let mut hit = None;
+        for f in st.faults.iter_mut().filter(|f| f.action == action) {
+            if f.skip > 0 {
+                f.skip -= 1;
+                continue;
+            }
+            if f.times > 0 {
+                f.times -= 1;
+                hit = Some(f.clone());
+                break;
+            }
+        }
+        hit
+    };
+    if let Some(f) = fault {
+        let xml = format!(
+            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Response><Errors><Error><Code>{}</Code>\
+             <Message>injected by the test proxy</Message></Error></Errors><RequestID>fault</RequestID></Response>",
+            f.code
+        );
+        return respond(&mut conn, f.status, xml.as_bytes());
+    }
+    // Forward with Connection: close, then read moto's answer to the end.
+    let mut up = TcpStream::connect(("127.0.0.1", upstream))?;
+    let mut new_head = String::new();
+    for line in head.lines() {
+        let lower = line.to_ascii_lowercase();
+        if lower.starts_with("connection:") || lower.starts_with("keep-alive:") {
+            continue;
+        }
+        new_head.push_str(line);
+        new_head.push_str("\r\n");
+    }
+    new_head.push_str("Connection: close\r\n\r\n");
+    up.write_all(new_head.as_bytes())?;
+    up.write_all(&body)?;
+    let (resp_head, mut resp_body) = read_message(&mut up, true)?;
+    if action == "DescribeInstances" {
+        let mut xml = String::from_utf8_lossy(&resp_body).to_string();
+        let now = Instant::now();
+        for s in state.lock().unwrap().slow.iter() {
+            if s.until.is_none_or(|u| now < u) {
+                xml = xml.replace(
+                    &format!(
+                        "<instanceState><code>{}</code><name>{}</name></instanceState>",
+                        s.real.0, s.real.1
+                    ),
+                    &format!(
+                        "<instanceState><code>{}</code><name>{}</name></instanceState>",
+                        s.shown.0, s.shown.1
+                    ),
+                );
+            }
+        }
+        resp_body = xml.into_bytes();
+    }
+    let mut out = String::new();
+    for line in resp_head.lines() {
+        if line.to_ascii_lowercase().starts_with("content-length:") {
+            continue;
+        }
+        out.push_str(line);
+        out.push_str("\r\n");
+    }
+    out.push_str(&format!("Content-Length: {}\r\n\r\n", resp_body.len()));
+    conn.write_all(out.as_bytes())?;
+    conn.write_all(&resp_body)?;
+    conn.flush()?;
+    let _ = conn.shutdown(Shutdown::Both);
+    Ok(())
+}
+
+/// Plays cloud-init for a loopback test sshd: reads the user-data of the
+/// emulator's instances and writes their `ssh_authorized_keys` into an
+/// `authorized_keys` file, so an end-to-end job (EC2 from moto, SSH through
+/// `ec2.connect_address` to the test sshd) logs in with the environment's own
+/// key delivered exactly the way it reaches a real instance. Stops on drop.
+pub struct CloudInit {
+    stop: Arc<AtomicBool>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CloudInit {
+    pub fn start(moto_url: String, authorized_keys: PathBuf) -> CloudInit {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let client = direct_client(&moto_url);
+                let mut seen = std::collections::BTreeSet::new();
+                let mut keys = std::collections::BTreeSet::new();
+                while !flag.load(Ordering::SeqCst) {
+                    if let Ok(out) = client.describe_instances().send().await {
+                        for id in out
+                            .reservations()
+                            .iter()
+                            .flat_map(|r| r.instances())
+                            .filter_map(|i| i.instance_id())
+                        {
+                            if seen.contains(id) {
+                                continue;
+                            }
+                            let Ok(attr) = client
+                                .describe_instance_attribute()
+                                .instance_id(id)
+                                .attribute(aws_sdk_ec2::types::InstanceAttributeName::UserData)
+                                .send()
+                                .await
+                            else {
+                                continue;
+                            };
+                            seen.insert(id.to_string());
+                            let data = attr
+                                .user_data()
+                                .and_then(|u| u.value())
+                                .and_then(|v| aws_smithy_types::base64::decode(v).ok())
+                                .map(|b| String::from_utf8_lossy(&b).to_string())
+                                .unwrap_or_default();
+                            keys.extend(authorized_keys_of(&data));
+                        }
+                        let text: String = keys.iter().map(|k| format!("{k}\n")).collect();
+                        let tmp = authorized_keys.with_extension("tmp");
+                        if std::fs::write(&tmp, text).is_ok() {
+                            let _ = std::fs::rename(&tmp, &authorized_keys);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            });
+        });
+        CloudInit {
+            stop,
+            handle: Some(handle),
+        }
+    }
+}
+
+impl Drop for CloudInit {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The `ssh_authorized_keys` entries of a `#cloud-config` document.
+pub fn authorized_keys_of(user_data: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut inside = false;
+    for line in user_data.lines() {
+        if line.starts_with("ssh_authorized_keys:") {
+            inside = true;
+        } else if inside {
+            match line.strip_prefix("  - ") {
+                Some(k) => out.push(k.trim().to_string()),
+                None => inside = false,
+            }
+        }
+    }
+    out
+}
+
+/// A client straight to moto (not through a proxy), with the test credentials.
+pub fn direct_client(url: &str) -> aws_sdk_ec2::Client {
+    use aws_sdk_ec2::config::{BehaviorVersion, Credentials, Region};
+    let conf = aws_sdk_ec2::config::Builder::new()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new(REGION))
+        .endpoint_url(url)
+        .credentials_provider(Credentials::new(ACCESS_KEY, SECRET_KEY, None, None, "test"))
+        .build();
+    aws_sdk_ec2::Client::from_conf(conf)
+}
