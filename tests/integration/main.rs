@@ -5,6 +5,8 @@
 mod core;
 #[cfg(feature = "ec2")]
 mod ec2;
+#[cfg(feature = "ec2")]
+mod ec2_job;
 mod harness;
 #[cfg(feature = "ec2")]
 mod moto;

@@ -1,0 +1,198 @@
+//! A whole job, and its resume, through the built binary with EC2 from the
+//! emulator and SSH to a loopback sshd: GitLab Runner's calls (runner_sim) →
+//! dormant → moto (through the recording proxy) for the instance, and →
+//! `ec2.connect_address` (127.0.0.1:<sshd>) for the scripts. The environment's
+//! key reaches the sshd the way it reaches a real instance: from the instance's
+//! user-data (the `CloudInit` stand-in copies it into `authorized_keys`).
+//!
+//! Network rule: the instance addresses moto hands out are never contacted.
+
+use aws_sdk_ec2::types::{Filter, InstanceStateName};
+
+use crate::harness::{self, assert_result, JobResult, Rig};
+use crate::moto::{direct_client, CloudInit, Moto, Proxy, ACCESS_KEY, REGION, SECRET_KEY};
+use crate::sshd::Sshd;
+
+const CANONICAL: &str = "099720109477";
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
+
+/// A default subnet and an EBS-backed image from moto's catalogue.
+fn subnet_and_image(moto_url: &str) -> (String, String) {
+    block_on(async {
+        let c = direct_client(moto_url);
+        let subnets = c.describe_subnets().send().await.unwrap();
+        let subnet = subnets
+            .subnets()
+            .iter()
+            .filter(|s| s.default_for_az() == Some(true))
+            .filter_map(|s| s.subnet_id())
+            .min()
+            .unwrap()
+            .to_string();
+        let images = c
+            .describe_images()
+            .owners(CANONICAL)
+            .filters(
+                Filter::builder()
+                    .name("name")
+                    .values("ubuntu/images/hvm-ssd/ubuntu-*")
+                    .build(),
+            )
+            .send()
+            .await
+            .unwrap();
+        let image = images
+            .images()
+            .iter()
+            .find_map(|i| i.image_id())
+            .unwrap()
+            .to_string();
+        (subnet, image)
+    })
+}
+
+fn instance_state(moto_url: &str, id: &str) -> InstanceStateName {
+    block_on(async {
+        let c = direct_client(moto_url);
+        let out = c
+            .describe_instances()
+            .instance_ids(id)
+            .send()
+            .await
+            .unwrap();
+        out.reservations()[0].instances()[0]
+            .state()
+            .unwrap()
+            .name()
+            .unwrap()
+            .clone()
+    })
+}
+
+#[test]
+fn a_job_suspends_its_instance_and_a_later_job_resumes_it_then_releases_it() {
+    let moto = Moto::start();
+    let proxy = Proxy::start(moto.port);
+    let sshd = Sshd::start();
+    let _cloud_init = CloudInit::start(moto.url(), sshd.dir.path().join("authorized_keys"));
+    let (subnet, image) = subnet_and_image(&moto.url());
+    // Every "instance" is this host's sshd: give this test its own builds dir on it.
+    let host_dir = tempfile::tempdir().unwrap();
+    let settings = format!(
+        "provider = \"ec2\"\n[ssh]\nready_timeout = \"60s\"\n[ec2]\nregion = \"{REGION}\"\nendpoint_url = \"{}\"\n\
+         subnet_id = \"{subnet}\"\nimage = \"{image}\"\nssh_user = \"root\"\n\
+         connect_address = \"127.0.0.1:{}\"\nbuilds_dir = \"{}/builds\"\ncache_dir = \"{}/cache\"\n",
+        proxy.url(),
+        sshd.port,
+        host_dir.path().display(),
+        host_dir.path().display(),
+    );
+    let mut rig = Rig::new("7", "s_0123456789ab", &settings);
+    for (k, v) in [
+        ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+        ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+        // Keeps the credential chain off the instance-metadata address: loopback only.
+        ("AWS_EC2_METADATA_DISABLED", "true"),
+    ] {
+        rig.runner.env.insert(k.into(), v.into());
+    }
+
+    // Job 1: a fresh instance, suspended on success.
+    let handshakes = sshd.connections();
+    let first = harness::job(5)
+        .suspend_on(true, false)
+        .script("echo 'agent state' > progress.txt; echo \"key: $DORMANT_ENVIRONMENT_KEY\"");
+    let r1 = rig.run(&first);
+    assert_result(&r1, JobResult::Success);
+    let job1_calls = proxy.actions();
+    let key = r1.key.clone().expect("the key is printed");
+    let instance = key
+        .split('&')
+        .find_map(|f| f.strip_prefix("instance="))
+        .unwrap_or_else(|| panic!("the key names the instance: {key}"))
+        .to_string();
+    assert!(
+        key.contains("provider=ec2") && key.contains(&format!("region={REGION}")),
+        "{key}"
+    );
+    assert!(r1.log().contains(&format!("key: {key}")), "{}", r1.log());
+    assert_eq!(
+        sshd.connections() - handshakes,
+        1,
+        "one SSH handshake for the whole job"
+    );
+    assert_eq!(
+        instance_state(&moto.url(), &instance),
+        InstanceStateName::Stopped
+    );
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert_eq!(
+        job1_calls.iter().filter(|a| *a == "RunInstances").count(),
+        1,
+        "{job1_calls:?}"
+    );
+    assert_eq!(
+        job1_calls.iter().filter(|a| *a == "StopInstances").count(),
+        1,
+        "{job1_calls:?}"
+    );
+    assert!(
+        !job1_calls.iter().any(|a| a == "TerminateInstances"),
+        "{job1_calls:?}"
+    );
+
+    // Job 2: resumes the same instance, finds the file, skips get_sources, releases.
+    proxy.clear_calls();
+    let handshakes = sshd.connections();
+    let mut second = harness::job(5)
+        .resume(&key)
+        .script("cat progress.txt; test ! -e .fetched-again");
+    second.get_sources = "touch .fetched-again".into();
+    let r2 = rig.run(&second);
+    assert_result(&r2, JobResult::Success);
+    assert!(r2.log().contains("agent state"), "{}", r2.log());
+    assert!(r2.log().contains("skipping get_sources"), "{}", r2.log());
+    assert_eq!(
+        r1.config.as_ref().unwrap()["builds_dir"],
+        r2.config.as_ref().unwrap()["builds_dir"]
+    );
+    assert_eq!(
+        sshd.connections() - handshakes,
+        1,
+        "one SSH handshake for the resumed job"
+    );
+    let job2_calls = proxy.actions();
+    assert!(
+        !job2_calls.iter().any(|a| a == "RunInstances"),
+        "the same instance, not a new one: {job2_calls:?}"
+    );
+    assert_eq!(
+        job2_calls.iter().filter(|a| *a == "StartInstances").count(),
+        1,
+        "{job2_calls:?}"
+    );
+    assert_eq!(
+        job2_calls
+            .iter()
+            .filter(|a| *a == "TerminateInstances")
+            .count(),
+        1,
+        "{job2_calls:?}"
+    );
+    assert!(matches!(
+        instance_state(&moto.url(), &instance),
+        InstanceStateName::Terminated | InstanceStateName::ShuttingDown
+    ));
+    assert!(
+        !rig.env_dir(&key).exists(),
+        "released: nothing left in the registry"
+    );
+    println!("job 1 EC2 calls: {job1_calls:?}\njob 2 EC2 calls: {job2_calls:?}");
+}
