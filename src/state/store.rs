@@ -111,39 +111,41 @@ pub struct FileLock {
 
 impl FileLock {
     /// Takes the lock, retrying until `timeout`; the error names the lock file.
+    /// Blocking: for sync callers and short waits (record locks are held for
+    /// milliseconds). Async code that may wait long uses [`FileLock::acquire_async`].
     pub fn acquire(path: &Path, timeout: Duration, what: &str) -> Result<FileLock> {
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .mode(0o600)
-            .open(path)
-            .with_context(|| format!("opening lock file {}", path.display()))?;
         let start = Instant::now();
         let mut pause = Duration::from_millis(2);
         loop {
-            match file.try_lock() {
-                Ok(()) => {
-                    return Ok(FileLock {
-                        file,
-                        path: path.to_path_buf(),
-                    })
-                }
-                Err(fs::TryLockError::WouldBlock) => {
-                    if start.elapsed() >= timeout {
-                        bail!(
-                            "{what} is locked by another dormant process (lock file {}); gave up after {} s",
-                            path.display(),
-                            timeout.as_secs()
-                        );
-                    }
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(100));
-                }
-                Err(fs::TryLockError::Error(e)) => {
-                    return Err(e).with_context(|| format!("locking {}", path.display()))
-                }
+            if let Some(lock) = FileLock::try_acquire(path)? {
+                return Ok(lock);
             }
+            if start.elapsed() >= timeout {
+                bail!(
+                    "{what} is locked by another dormant process (lock file {}); gave up after {} s",
+                    path.display(),
+                    timeout.as_secs()
+                );
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(100));
+        }
+    }
+
+    /// Takes the lock without blocking the async runtime, bounded by `ctx`
+    /// (its deadline and SIGTERM).
+    pub async fn acquire_async(
+        path: &Path,
+        ctx: &crate::context::Ctx,
+        what: &str,
+    ) -> Result<FileLock> {
+        loop {
+            if let Some(lock) = FileLock::try_acquire(path)? {
+                return Ok(lock);
+            }
+            ctx.sleep(Duration::from_millis(50), what)
+                .await
+                .with_context(|| format!("lock file {}", path.display()))?;
         }
     }
 

@@ -22,13 +22,13 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::harness::{self, JobResult};
-use crate::moto::{direct_client, CloudInit, Moto, Proxy, ACCESS_KEY, REGION, SECRET_KEY};
+use crate::moto::{
+    catalogue_image, default_subnet, direct_client, CloudInit, Moto, Proxy, ACCESS_KEY, CANONICAL,
+    REGION, SECRET_KEY, UBUNTU_PATTERN,
+};
 
 const TEST_KEY: &str =
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDormantTestKeyDormantTestKeyDormantTest dormant-test";
-const CANONICAL: &str = "099720109477";
-/// Two of moto's catalogue images match it; the xenial one is the newest by name.
-const UBUNTU_PATTERN: &str = "ubuntu/images/hvm-ssd/ubuntu-*";
 
 struct Ec2 {
     moto: Moto,
@@ -75,34 +75,8 @@ async fn rig(extra: &[(&str, &str)]) -> Ec2 {
     let moto = Moto::start();
     let proxy = Proxy::start(moto.port);
     let direct = direct_client(&moto.url());
-    let subnets = direct.describe_subnets().send().await.unwrap();
-    let subnet = subnets
-        .subnets()
-        .iter()
-        .filter(|s| s.default_for_az() == Some(true))
-        .filter_map(|s| s.subnet_id())
-        .min()
-        .unwrap()
-        .to_string();
-    let images = direct
-        .describe_images()
-        .owners(CANONICAL)
-        .filters(
-            Filter::builder()
-                .name("name")
-                .values(UBUNTU_PATTERN)
-                .build(),
-        )
-        .send()
-        .await
-        .unwrap();
-    let image = images
-        .images()
-        .iter()
-        .filter(|i| i.name().unwrap_or("").contains("xenial"))
-        .find_map(|i| i.image_id())
-        .expect("moto's catalogue has an ubuntu xenial image")
-        .to_string();
+    let subnet = default_subnet(&direct).await;
+    let image = catalogue_image(&direct, "xenial").await;
     let dir = tempfile::tempdir().unwrap();
     let store = StateStore::open(&dir.path().join("state")).unwrap();
     let system_id = format!("s_{}", &Uuid::new_v4().simple().to_string()[..12]);

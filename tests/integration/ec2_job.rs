@@ -7,13 +7,14 @@
 //!
 //! Network rule: the instance addresses moto hands out are never contacted.
 
-use aws_sdk_ec2::types::{Filter, InstanceStateName};
+use aws_sdk_ec2::types::InstanceStateName;
 
 use crate::harness::{self, assert_result, JobResult, Rig};
-use crate::moto::{direct_client, CloudInit, Moto, Proxy, ACCESS_KEY, REGION, SECRET_KEY};
+use crate::moto::{
+    catalogue_image, default_subnet, direct_client, CloudInit, Moto, Proxy, ACCESS_KEY, REGION,
+    SECRET_KEY,
+};
 use crate::sshd::Sshd;
-
-const CANONICAL: &str = "099720109477";
 
 fn block_on<F: std::future::Future>(f: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread()
@@ -21,41 +22,6 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
         .build()
         .unwrap()
         .block_on(f)
-}
-
-/// A default subnet and an EBS-backed image from moto's catalogue.
-fn subnet_and_image(moto_url: &str) -> (String, String) {
-    block_on(async {
-        let c = direct_client(moto_url);
-        let subnets = c.describe_subnets().send().await.unwrap();
-        let subnet = subnets
-            .subnets()
-            .iter()
-            .filter(|s| s.default_for_az() == Some(true))
-            .filter_map(|s| s.subnet_id())
-            .min()
-            .unwrap()
-            .to_string();
-        let images = c
-            .describe_images()
-            .owners(CANONICAL)
-            .filters(
-                Filter::builder()
-                    .name("name")
-                    .values("ubuntu/images/hvm-ssd/ubuntu-*")
-                    .build(),
-            )
-            .send()
-            .await
-            .unwrap();
-        let image = images
-            .images()
-            .iter()
-            .find_map(|i| i.image_id())
-            .unwrap()
-            .to_string();
-        (subnet, image)
-    })
 }
 
 fn instance_state(moto_url: &str, id: &str) -> InstanceStateName {
@@ -82,7 +48,13 @@ fn a_job_suspends_its_instance_and_a_later_job_resumes_it_then_releases_it() {
     let proxy = Proxy::start(moto.port);
     let sshd = Sshd::start();
     let _cloud_init = CloudInit::start(moto.url(), sshd.dir.path().join("authorized_keys"));
-    let (subnet, image) = subnet_and_image(&moto.url());
+    let (subnet, image) = block_on(async {
+        let c = direct_client(&moto.url());
+        (
+            default_subnet(&c).await,
+            catalogue_image(&c, "ubuntu").await,
+        )
+    });
     // Every "instance" is this host's sshd: give this test its own builds dir on it.
     let host_dir = tempfile::tempdir().unwrap();
     let settings = format!(

@@ -124,3 +124,12 @@ pub fn process_running(pid: i32) -> bool {
         Err(_) => false,
     }
 }
+
+/// A free TCP port on loopback for a test server.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

@@ -18,6 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::harness::free_port;
+
 /// How long moto may take to answer after it was started (measured ≈ 0.4 s).
 const MOTO_START_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -39,14 +41,6 @@ fn moto_binary() -> PathBuf {
         p.display()
     );
     p
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A moto server on 127.0.0.1, killed on drop.
@@ -472,4 +466,45 @@ pub fn direct_client(url: &str) -> aws_sdk_ec2::Client {
         .credentials_provider(Credentials::new(ACCESS_KEY, SECRET_KEY, None, None, "test"))
         .build();
     aws_sdk_ec2::Client::from_conf(conf)
+}
+
+/// The lowest-numbered default subnet of moto's default VPC.
+pub async fn default_subnet(client: &aws_sdk_ec2::Client) -> String {
+    let subnets = client.describe_subnets().send().await.unwrap();
+    subnets
+        .subnets()
+        .iter()
+        .filter(|s| s.default_for_az() == Some(true))
+        .filter_map(|s| s.subnet_id())
+        .min()
+        .unwrap()
+        .to_string()
+}
+
+/// Canonical's account in moto's image catalogue.
+pub const CANONICAL: &str = "099720109477";
+/// Two of moto's catalogue images match it; the xenial one is the newest by name.
+pub const UBUNTU_PATTERN: &str = "ubuntu/images/hvm-ssd/ubuntu-*";
+
+/// An image of moto's catalogue matching `UBUNTU_PATTERN` whose name contains `name_part`.
+pub async fn catalogue_image(client: &aws_sdk_ec2::Client, name_part: &str) -> String {
+    let images = client
+        .describe_images()
+        .owners(CANONICAL)
+        .filters(
+            aws_sdk_ec2::types::Filter::builder()
+                .name("name")
+                .values(UBUNTU_PATTERN)
+                .build(),
+        )
+        .send()
+        .await
+        .unwrap();
+    images
+        .images()
+        .iter()
+        .filter(|i| i.name().unwrap_or("").contains(name_part))
+        .find_map(|i| i.image_id())
+        .unwrap_or_else(|| panic!("moto's catalogue has an ubuntu image named *{name_part}*"))
+        .to_string()
 }

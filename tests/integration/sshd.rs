@@ -9,10 +9,11 @@
 #![allow(dead_code)]
 
 use std::io::Write;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::harness::free_port;
 
 /// How long sshd may take to say it is listening.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -197,14 +198,6 @@ pub fn keygen(path: &Path) {
         .output()
         .expect("ssh-keygen (openssh-client): run scripts/install-test-deps.sh");
     assert!(out.status.success(), "{out:?}");
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Pids whose parent is `pid`.

@@ -13,10 +13,9 @@ use aws_sdk_ec2::Client;
 use serde::{Deserialize, Serialize};
 
 use super::errors::{api_error, ErrorKind};
-use super::image::lock_async;
 use super::instance::{self, tag, tag_filter, LIVE_STATES};
 use crate::context::{Backoff, Ctx};
-use crate::state::store::{read_json, write_json, FORMAT_VERSION};
+use crate::state::store::{read_json, write_json, FileLock, FORMAT_VERSION};
 use crate::state::{now_unix, StateStore};
 
 /// Capacity comes back in seconds (a slot freed by another job) to minutes
@@ -91,28 +90,18 @@ impl Capacity<'_> {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<String>>,
     {
-        let started = Instant::now();
-        let mut backoff = Backoff::new(CAPACITY_FIRST, CAPACITY_MAX);
-        let mut last_reason: Option<String> = None;
+        let mut wait = CapacityWait::new();
         loop {
             let attempt = async {
-                if last_reason.is_some() {
-                    ctx.sleep(backoff.next_delay(), "waiting for capacity")
-                        .await?;
-                }
+                wait.pause(ctx).await?;
                 self.try_launch(ctx, &mut launch).await
             }
             .await;
-            let reason = match attempt {
+            match attempt {
                 Ok(Ok(id)) => return Ok(id),
-                Ok(Err(reason)) => reason,
-                Err(e) => return Err(with_reason(e, started, &last_reason)),
-            };
-            ctx.log.info(format!(
-                "waiting for capacity: {reason}, {} s",
-                started.elapsed().as_secs()
-            ));
-            last_reason = Some(reason);
+                Ok(Err(reason)) => wait.no_capacity(ctx, reason),
+                Err(e) => return Err(wait.failed(e)),
+            }
         }
     }
 
@@ -131,7 +120,8 @@ impl Capacity<'_> {
         let (ledger_path, lock_path) = self.paths();
         crate::state::store::ensure_private_dir(ledger_path.parent().expect("ec2 dir"))?;
         // Held from the count through RunInstances only; never while sleeping.
-        let _lock = lock_async(&lock_path, ctx, "waiting for the capacity lock").await?;
+        let _lock =
+            FileLock::acquire_async(&lock_path, ctx, "waiting for the capacity lock").await?;
         let mut ledger = read_json::<Ledger>(&ledger_path)?.unwrap_or_default();
         let now = now_unix();
         ledger
@@ -159,44 +149,69 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<()>>,
 {
-    let started = Instant::now();
-    let mut backoff = Backoff::new(CAPACITY_FIRST, CAPACITY_MAX);
-    let mut last_reason: Option<String> = None;
+    let mut wait = CapacityWait::new();
     loop {
         let attempt = async {
-            if last_reason.is_some() {
-                ctx.sleep(backoff.next_delay(), "waiting for capacity")
-                    .await?;
-            }
+            wait.pause(ctx).await?;
             match op().await {
                 Ok(()) => Ok(None),
                 Err(e) => capacity_reason(e).map(Some),
             }
         }
         .await;
-        let reason = match attempt {
+        match attempt {
             Ok(None) => return Ok(()),
-            Ok(Some(reason)) => reason,
-            Err(e) => return Err(with_reason(e, started, &last_reason)),
-        };
-        ctx.log.info(format!(
-            "waiting for capacity: {reason}, {} s",
-            started.elapsed().as_secs()
-        ));
-        last_reason = Some(reason);
+            Ok(Some(reason)) => wait.no_capacity(ctx, reason),
+            Err(e) => return Err(wait.failed(e)),
+        }
     }
 }
 
-/// An error after capacity waits (usually the deadline) says what was waited for.
-fn with_reason(e: anyhow::Error, started: Instant, last: &Option<String>) -> anyhow::Error {
-    match last {
-        Some(reason) => e.context(format!(
-            "no capacity after {} s: {reason}; raise ec2.max_environments, release suspended environments \
-             (`dormant list`, `dormant release KEY`), pick another instance type or subnet, or raise \
-             prepare_timeout",
-            started.elapsed().as_secs()
-        )),
-        None => e,
+/// The bookkeeping of one capacity wait: backoff between attempts, a progress
+/// line per refusal, and the last reason attached to the final error.
+struct CapacityWait {
+    started: Instant,
+    backoff: Backoff,
+    last_reason: Option<String>,
+}
+
+impl CapacityWait {
+    fn new() -> Self {
+        CapacityWait {
+            started: Instant::now(),
+            backoff: Backoff::new(CAPACITY_FIRST, CAPACITY_MAX),
+            last_reason: None,
+        }
+    }
+
+    /// Sleeps before every attempt but the first.
+    async fn pause(&mut self, ctx: &Ctx) -> Result<()> {
+        if self.last_reason.is_some() {
+            ctx.sleep(self.backoff.next_delay(), "waiting for capacity")
+                .await?;
+        }
+        Ok(())
+    }
+
+    fn no_capacity(&mut self, ctx: &Ctx, reason: String) {
+        ctx.log.info(format!(
+            "waiting for capacity: {reason}, {} s",
+            self.started.elapsed().as_secs()
+        ));
+        self.last_reason = Some(reason);
+    }
+
+    /// An error after capacity waits (usually the deadline) says what was waited for.
+    fn failed(&self, e: anyhow::Error) -> anyhow::Error {
+        match &self.last_reason {
+            Some(reason) => e.context(format!(
+                "no capacity after {} s: {reason}; raise ec2.max_environments, release suspended environments \
+                 (`dormant list`, `dormant release KEY`), pick another instance type or subnet, or raise \
+                 prepare_timeout",
+                self.started.elapsed().as_secs()
+            )),
+            None => e,
+        }
     }
 }
 

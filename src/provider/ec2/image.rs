@@ -6,7 +6,6 @@
 //! lock, so N concurrent prepares of one image make one DescribeImages call.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use aws_sdk_ec2::Client;
@@ -19,9 +18,6 @@ use crate::provider::Refusal;
 use crate::settings::ec2::{is_ami_id, Ec2Settings};
 use crate::state::store::{read_json, write_json, FORMAT_VERSION};
 use crate::state::{now_unix, FileLock, StateStore};
-
-/// How often a waiting prepare checks whether the image lock is free.
-const LOCK_POLL: Duration = Duration::from_millis(50);
 
 /// Picks the image request (id or pattern) for a job, enforcing the allow-list.
 /// Returns the request and, when the job's image was ignored, why.
@@ -102,7 +98,7 @@ impl ImageResolver<'_> {
     pub async fn resolve(&self, client: &Client, request: &str, ctx: &Ctx) -> Result<ImageInfo> {
         let (file, lock_path) = self.cache_paths(request);
         crate::state::store::ensure_private_dir(file.parent().expect("cache dir"))?;
-        let _lock = lock_async(
+        let _lock = FileLock::acquire_async(
             &lock_path,
             ctx,
             &format!("waiting for the lookup of image {request:?}"),
@@ -194,16 +190,6 @@ impl ImageResolver<'_> {
             ));
         }
         Ok(info)
-    }
-}
-
-/// Takes a file lock without blocking the async runtime, bounded by `ctx`.
-pub async fn lock_async(path: &std::path::Path, ctx: &Ctx, what: &str) -> Result<FileLock> {
-    loop {
-        if let Some(lock) = FileLock::try_acquire(path)? {
-            return Ok(lock);
-        }
-        ctx.sleep(LOCK_POLL, what).await?;
     }
 }
 
