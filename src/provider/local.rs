@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 
-use super::{Dirs, Machine, MachineSpec, MachineState, ManagedMachine, Provider, Target};
+use super::{
+    Dirs, Machine, MachineGone, MachineSpec, MachineState, ManagedMachine, Provider, Target,
+};
 use crate::context::Ctx;
 use crate::state::{EnvPaths, StateStore};
 
@@ -78,10 +80,11 @@ impl Provider for LocalProvider {
     async fn start(&self, machine: &Machine, _ctx: &Ctx) -> Result<Machine> {
         let dir = self.checked_dir(machine)?;
         if !dir.is_dir() {
-            bail!(
+            return Err(MachineGone(format!(
                 "the environment's directory {} is gone: its files cannot be resumed",
                 dir.display()
-            );
+            ))
+            .into());
         }
         Ok(machine.clone())
     }

@@ -55,6 +55,13 @@ impl Machine {
 #[error("{0}")]
 pub struct Refusal(pub String);
 
+/// The machine of a suspended environment no longer exists (terminated or
+/// deleted outside dormant): a resume cannot succeed however often the runner
+/// retries it, so prepare reports it once, as a refusal.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct MachineGone(pub String);
+
 /// What a provider needs to create (or reclaim) the machine of an environment.
 #[derive(Debug, Clone)]
 pub struct MachineSpec {

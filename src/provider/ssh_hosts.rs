@@ -22,7 +22,9 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::{Machine, MachineSpec, MachineState, ManagedMachine, Provider, SshTarget, Target};
+use super::{
+    Machine, MachineGone, MachineSpec, MachineState, ManagedMachine, Provider, SshTarget, Target,
+};
 use crate::context::{Backoff, Ctx};
 use crate::settings::ssh::{SshHost, SshSettings};
 use crate::state::store::{self, FileLock, FORMAT_VERSION};
@@ -282,9 +284,10 @@ impl Provider for SshHostsProvider {
             )
             .await?;
         if !out.contains("present") {
-            bail!(
+            return Err(MachineGone(format!(
                 "the workspace {ws} of environment {env} is gone from SSH host {name}: its files cannot be resumed"
-            );
+            ))
+            .into());
         }
         Ok(machine.clone())
     }

@@ -16,7 +16,7 @@ use anyhow::{Context, Result};
 use crate::context::Ctx;
 use crate::envkey::EnvironmentKey;
 use crate::exit::Failure;
-use crate::provider::{Machine, MachineSpec, Refusal};
+use crate::provider::{Machine, MachineGone, MachineSpec, Refusal};
 use crate::state::job::LockedJob;
 use crate::state::{now_unix, EnvPaths, EnvStatus, EnvironmentRecord, JobState, Mode};
 
@@ -255,7 +255,16 @@ async fn prepare_resume(
         .provider
         .start(&machine, ctx)
         .await
-        .with_context(|| format!("resuming environment {env_id}; it stays suspended"))?;
+        .map_err(|e| {
+            if e.downcast_ref::<MachineGone>().is_some() {
+                Failure::Refused(e.context(format!(
+                    "environment {env_id} cannot be resumed: its machine is gone; run the job without \
+                     the key to start a new environment (`dormant release {env_id}` forgets this one)"
+                )))
+            } else {
+                Failure::System(e.context(format!("resuming environment {env_id}; it stays suspended")))
+            }
+        })?;
     update_record(&paths, |rec| rec.machine = Some(machine.clone()))?;
 
     connect(s, &paths, &machine, ctx)

@@ -641,3 +641,35 @@ fn script_output_reaches_the_job_log_live_not_at_the_end() {
         call.elapsed
     );
 }
+
+#[test]
+fn a_machine_deleted_behind_our_back_fails_the_resume_once_and_clearly() {
+    let rig = rig();
+    let key = suspended_env(&rig, 5);
+    std::fs::remove_dir_all(rig.env_dir(&key).join("work")).unwrap();
+    let r = rig.run(&job(5).resume(&key));
+    assert_result(&r, JobResult::BuildFailure(None));
+    assert_eq!(
+        r.prepare_attempts, 1,
+        "retrying cannot bring the files back"
+    );
+    assert!(r.log().contains("its machine is gone"), "{}", r.log());
+    assert!(
+        r.log().contains("run the job without the key"),
+        "{}",
+        r.log()
+    );
+    assert!(
+        !r.ran("build_script"),
+        "no fresh environment was made instead"
+    );
+    // The record stays for the operator to look at and forget.
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    let out = rig.dormant(&["release", &key]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!rig.env_dir(&key).exists());
+}

@@ -493,6 +493,10 @@ async fn suspend_resume_release_state_machine_rereads_the_address() {
     // And resuming a terminated environment says its disk is gone.
     let e = p.start(&m, &rig.ctx(30)).await.unwrap_err();
     assert!(err_text(&e).contains("disk is gone"), "{e:#}");
+    assert!(
+        e.downcast_ref::<dormant::provider::MachineGone>().is_some(),
+        "typed, so prepare refuses it once instead of retrying: {e:#}"
+    );
 }
 
 #[tokio::test]

@@ -33,7 +33,8 @@ use self::instance::{tag, tag_filter, InstanceInfo};
 use self::launch::LaunchRequest;
 use self::wait::{wait_for, Want};
 use super::{
-    Machine, MachineSpec, MachineState, ManagedMachine, Provider, Refusal, SshTarget, Target,
+    Machine, MachineGone, MachineSpec, MachineState, ManagedMachine, Provider, Refusal, SshTarget,
+    Target,
 };
 use crate::context::Ctx;
 use crate::settings::ec2::{
@@ -407,14 +408,18 @@ impl Provider for Ec2Provider {
         let (client, region) = self.client_for(machine).await?;
         let id = &machine.id;
         let Some(info) = instance::describe(&client, id, &ctx).await? else {
-            bail!("instance {id} no longer exists in {region}: the environment's disk is gone");
+            return Err(MachineGone(format!(
+                "instance {id} no longer exists in {region}: the environment's disk is gone"
+            ))
+            .into());
         };
         self.verify_tags(machine, &info, "start")?;
         if info.state == MachineState::Gone {
-            bail!(
+            return Err(MachineGone(format!(
                 "instance {id} is {}: the environment's disk is gone",
                 info.state_name
-            );
+            ))
+            .into());
         }
         ctx.log
             .info(format!("starting instance {id} ({})", info.state_name));
