@@ -81,7 +81,8 @@ pub async fn cleanup(s: &Session) -> Result<(), Failure> {
 }
 
 async fn cleanup_job(s: &Session, ctx: &Ctx) -> Result<()> {
-    let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id())?;
+    // Cleanup is never cancelled with the job: a SIGTERM must not stop it here.
+    let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id(), &ctx.uncancellable()).await?;
     let Some(state) = locked.load()? else {
         // Prepare never saved anything (config failed, or cleanup already ran).
         return Ok(());

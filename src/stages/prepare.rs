@@ -28,7 +28,7 @@ pub async fn prepare(s: &Session) -> Result<(), Failure> {
         s.cancel.clone(),
         s.settings.prepare_timeout.get(),
     );
-    let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id())?;
+    let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id(), &ctx).await?;
     let started = Instant::now();
     let result = match s.input.suspend.resume_key.clone() {
         Some(key) => prepare_resume(s, &locked, &key, &ctx).await,

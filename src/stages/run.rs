@@ -28,8 +28,9 @@ pub const SKIPPED_ON_RESUME: &[&str] = &["get_sources", "clear_worktree"];
 const RUN_BUDGET: Duration = Duration::from_secs(30 * 24 * 3600);
 
 pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Failure> {
+    let ctx = Ctx::new(s.log.clone(), s.cancel.clone(), RUN_BUDGET);
     let (state, record) = {
-        let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id())?;
+        let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id(), &ctx).await?;
         let state = locked.load()?.with_context(|| {
             format!(
                 "job {} has no state ({}): prepare did not run on this host, or cleanup already removed it",
@@ -60,7 +61,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
             "skipping {stage}: environment {} was resumed and keeps the working tree the suspended job left",
             state.env_id
         ));
-        record_stage(s, stage, StageResult::Skipped)?;
+        record_stage(s, stage, StageResult::Skipped, &ctx).await?;
         return Ok(());
     }
     let body = std::fs::read(script_path)
@@ -75,7 +76,6 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         "DORMANT_ENVIRONMENT_KEY".to_string(),
         record.key.clone().unwrap_or_default(),
     )];
-    let ctx = Ctx::new(s.log.clone(), s.cancel.clone(), RUN_BUDGET);
     let started = Instant::now();
     let result = transport
         .run_script(
@@ -89,7 +89,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         .await;
     tracing::debug!(stage, elapsed = ?started.elapsed(), "stage finished");
     let (recorded, outcome) = classify(s, &state, stage, result)?;
-    record_stage(s, stage, recorded)?;
+    record_stage(s, stage, recorded, &ctx).await?;
     outcome
 }
 
@@ -121,8 +121,9 @@ fn classify(
     })
 }
 
-fn record_stage(s: &Session, stage: &str, result: StageResult) -> Result<()> {
-    let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id())?;
+async fn record_stage(s: &Session, stage: &str, result: StageResult, ctx: &Ctx) -> Result<()> {
+    // Deaf to SIGTERM: a termination must still be recorded, so cleanup releases.
+    let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id(), &ctx.uncancellable()).await?;
     let Some(mut state) = locked.load()? else {
         // Cleanup already ran (the runner gave up on this stage): nothing to record.
         return Ok(());

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::store::{self, FileLock, StateStore, FORMAT_VERSION, JOB_LOCK_TIMEOUT};
+use crate::context::Ctx;
 
 /// Whether the job made a fresh environment or resumed a suspended one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,13 +90,22 @@ pub struct LockedJob {
 }
 
 impl LockedJob {
-    pub fn lock(store: &StateStore, runner_id: &str, job_id: u64) -> Result<LockedJob> {
+    /// Takes the job's lock, waiting at most [`JOB_LOCK_TIMEOUT`] and no longer
+    /// than `ctx` allows; the wait does not block the runtime, so SIGTERM is
+    /// handled during it.
+    pub async fn lock(
+        store: &StateStore,
+        runner_id: &str,
+        job_id: u64,
+        ctx: &Ctx,
+    ) -> Result<LockedJob> {
         let path = store.job_file(runner_id, job_id);
-        let lock = FileLock::acquire(
+        let lock = FileLock::acquire_async(
             &path.with_extension("lock"),
-            JOB_LOCK_TIMEOUT,
-            &format!("job {job_id}"),
-        )?;
+            &ctx.within(JOB_LOCK_TIMEOUT),
+            &format!("waiting for job {job_id}'s lock (another dormant process of the same job holds it)"),
+        )
+        .await?;
         Ok(LockedJob { path, _lock: lock })
     }
 
@@ -119,5 +129,49 @@ impl LockedJob {
 
     pub fn path(&self) -> &std::path::Path {
         &self.path
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::context::JobLog;
+    use std::time::Duration;
+    use tokio_util::sync::CancellationToken;
+
+    #[tokio::test]
+    async fn a_held_job_lock_is_waited_for_within_the_deadline_and_sigterm_ends_the_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::open(dir.path()).unwrap();
+        let lock_path = store.job_file("1", 7).with_extension("lock");
+        let held = FileLock::acquire(&lock_path, Duration::from_secs(1), "test").unwrap();
+
+        let ctx = Ctx::new(
+            JobLog::capture().0,
+            CancellationToken::new(),
+            Duration::from_millis(200),
+        );
+        let err = LockedJob::lock(&store, "1", 7, &ctx).await.err().unwrap();
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("timed out") && text.contains("job 7's lock"),
+            "{text}"
+        );
+        assert!(text.contains(lock_path.to_str().unwrap()), "{text}");
+
+        let cancel = CancellationToken::new();
+        let ctx = Ctx::new(JobLog::capture().0, cancel.clone(), Duration::from_secs(60));
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            cancel.cancel();
+        });
+        let err = LockedJob::lock(&store, "1", 7, &ctx).await.err().unwrap();
+        assert!(format!("{err:#}").contains("cancelled"), "{err:#}");
+
+        drop(held);
+        let locked = LockedJob::lock(&store, "1", 7, &ctx.uncancellable())
+            .await
+            .unwrap();
+        assert_eq!(locked.load().unwrap(), None);
     }
 }

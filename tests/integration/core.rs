@@ -421,7 +421,6 @@ fn cleanup_sweeps_expired_environments_too() {
 #[test]
 fn two_jobs_run_in_parallel_in_separate_environments() {
     let rig = rig();
-    let started = Instant::now();
     let (a, b) = std::thread::scope(|s| {
         let a = s.spawn(|| {
             rig.run(
@@ -442,7 +441,6 @@ fn two_jobs_run_in_parallel_in_separate_environments() {
     assert_result(&a, JobResult::Success);
     assert_result(&b, JobResult::Success);
     assert_ne!(a.key, b.key);
-    assert!(started.elapsed() < Duration::from_secs(30));
     for (r, who) in [(&a, "a"), (&b, "b")] {
         let key = r.key.as_deref().unwrap();
         let file = rig.env_dir(key).join("work/builds/group/project/who");
