@@ -60,3 +60,43 @@ pub enum Command {
         keep: bool,
     },
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shipped runner stanza calls this binary with arguments it accepts.
+    #[test]
+    fn the_example_runner_stanza_matches_the_command_line() {
+        let text = include_str!("../examples/config.toml");
+        let doc: toml::Table = toml::from_str(text).expect("examples/config.toml is valid TOML");
+        let runner = &doc["runners"].as_array().expect("[[runners]]")[0];
+        assert_eq!(runner["executor"].as_str(), Some("custom"));
+        let custom = runner["custom"].as_table().expect("[runners.custom]");
+        for stage in ["config", "prepare", "run", "cleanup"] {
+            let exec = custom[&format!("{stage}_exec")].as_str().unwrap();
+            assert!(exec.ends_with("/dormant"), "{stage}_exec = {exec}");
+            let mut argv: Vec<String> = vec!["dormant".into()];
+            argv.extend(
+                custom[&format!("{stage}_args")]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|a| a.as_str().unwrap().to_string()),
+            );
+            if stage == "run" {
+                // The runner appends the script path and the stage name.
+                argv.extend(["/tmp/script".into(), "build_script".into()]);
+            }
+            let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+            let matches = match (&cli.command, stage) {
+                (Command::Config, "config")
+                | (Command::Prepare, "prepare")
+                | (Command::Cleanup, "cleanup") => true,
+                (Command::Run { stage: s, .. }, "run") => s == "build_script",
+                _ => false,
+            };
+            assert!(matches, "{stage}: parsed as {:?}", cli.command);
+        }
+    }
+}
