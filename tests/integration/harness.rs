@@ -133,3 +133,17 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// Asserts that `text` reached the job log well before `call` ended: the
+/// script printed it before sleeping 3 s, so buffered output would arrive last.
+#[track_caller]
+pub fn assert_line_arrived_early(call: &dormant::runner_sim::Call, text: &str) {
+    let arrived = call
+        .arrived(text)
+        .unwrap_or_else(|| panic!("{text:?} never arrived: {}", call.output));
+    assert!(
+        call.elapsed.saturating_sub(arrived) >= Duration::from_millis(1500),
+        "{text:?} arrived at {arrived:?}, only at the end of a {:?} stage",
+        call.elapsed
+    );
+}

@@ -128,24 +128,27 @@ mod tests {
         assert!(script_with_env(b"", &[("A-B".into(), "x".into())]).is_err());
     }
 
+    /// Runs a remote command line under a local `sh`, as sshd would, feeding `stdin`.
+    fn run_wrapper(line: &str, stdin: &[u8]) -> std::process::Output {
+        use std::io::Write;
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(line)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(stdin).unwrap();
+        child.wait_with_output().unwrap()
+    }
+
     /// The wrapper runs under a local bash exactly as sshd would run it.
     #[test]
     fn the_wrapper_reports_pgid_and_exit_and_merges_streams_in_order() {
         let script = b"echo one; echo two >&2; echo three; exit 255\n";
         let line = command_line(script.len(), Some("/"));
-        let out = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(&line)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .and_then(|mut c| {
-                use std::io::Write;
-                c.stdin.take().unwrap().write_all(script)?;
-                c.wait_with_output()
-            })
-            .unwrap();
+        let out = run_wrapper(&line, script);
         assert_eq!(String::from_utf8_lossy(&out.stdout), "one\ntwo\nthree\n");
         let reports: Vec<Report> = String::from_utf8_lossy(&out.stderr)
             .lines()
@@ -162,19 +165,7 @@ mod tests {
     #[test]
     fn a_truncated_script_is_not_run() {
         let line = command_line(100, None);
-        let out = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(&line)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .and_then(|mut c| {
-                use std::io::Write;
-                c.stdin.take().unwrap().write_all(b"echo ran\n")?;
-                c.wait_with_output()
-            })
-            .unwrap();
+        let out = run_wrapper(&line, b"echo ran\n");
         assert_eq!(String::from_utf8_lossy(&out.stdout), "");
         assert!(
             String::from_utf8_lossy(&out.stderr)
