@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use crate::context::Ctx;
 use crate::job::Job;
 use crate::model::EnvPaths;
-use crate::provider::Target;
+use crate::model::Target;
 use crate::settings::Settings;
 
 /// How a script ended.

@@ -25,7 +25,7 @@ use openssh::{ControlPersist, KnownHosts, Session, SessionBuilder};
 
 use crate::context::{Backoff, Ctx};
 use crate::model::EnvPaths;
-use crate::provider::SshTarget;
+use crate::model::SshTarget;
 use crate::settings::ssh::SshSettings;
 use crate::state::store::ensure_private_dir;
 

@@ -31,7 +31,7 @@ use self::remote::Report;
 use super::{Script, ScriptExit, Transport};
 use crate::context::Ctx;
 use crate::model::EnvPaths;
-use crate::provider::SshTarget;
+use crate::model::SshTarget;
 use crate::settings::ssh::SshSettings;
 
 /// After SIGTERM to the script's group, how long it may take to exit before
