@@ -8,6 +8,8 @@ pub mod cli;
 pub mod context;
 pub mod envkey;
 pub mod exit;
+#[cfg(test)]
+mod fuzz;
 pub mod identity;
 pub mod job;
 pub mod ops;
@@ -16,6 +18,7 @@ pub mod runner_sim;
 pub mod settings;
 pub mod stages;
 pub mod state;
+pub mod text;
 pub mod transport;
 
 use std::io::Write;
