@@ -16,23 +16,61 @@ pub const EXCERPT_MAX: usize = 200;
 /// boundary), control and bidirectional-override characters escaped as
 /// `\n`, `\u{1b}`, ..., and `… (N bytes)` appended when it was cut.
 pub fn excerpt(s: &str) -> String {
-    let mut out = String::with_capacity(s.len().min(EXCERPT_MAX) + 24);
-    let mut buf = String::new();
-    for c in s.chars() {
-        buf.clear();
-        if needs_escape(c) {
-            // `escape_default` gives `\n`, `\t`, `\u{1b}`: readable and unambiguous.
-            let _ = write!(buf, "{}", c.escape_default());
-        } else {
-            buf.push(c);
+    let (head, cut) = escaped_prefix(s.chars(), EXCERPT_MAX);
+    if cut {
+        format!("{head}… ({} bytes)", s.len())
+    } else {
+        head
+    }
+}
+
+/// Like [`excerpt`], but keeps the end as well: for a third party's message
+/// (serde's, toml's) that quotes a huge value and then says what was
+/// expected, e.g. ``unknown variant `xxx…`, expected one of `local`, `ssh` ``.
+pub fn excerpt_ends(s: &str) -> String {
+    const TAIL: usize = 120;
+    let (head, cut) = escaped_prefix(s.chars(), EXCERPT_MAX - TAIL);
+    if !cut || s.len() <= EXCERPT_MAX {
+        return excerpt(s);
+    }
+    // Where the last TAIL bytes (escaped) start.
+    let mut start = s.len();
+    let mut used = 0;
+    for (i, c) in s.char_indices().rev() {
+        used += escaped(c, &mut String::new()).len();
+        if used > TAIL {
+            break;
         }
-        if out.len() + buf.len() > EXCERPT_MAX {
-            let _ = write!(out, "… ({} bytes)", s.len());
-            return out;
+        start = i;
+    }
+    let (tail, _) = escaped_prefix(s[start..].chars(), TAIL);
+    format!("{head}… ({} bytes) …{tail}", s.len())
+}
+
+/// The escaped characters of `chars` that fit in `max` bytes, and whether any were left out.
+fn escaped_prefix(chars: impl Iterator<Item = char>, max: usize) -> (String, bool) {
+    let mut out = String::new();
+    let mut buf = String::new();
+    for c in chars {
+        escaped(c, &mut buf);
+        if out.len() + buf.len() > max {
+            return (out, true);
         }
         out.push_str(&buf);
     }
-    out
+    (out, false)
+}
+
+/// `c` as a message shows it, in `buf` (cleared first).
+fn escaped(c: char, buf: &mut String) -> &str {
+    buf.clear();
+    if needs_escape(c) {
+        // `escape_default` gives `\n`, `\t`, `\u{1b}`: readable and unambiguous.
+        let _ = write!(buf, "{}", c.escape_default());
+    } else {
+        buf.push(c);
+    }
+    buf
 }
 
 /// [`excerpt`] in double quotes, for values whose edges matter (empty, spaces).
@@ -70,6 +108,26 @@ mod tests {
         let exact = "a".repeat(EXCERPT_MAX);
         assert_eq!(excerpt(&exact), exact);
         assert!(excerpt(&"a".repeat(EXCERPT_MAX + 1)).ends_with("(201 bytes)"));
+    }
+
+    #[test]
+    fn a_long_message_keeps_its_end() {
+        let msg = format!(
+            "unknown variant `{}`, expected one of `local`, `ssh`, `ec2`",
+            "x".repeat(70_000)
+        );
+        let e = excerpt_ends(&msg);
+        assert!(e.len() <= EXCERPT_MAX + 40, "{}", e.len());
+        assert!(e.starts_with("unknown variant `xxx"), "{e}");
+        assert!(
+            e.ends_with("xx`, expected one of `local`, `ssh`, `ec2`"),
+            "{e}"
+        );
+        assert!(e.contains(&format!("… ({} bytes) …", msg.len())), "{e}");
+        assert_eq!(excerpt_ends("short \n one"), "short \\n one");
+        // An escape at the cut stays whole in the tail.
+        let e = excerpt_ends(&format!("{}\u{1b}end", "y".repeat(500)));
+        assert!(e.ends_with("\\u{1b}end"), "{e}");
     }
 
     #[test]

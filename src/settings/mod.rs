@@ -19,7 +19,7 @@ use serde::Deserialize;
 pub use duration::HumanDuration;
 
 use crate::job::Job;
-use crate::text::excerpt;
+use crate::text::{excerpt, excerpt_ends};
 
 /// Where the settings file is when neither `--config` nor `DORMANT_CONFIG` says.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/dormant/config.toml";
@@ -181,7 +181,7 @@ impl Settings {
             Err(e) => {
                 // serde's message may quote the whole bad value.
                 let path = excerpt(&e.path().to_string());
-                let msg = excerpt(e.into_inner().message().trim_end());
+                let msg = excerpt_ends(e.into_inner().message().trim_end());
                 problems.push(format!("{path}: {msg}"));
                 bail!(
                     "{} problem(s):\n  {}",
@@ -356,6 +356,27 @@ mod tests {
         );
         let err = Settings::parse_str("runner_id = \"a/b\"\n").unwrap_err();
         assert!(format!("{err:#}").contains("runner_id"), "{err:#}");
+    }
+
+    #[test]
+    fn huge_values_are_quoted_briefly() {
+        let huge = "x/".repeat(32_768);
+        for text in [
+            format!("runner_id = \"{huge}\"\n"),
+            format!("state_dir = \"{huge}\"\n"),
+            format!("provider = \"{huge}\"\n"),
+            format!("[ssh]\nconnect_timeout = [\"{huge}\"]\n"),
+            format!("[suspend]\nttl = \"{huge}\"\n"),
+            format!("\"{huge}\" = 1\n"),
+            format!("colour = \"{huge}\n"),
+            format!("[ssh]\nworkspace_root = \"{huge}\"\n"),
+            format!("[ec2]\nendpoint_url = \"{huge}\"\n"),
+        ] {
+            let err = format!("{:#}", Settings::parse_str(&text).unwrap_err());
+            for line in err.lines() {
+                assert!(line.len() < 400, "{} bytes: {line}", line.len());
+            }
+        }
     }
 
     #[test]

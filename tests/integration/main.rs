@@ -7,6 +7,7 @@ mod core;
 mod ec2;
 #[cfg(feature = "ec2")]
 mod ec2_job;
+mod edge;
 mod harness;
 #[cfg(feature = "ec2")]
 mod moto;
