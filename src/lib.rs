@@ -9,6 +9,8 @@ pub mod context;
 pub mod envkey;
 pub mod exit;
 pub mod failpoint;
+#[cfg(test)]
+mod fuzz;
 pub mod identity;
 pub mod job;
 pub mod lifecycle;

@@ -32,7 +32,7 @@ pub(super) async fn prepare_resume(
     ctx: &Ctx,
 ) -> Result<(), Failure> {
     let source = s.input.suspend.source;
-    let shown = crate::text::excerpt(text);
+    let shown = crate::text::quoted(text);
     let key = EnvironmentKey::parse(text).map_err(|e| {
         Failure::refused(format!(
             "the environment key {shown} (from {source}) is malformed: {e}; \
@@ -45,8 +45,8 @@ pub(super) async fn prepare_resume(
             "the environment key belongs to runner {} on system {}, but this is runner {} on system {}: \
              a key is honoured only by the runner manager that made it; route the job to that runner \
              (e.g. by tags) or run it without a key to start a new environment",
-            crate::text::excerpt(&key.runner_id),
-            crate::text::excerpt(&key.system_id),
+            crate::text::quoted(&key.runner_id),
+            crate::text::quoted(&key.system_id),
             s.runner_id,
             system_id
         )));
@@ -55,7 +55,7 @@ pub(super) async fn prepare_resume(
         if p != s.provider.name() {
             return Err(Failure::refused(format!(
                 "the environment key is for the {} provider, but this runner uses {}",
-                crate::text::excerpt(p),
+                crate::text::quoted(p),
                 s.provider.name()
             )));
         }
@@ -169,8 +169,8 @@ fn claim_resume(
                     return Err(refuse(format!(
                         "the environment key says {}={} but environment {env_id} has {name}={ours}: \
                          the key was altered; use the key exactly as it was printed",
-                        crate::text::excerpt(name),
-                        crate::text::excerpt(value)
+                        crate::text::quoted(name),
+                        crate::text::quoted(value)
                     )));
                 }
             }

@@ -9,6 +9,7 @@ mod crash;
 mod ec2;
 #[cfg(feature = "ec2")]
 mod ec2_job;
+mod edge;
 mod harness;
 #[cfg(feature = "testing")]
 mod lifecycle;
