@@ -2,10 +2,11 @@
 //! suspended at the end of a job and resumed, disk intact, by a later job.
 //!
 //! `main.rs` only calls [`main_entry`]; everything else is reachable from here
-//! so tests can drive it. See `README.md` and `../shared/design.md`.
+//! so tests can drive it. See `README.md` and `docs/architecture.md`.
 
 pub mod cli;
 pub mod context;
+pub mod contract;
 pub mod envkey;
 pub mod exit;
 pub mod identity;
