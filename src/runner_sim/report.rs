@@ -20,6 +20,16 @@ pub struct Call {
 }
 
 impl Call {
+    /// A call of `cleanup_exec` (not the `cleanup_file_variables` stage).
+    pub fn is_cleanup(&self) -> bool {
+        self.name.starts_with("cleanup#")
+    }
+
+    /// A call of `run_exec` for one stage.
+    pub fn is_stage(&self) -> bool {
+        !self.name.contains('#')
+    }
+
     /// When the first line containing `text` arrived.
     pub fn arrived(&self, text: &str) -> Option<Duration> {
         self.arrivals
@@ -81,7 +91,7 @@ impl JobReport {
     pub fn log(&self) -> String {
         self.calls
             .iter()
-            .filter(|c| !c.name.starts_with("cleanup") && !c.name.starts_with("config"))
+            .filter(|c| !c.is_cleanup() && !c.name.starts_with("config#"))
             .map(|c| c.output.as_str())
             .collect()
     }
@@ -90,7 +100,7 @@ impl JobReport {
     pub fn cleanup_output(&self) -> String {
         self.calls
             .iter()
-            .filter(|c| c.name.starts_with("cleanup"))
+            .filter(|c| c.is_cleanup())
             .map(|c| c.output.as_str())
             .collect()
     }

@@ -12,6 +12,7 @@ mod harness;
 mod moto;
 mod ssh;
 mod sshd;
+mod stress;
 
 /// The EC2 scenarios need the `ec2` feature; without it, say so instead of
 /// passing with those tests silently missing.
