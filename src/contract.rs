@@ -198,9 +198,10 @@ pub struct StageSequence {
 
 impl StageSequence {
     /// Runs the stages with the runner's skip rules: `call(stage, status)`
-    /// makes one call. A system failure does not stop `after_script` nor the
-    /// finishing stages; a cancel skips the finishing stages (the runner
-    /// moves on to cleanup).
+    /// makes one call. A failure, a system failure or a cancel stops the setup
+    /// stages and the steps; `after_script` (if a step ran) and the finishing
+    /// stages for the outcome run all the same. This is a soft cancel; after a
+    /// timeout or hard cancel the runner goes straight to cleanup.
     pub fn run<E>(
         &self,
         mut call: impl FnMut(&str, JobStatus) -> Result<StageExit, E>,
@@ -223,15 +224,13 @@ impl StageSequence {
         if steps_ran && self.after_script {
             call(stage::AFTER_SCRIPT, status)?;
         }
-        if end != JobEnd::Canceled {
-            let finish = if end == JobEnd::Success {
-                &self.finish_on_success
-            } else {
-                &self.finish_on_failure
-            };
-            for stage in finish {
-                call(stage, status)?;
-            }
+        let finish = if end == JobEnd::Success {
+            &self.finish_on_success
+        } else {
+            &self.finish_on_failure
+        };
+        for stage in finish {
+            call(stage, status)?;
         }
         Ok(end)
     }
@@ -386,10 +385,17 @@ mod tests {
     }
 
     #[test]
-    fn a_cancel_runs_after_script_as_canceled_then_goes_to_cleanup() {
+    fn a_cancel_runs_after_script_and_the_failure_stages_as_canceled() {
         let (calls, end) = run(&[("build_script", StageExit::Canceled)]);
         assert_eq!(end, JobEnd::Canceled);
-        assert_eq!(calls.last().unwrap(), "after_script:canceled", "{calls:?}");
+        assert_eq!(
+            calls[3..],
+            [
+                "after_script:canceled",
+                "archive_cache_on_failure:canceled",
+                "cleanup_file_variables:canceled"
+            ]
+        );
     }
 
     #[test]
