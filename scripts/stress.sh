@@ -6,6 +6,8 @@
 #
 #   scripts/stress.sh [ROUNDS]
 #   DORMANT_STRESS_SWEEP_LOOPS=0 scripts/stress.sh 20   # no sweep loops: only cleanups' own sweeps
+#   DORMANT_STRESS_SWEEP_LOOPS=0 DORMANT_STRESS_TTL=7d scripts/stress.sh 20   # plain: nothing expires
+#   (DORMANT_STRESS_TTL: the short TTL of one sweep loop and half the cleanups, default 2s)
 #
 # Exits non-zero if any round found a failure. CI runs the same test with 2 rounds.
 set -euo pipefail

@@ -223,6 +223,10 @@ fn check_pool(
         }
         let want = if released_by_hand {
             Some(false)
+        } else if release.is_some() && winners.is_empty() {
+            // A release that failed may still have deleted it (a sweep finishing
+            // the release it took for a failed one): counted as release_failed.
+            None
         } else if let [w] = winners.as_slice() {
             Some(matches!(w.role, Role::Resume { keep: true, .. }) && keep)
         } else if winners.is_empty() && !preempted {
@@ -337,7 +341,10 @@ fn verify_resumable(rep: &mut RoundReport, setup: &Setup, on_disk: &BTreeMap<Str
         {
             let name = p.file_name().unwrap().to_string_lossy().into_owned();
             if !reported.iter().any(|r| r.starts_with(&name)) {
-                rep.fail("leaked_after_verify", format!("{sub}/{name}"));
+                rep.fail(
+                    "leaked_after_verify",
+                    format!("{sub}/{name} {:?}", names(&p)),
+                );
             }
         }
     }

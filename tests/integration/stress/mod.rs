@@ -11,6 +11,13 @@
 //! the on-disk layout the README documents (`environments/<id>/record.json`
 //! with its `status` and `key`, `jobs/`). CI runs `DORMANT_STRESS_ROUNDS`
 //! rounds (default 2); `scripts/stress.sh ROUNDS` runs many and prints the table.
+//! `DORMANT_STRESS_SWEEP_LOOPS` (0–2, default 2) and `DORMANT_STRESS_TTL`
+//! (default `2s`) turn the sweep loops and the short TTL down for plain runs.
+//!
+//! A sweep may legitimately release a suspended environment idle past the
+//! TTL, so the checks accept "gone" for such an environment when a sweep (or
+//! another job's cleanup) named it; a live job's environment, though, must
+//! never be taken from under it (`job_broken_by_sweep`).
 //!
 //! - `storm.rs`: one round's jobs, releases and sweep loops
 //! - `checks.rs`: what the round must have left, from the outside

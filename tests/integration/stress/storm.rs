@@ -18,7 +18,10 @@ const SYSTEM: &str = "s_stress000001";
 pub(super) const PROJECT: u64 = 17;
 /// The TTL of one sweep loop and of half the jobs' cleanups: short enough
 /// that environments suspended early in a round expire during it.
-const SHORT_TTL: &str = "2s";
+/// `DORMANT_STRESS_TTL` overrides it (e.g. `7d`: no sweep ever expires anything).
+fn short_ttl() -> String {
+    std::env::var("DORMANT_STRESS_TTL").unwrap_or_else(|_| "2s".into())
+}
 /// Environments suspended before the storm; the storm resumes, races for and
 /// releases them by index.
 const POOL: usize = 8;
@@ -39,7 +42,7 @@ impl Setup {
         Rig::write_settings(
             &short_settings,
             SYSTEM,
-            &format!("[suspend]\nttl = \"{SHORT_TTL}\"\n"),
+            &format!("[suspend]\nttl = \"{}\"\n", short_ttl()),
         );
         let mut short = rig.runner.clone();
         short.env.insert(
