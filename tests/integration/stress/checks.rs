@@ -192,26 +192,24 @@ fn check_pool(
                 || (preempted
                     && (log.contains("not in this runner's registry")
                         || log.contains("being released")));
-            if race && !(refused && why_ok) {
-                rep.fail(
-                    "race_loser",
-                    format!("{id}: {:?}: {}", f.report.result, last_lines(&log)),
-                );
-            } else if !(race || refused && why_ok && preempted) {
-                let kind = if swept(&id) {
-                    "job_broken_by_sweep"
-                } else {
-                    "unexpected_job_result"
-                };
-                rep.fail(
-                    kind,
-                    format!(
-                        "resume of {id}: {:?}: {}",
-                        f.report.result,
-                        last_lines(&log)
-                    ),
-                );
+            if refused && why_ok && (race || preempted) {
+                continue;
             }
+            let kind = if swept(&id) {
+                "job_broken_by_sweep"
+            } else if race {
+                "race_loser"
+            } else {
+                "unexpected_job_result"
+            };
+            rep.fail(
+                kind,
+                format!(
+                    "resume of {id}: {:?}: {}",
+                    f.report.result,
+                    last_lines(&log)
+                ),
+            );
         }
         if let Some(o) = release {
             let t = text(o);

@@ -107,10 +107,13 @@ impl Gauge {
     }
 }
 
-/// The environment a storm job worked on: the pool key it resumed, or the one
-/// it printed, or the one in its builds dir.
+/// The environment a storm job worked on: the pool key it resumed (if it got
+/// it), or the key it printed, or the one in its builds dir.
 pub(super) fn own_env(f: &Finished, pool: &[String]) -> Option<String> {
     match f.role {
+        // A refused resume (a build failure without a script exit code) never
+        // held the environment: what its cleanup says of it is a sweep's doing.
+        Role::Resume { .. } if f.report.result == JobResult::BuildFailure(None) => None,
         Role::Resume { pool: p, .. } => env_id(&pool[p]),
         _ => f
             .report
