@@ -14,9 +14,11 @@ use dormant::runner_sim::{Runner, SimJob};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_dormant");
 
-/// The job token every simulated payload carries: tests look for it in state
-/// files, logs and process environments, where it must never appear.
-pub const SECRET_TOKEN: &str = "glcbt-SIMULATED-SECRET-TOKEN-0123456789";
+/// The start of the job token a rig's payloads carry. Each rig's token is
+/// unique (this prefix, the test process, a counter), so a test looking for
+/// its token in files, logs or other processes' environments finds only its
+/// own job's, not another test's running at the same time on this host.
+pub const SECRET_TOKEN_PREFIX: &str = "glcbt-SIMULATED-SECRET-TOKEN";
 
 /// One runner manager: its own state dir, settings and identity.
 pub struct Rig {
@@ -35,7 +37,7 @@ impl Rig {
         Rig::write_settings(&settings_path, system_id, extra);
         let mut runner = Runner::new(PathBuf::from(BIN), dir.path().join("tmp"), runner_id);
         runner.retry_pause = Duration::from_millis(50);
-        runner.job_token = SECRET_TOKEN.to_string();
+        runner.job_token = format!("{SECRET_TOKEN_PREFIX}-{}-{}", std::process::id(), job_id());
         runner.env = [
             ("PATH", std::env::var("PATH").unwrap_or_default()),
             ("HOME", std::env::var("HOME").unwrap_or_default()),
@@ -63,6 +65,11 @@ impl Rig {
             format!("system_id = \"{}\"\nrunner_system_id_file = \"/nonexistent/.runner_system_id\"\n{extra}\n", system_id.replace('"', "\\\"")),
         )
         .unwrap();
+    }
+
+    /// The job token this rig's jobs carry; it must never leak.
+    pub fn secret_token(&self) -> &str {
+        &self.runner.job_token
     }
 
     pub fn run(&self, job: &SimJob) -> JobReport {

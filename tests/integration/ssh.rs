@@ -554,7 +554,8 @@ fn the_job_token_never_reaches_the_environment_of_the_ssh_master() {
         &job(41),
         "build_script",
         &format!(
-            "for f in /proc/[0-9]*/environ; do grep -qa -- '{SECRET_TOKEN}' \"$f\" 2>/dev/null && echo \"$f $(tr '\\0' ' ' < \"${{f%environ}}cmdline\")\"; done > {} || true",
+            "for f in /proc/[0-9]*/environ; do grep -qa -- '{}' \"$f\" 2>/dev/null && echo \"$f $(tr '\\0' ' ' < \"${{f%environ}}cmdline\")\"; done > {} || true",
+            rig.secret_token(),
             found.display()
         ),
     );
