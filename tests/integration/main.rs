@@ -17,6 +17,7 @@ mod lifecycle;
 mod moto;
 mod ssh;
 mod sshd;
+mod stress;
 
 /// The EC2 scenarios need the `ec2` feature; without it, say so instead of
 /// passing with those tests silently missing.
