@@ -59,6 +59,9 @@ pub struct SimJob {
     pub cache_stages: bool,
     /// Send SIGTERM to the process group of this stage's call after a delay.
     pub cancel: Option<(String, Duration)>,
+    /// After that SIGTERM, SIGKILL the call's process group this much later
+    /// (the runner's `graceful_kill_timeout`); `None`: SIGTERM only.
+    pub force_kill: Option<Duration>,
     /// Test hooks: (stage, local shell command) run by the simulated runner
     /// just before it calls that stage (e.g. kill an SSH master between stages).
     pub before_stage: Vec<(String, String)>,
@@ -300,7 +303,7 @@ impl Runner {
                         &["prepare"],
                         &dir,
                         &env,
-                        cancel_for(job, "prepare"),
+                        cancel_for(job, "prepare").map(|after| (after, job.force_kill)),
                     )?;
                     let code = call.exit_code;
                     calls.push(call);
@@ -369,7 +372,8 @@ impl Runner {
                 name.to_string(),
             ];
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            let (call, _) = self.call(name, &args, &attempt.dir, &env, cancel_for(job, name))?;
+            let cancel = cancel_for(job, name).map(|after| (after, job.force_kill));
+            let (call, _) = self.call(name, &args, &attempt.dir, &env, cancel)?;
             let code = call.exit_code;
             calls.push(call);
             Ok(code)
@@ -549,7 +553,7 @@ impl Runner {
         args: &[&str],
         dir: &Path,
         env: &BTreeMap<String, String>,
-        cancel: Option<Duration>,
+        cancel: Option<(Duration, Option<Duration>)>,
     ) -> Result<(Call, String)> {
         let started = Instant::now();
         let mut cmd = Command::new(&self.binary);
@@ -583,12 +587,19 @@ impl Runner {
                 s
             })
         });
-        let killer = cancel.map(|after| {
+        let killer = cancel.map(|(after, force_kill)| {
             std::thread::spawn(move || {
                 std::thread::sleep(after);
                 // SAFETY: signals the call's process group, as the runner does.
                 unsafe {
                     libc::kill(-pid, libc::SIGTERM);
+                }
+                if let Some(grace) = force_kill {
+                    std::thread::sleep(grace);
+                    // SAFETY: as above; the runner's escalation after its grace.
+                    unsafe {
+                        libc::kill(-pid, libc::SIGKILL);
+                    }
                 }
             })
         });

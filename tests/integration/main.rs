@@ -8,6 +8,7 @@ mod ec2;
 #[cfg(feature = "ec2")]
 mod ec2_job;
 mod harness;
+mod hygiene;
 #[cfg(feature = "ec2")]
 mod moto;
 mod ssh;

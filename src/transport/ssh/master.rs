@@ -361,6 +361,11 @@ impl Master {
                 // Detached: the master must outlive this process. A resumed
                 // handle does not close it on drop.
                 let (ctl, log) = session.detach();
+                // The crate makes its directory with the umask's mode: make it
+                // private like the rest of the state dir.
+                if let Some(dir) = ctl.parent() {
+                    let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+                }
                 Ok(Session::resume_mux(ctl, log))
             }
             Ok(Err(e)) => {
