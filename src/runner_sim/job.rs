@@ -27,6 +27,9 @@ pub struct SimJob {
     /// Send SIGTERM to the process group of this stage's call after a delay,
     /// as the runner does when the job is canceled or times out.
     pub cancel: Option<(String, std::time::Duration)>,
+    /// After that SIGTERM, SIGKILL the call's process group this much later
+    /// (the runner's `graceful_kill_timeout`); `None`: SIGTERM only.
+    pub force_kill: Option<std::time::Duration>,
 }
 
 impl SimJob {

@@ -104,6 +104,7 @@ impl Runner {
                 env: &env,
                 capture_stdout: true,
                 cancel_after: None,
+                force_kill: None,
             },
         )?;
         let ok = call.exit_code == 0;
@@ -125,6 +126,7 @@ impl Runner {
                 env: &env,
                 capture_stdout: false,
                 cancel_after: job.cancel_after("prepare"),
+                force_kill: job.force_kill,
             },
         )?;
         let code = call.exit_code;
@@ -153,6 +155,7 @@ impl Runner {
                 env: &env,
                 capture_stdout: false,
                 cancel_after: None,
+                force_kill: None,
             },
         )?;
         calls.push(call);

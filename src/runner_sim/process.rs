@@ -27,6 +27,8 @@ pub(super) struct CallSpec<'a> {
     pub capture_stdout: bool,
     /// SIGTERM the call's process group after this long.
     pub cancel_after: Option<Duration>,
+    /// Then SIGKILL it this much later (the runner's escalation).
+    pub force_kill: Option<Duration>,
 }
 
 /// Runs a call to its end. Returns the call (stdout+stderr in order, or only
@@ -63,12 +65,20 @@ pub(super) fn call(name: &str, spec: CallSpec<'_>) -> Result<(Call, String)> {
             s
         })
     });
+    let force_kill = spec.force_kill;
     let killer = spec.cancel_after.map(|after| {
         std::thread::spawn(move || {
             std::thread::sleep(after);
             // SAFETY: signals the call's process group, as the runner does.
             unsafe {
                 libc::kill(-pid, libc::SIGTERM);
+            }
+            if let Some(grace) = force_kill {
+                std::thread::sleep(grace);
+                // SAFETY: as above; the runner's escalation after its grace.
+                unsafe {
+                    libc::kill(-pid, libc::SIGKILL);
+                }
             }
         })
     });

@@ -70,6 +70,7 @@ impl Runner {
                 env: &env,
                 capture_stdout: false,
                 cancel_after: job.cancel_after(name),
+                force_kill: job.force_kill,
             },
         )?;
         Ok(call)

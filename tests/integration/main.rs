@@ -11,6 +11,7 @@ mod ec2;
 mod ec2_job;
 mod edge;
 mod harness;
+mod hygiene;
 #[cfg(feature = "testing")]
 mod lifecycle;
 #[cfg(feature = "ec2")]

@@ -9,10 +9,10 @@ use crate::sshd::{alive, Sshd};
 use dormant::runner_sim::SimJob;
 use dormant::state::EnvPaths;
 
-const RUNNER: &str = "77";
+pub const RUNNER: &str = "77";
 
 /// A runner whose provider is `ssh` with the test sshd as its one host.
-fn ssh_rig(sshd: &Sshd) -> (Rig, PathBuf) {
+pub fn ssh_rig(sshd: &Sshd) -> (Rig, PathBuf) {
     let ws_root = sshd.dir.path().join("ws");
     let rig = Rig::new(
         RUNNER,
