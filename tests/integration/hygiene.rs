@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use crate::harness::*;
 use crate::ssh::ssh_rig;
 use crate::sshd::Sshd;
-use dormant::runner_sim::{SimJob, SECRET_TOKEN};
+use dormant::runner_sim::SimJob;
 
 /// How long a cancelled job may take, from its script's start to the end of
 /// cleanup, before the test calls it hung (the cancel comes 2 s in).
@@ -123,10 +123,27 @@ fn run_guarded(
     gate: &Path,
     during: impl FnOnce(),
 ) -> JobReport {
+    run_guarded_with(place, job, None, ready, gate, during)
+}
+
+/// [`run_guarded`], running the shell command `before.1` just before the
+/// runner calls stage `before.0`.
+fn run_guarded_with(
+    place: &Where,
+    job: &SimJob,
+    before: Option<(&str, &str)>,
+    ready: &Path,
+    gate: &Path,
+    during: impl FnOnce(),
+) -> JobReport {
     std::thread::scope(|s| {
         let (tx, rx) = mpsc::channel();
         s.spawn(move || {
-            let _ = tx.send(place.rig().run(job));
+            let rig = place.rig();
+            let _ = tx.send(match before {
+                Some((stage, cmd)) => rig.run_with_command_before(job, stage, cmd),
+                None => rig.run(job),
+            });
         });
         let started = Instant::now();
         let outcome = (|| {
@@ -165,7 +182,7 @@ fn running_stage_leaves_nothing_at_rest(place: Where) {
         .script(&waiting_script(&probe, &ready, &gate, ""));
     let mut found = Vec::new();
     let r = run_guarded(&place, &j, &ready, &gate, || {
-        found = place.scan(&[SECRET_TOKEN, &probe]);
+        found = place.scan(&[place.rig().secret_token(), &probe]);
         std::fs::write(&gate, "").unwrap();
     });
     assert_result(&r, JobResult::Success);
@@ -176,7 +193,7 @@ fn running_stage_leaves_nothing_at_rest(place: Where) {
         found.join("\n")
     );
     // And after the job, with the environment suspended.
-    let after = place.scan(&[SECRET_TOKEN, &probe]);
+    let after = place.scan(&[place.rig().secret_token(), &probe]);
     assert!(after.is_empty(), "after the job:\n{}", after.join("\n"));
 }
 
@@ -207,19 +224,24 @@ fn killed_stage_leaves_no_script(place: Where) {
     if let Where::Ssh(sshd, _) = &place {
         roots.push(sshd.tmp_dir());
     }
-    j.before_stage = vec![(
-        "after_script".into(),
-        format!(
-            "grep -rlF -e '{SECRET_TOKEN}' -e '{probe}' {} > '{}' 2>&1; true",
-            roots
-                .iter()
-                .map(|r| format!("'{}'", r.display()))
-                .collect::<Vec<_>>()
-                .join(" "),
-            found_file.display()
-        ),
-    )];
-    let r = run_guarded(&place, &j, &ready, &gate, || {});
+    let scan = format!(
+        "grep -rlF -e '{}' -e '{probe}' {} > '{}' 2>&1; true",
+        place.rig().secret_token(),
+        roots
+            .iter()
+            .map(|r| format!("'{}'", r.display()))
+            .collect::<Vec<_>>()
+            .join(" "),
+        found_file.display()
+    );
+    let r = run_guarded_with(
+        &place,
+        &j,
+        Some(("after_script", &scan)),
+        &ready,
+        &gate,
+        || {},
+    );
     assert_result(&r, JobResult::Canceled);
     assert_eq!(r.call("build_script").unwrap().exit_code, 128 + 9);
     assert!(r.ran("after_script"));
@@ -228,7 +250,7 @@ fn killed_stage_leaves_no_script(place: Where) {
         found.trim().is_empty(),
         "after dormant was SIGKILLed mid-stage:\n{found}"
     );
-    let after = place.scan(&[SECRET_TOKEN, &probe]);
+    let after = place.scan(&[place.rig().secret_token(), &probe]);
     assert!(after.is_empty(), "after cleanup:\n{}", after.join("\n"));
 }
 
