@@ -17,6 +17,7 @@ pub mod settings;
 pub mod stages;
 pub mod state;
 pub mod transport;
+pub mod wait;
 
 use std::io::Write;
 use std::panic::AssertUnwindSafe;

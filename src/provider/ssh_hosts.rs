@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use async_trait::async_trait;
@@ -25,21 +25,21 @@ use uuid::Uuid;
 use super::{
     Machine, MachineGone, MachineSpec, MachineState, ManagedMachine, Provider, SshTarget, Target,
 };
-use crate::context::{Backoff, Ctx};
+use crate::context::Ctx;
 use crate::settings::ssh::{SshHost, SshSettings};
 use crate::state::store::{self, FileLock, FORMAT_VERSION};
 use crate::state::{EnvPaths, EnvStatus, StateStore};
 use crate::transport::ssh::master::{Master, Purpose};
 use crate::transport::ssh::remote::shell_quote;
+use crate::wait::{Poll, Schedule, Wait};
 
 /// The slot file's lock is held for a read-modify-write only.
 const SLOT_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 /// Remote housekeeping commands (mkdir, test, rm) finish in well under this.
 const REMOTE_CALL_TIMEOUT: Duration = Duration::from_secs(120);
-/// Slot polling: quick first, then every few seconds.
-const SLOT_POLL_FIRST: Duration = Duration::from_millis(500);
-const SLOT_POLL_MAX: Duration = Duration::from_secs(5);
-const SLOT_PROGRESS_EVERY: Duration = Duration::from_secs(30);
+/// A freed slot is noticed within this: a look is a local file read under a
+/// lock (no remote call), cheap enough to repeat four times a second.
+const SLOT_POLL: Duration = Duration::from_millis(250);
 
 /// `<state>/ssh-slots.json`: which environments hold a slot on which host.
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -98,66 +98,63 @@ impl SshHostsProvider {
     /// Waits, bounded and with progress, while every candidate is full.
     async fn acquire_slot(&self, env: Uuid, only: Option<&str>, ctx: &Ctx) -> Result<SshHost> {
         let ctx = ctx.within(self.settings.slot_wait.get());
-        let started = Instant::now();
-        let mut backoff = Backoff::new(SLOT_POLL_FIRST, SLOT_POLL_MAX);
-        let mut last_note: Option<Instant> = None;
-        loop {
-            let candidates: Vec<&SshHost> = match only {
-                Some(name) => vec![self.host(name)?],
-                None => self.settings.hosts.iter().collect(),
-            };
-            let (picked, busy) = self.with_slots(|slots| {
-                if let Some((name, _)) = slots.hosts.iter().find(|(_, ids)| ids.contains(&env)) {
-                    if let Some(h) = candidates.iter().find(|h| h.name() == name) {
-                        return (Some((*h).clone()), String::new());
-                    }
-                }
-                let used = |h: &SshHost| slots.hosts.get(h.name()).map_or(0, Vec::len) as u32;
-                let best = candidates
-                    .iter()
-                    .filter(|h| used(h) < h.slots)
-                    .min_by_key(|h| used(h) * 1000 / h.slots);
-                match best {
-                    Some(h) => {
-                        slots
-                            .hosts
-                            .entry(h.name().to_string())
-                            .or_default()
-                            .push(env);
-                        (Some((*h).clone()), String::new())
-                    }
-                    None => (
-                        None,
-                        candidates
-                            .iter()
-                            .map(|h| format!("{} {}/{}", h.name(), used(h), h.slots))
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                    ),
-                }
+        let mut wait = Wait::new(&ctx, "a free SSH host slot", Schedule::fixed(SLOT_POLL));
+        let host = wait
+            .until(|| async { self.try_slot(env, only) })
+            .await
+            .with_context(|| {
+                format!(
+                    "no SSH host slot for environment {env}: raise `slots` in [[ssh.hosts]], add hosts, \
+                     or raise ssh.slot_wait (suspended environments hold no slot)"
+                )
             })?;
-            if let Some(h) = picked {
-                if last_note.is_some() {
-                    ctx.log.info(format!(
-                        "got a slot on SSH host {} after {:.0} s",
-                        h.name(),
-                        started.elapsed().as_secs_f64()
-                    ));
-                }
-                return Ok(h);
-            }
-            if last_note.is_none_or(|t| t.elapsed() >= SLOT_PROGRESS_EVERY) {
-                last_note = Some(Instant::now());
-                ctx.log.info(format!(
-                    "every SSH host slot is busy ({busy}): waiting for one to free up ({:.0} s so far, up to {})",
-                    started.elapsed().as_secs_f64(),
-                    self.settings.slot_wait
-                ));
-            }
-            ctx.sleep(backoff.next_delay(), "waiting for a free SSH host slot")
-                .await
-                .with_context(|| format!("every SSH host slot stayed busy ({busy})"))?;
+        if wait.probes() > 1 {
+            ctx.log.info(format!(
+                "got a slot on SSH host {} after {:.1} s",
+                host.name(),
+                wait.elapsed().as_secs_f64()
+            ));
         }
+        Ok(host)
+    }
+
+    /// One look at the slots: a host with a free slot (taken for `env`), or
+    /// how busy every candidate is.
+    fn try_slot(&self, env: Uuid, only: Option<&str>) -> Result<Poll<SshHost>> {
+        let candidates: Vec<&SshHost> = match only {
+            Some(name) => vec![self.host(name)?],
+            None => self.settings.hosts.iter().collect(),
+        };
+        self.with_slots(|slots| {
+            if let Some((name, _)) = slots.hosts.iter().find(|(_, ids)| ids.contains(&env)) {
+                if let Some(h) = candidates.iter().find(|h| h.name() == name) {
+                    return Poll::Ready((*h).clone());
+                }
+            }
+            let used = |h: &SshHost| slots.hosts.get(h.name()).map_or(0, Vec::len) as u32;
+            let best = candidates
+                .iter()
+                .filter(|h| used(h) < h.slots)
+                .min_by_key(|h| used(h) * 1000 / h.slots);
+            match best {
+                Some(h) => {
+                    slots
+                        .hosts
+                        .entry(h.name().to_string())
+                        .or_default()
+                        .push(env);
+                    Poll::Ready((*h).clone())
+                }
+                None => Poll::Pending(format!(
+                    "every slot is busy ({})",
+                    candidates
+                        .iter()
+                        .map(|h| format!("{} {}/{}", h.name(), used(h), h.slots))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )),
+            }
+        })
     }
 
     fn release_slot(&self, env: Uuid) -> Result<()> {
@@ -443,6 +440,37 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(h3.name(), h1.name());
+    }
+
+    /// Virtual time: the waiter sees the slot freed at 2 s by its next look.
+    #[tokio::test(start_paused = true)]
+    async fn a_freed_slot_is_noticed_within_one_poll() {
+        let (_d, p) = provider(1);
+        let (e1, e2, e3) = (active_env(&p), active_env(&p), active_env(&p));
+        let budget = Duration::from_secs(60);
+        p.acquire_slot(e1, Some("a"), &ctx(budget)).await.unwrap();
+        p.acquire_slot(e2, Some("b"), &ctx(budget)).await.unwrap();
+        let (log, buf) = JobLog::capture();
+        let waiting = Ctx::new(log, CancellationToken::new(), budget);
+        let t = tokio::time::Instant::now();
+        let (got, ()) = tokio::join!(p.acquire_slot(e3, None, &waiting), async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            p.release_slot(e2).unwrap();
+        });
+        assert_eq!(got.unwrap().name(), "b");
+        let waited = t.elapsed();
+        assert!(
+            waited >= Duration::from_secs(2) && waited <= Duration::from_secs(2) + SLOT_POLL,
+            "{waited:?}"
+        );
+        let log = String::from_utf8_lossy(&buf.lock().unwrap()).to_string();
+        assert!(
+            log.contains(
+                "waiting for a free SSH host slot: every slot is busy (a 1/1, b 1/1) (0 s of 60 s)"
+            ),
+            "{log}"
+        );
+        assert!(log.contains("got a slot on SSH host b after 2."), "{log}");
     }
 
     #[tokio::test]

@@ -14,6 +14,7 @@
 //! what happens to the channel.
 
 pub mod master;
+pub mod ready;
 pub mod remote;
 
 use std::process::Stdio;
