@@ -18,8 +18,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use anyhow::{anyhow, Result};
-// Tokio's clock, so tests can run a wait on paused time; in production it is
-// the monotonic clock `Ctx::deadline` is measured on.
+// Tokio's clock (the monotonic clock `Ctx::deadline` is measured on, unless a
+// test pauses time).
 use tokio::time::Instant;
 
 use crate::context::Ctx;
@@ -226,7 +226,8 @@ impl<'a> Wait<'a> {
             "waiting for {}: {state} ({} s of {} s)",
             self.what,
             self.started.elapsed().as_secs(),
-            self.budget.as_secs()
+            // The budget was measured a moment after the deadline was set.
+            self.budget.as_secs_f64().round() as u64
         )
     }
 }
@@ -259,74 +260,85 @@ mod tests {
         assert_eq!(f.delay(0), f.delay(50));
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn probes_first_at_once_then_on_schedule_until_ready() {
         let (ctx, buf) = ctx(Duration::from_secs(600));
-        let mut wait = Wait::new(&ctx, "the thing", Schedule::fixed(Duration::from_secs(1)));
-        let mut n = 0;
-        let t = tokio::time::Instant::now();
+        let every = Duration::from_millis(20);
+        let mut wait = Wait::new(&ctx, "the thing", Schedule::fixed(every));
+        let seen = std::sync::Mutex::new(Vec::new());
+        let t = Instant::now();
         let v = wait
-            .until(|| {
-                n += 1;
-                let k = n;
-                async move {
-                    Ok(if k == 4 {
-                        Poll::Ready(k)
-                    } else {
-                        Poll::Pending(format!("step {k}"))
-                    })
-                }
+            .until(|| async {
+                let mut seen = seen.lock().unwrap();
+                seen.push(t.elapsed());
+                let k = seen.len();
+                Ok(if k == 4 {
+                    Poll::Ready(k)
+                } else {
+                    Poll::Pending(format!("step {k}"))
+                })
             })
             .await
             .unwrap();
         assert_eq!((v, wait.probes()), (4, 4));
-        // Probes at 0, 1, 2, 3 s: the first without any pause.
-        assert_eq!(t.elapsed(), Duration::from_secs(3));
+        let seen = seen.into_inner().unwrap();
+        // The first probe without a pause, then one per interval (start to start).
+        assert!(seen[0] < every, "{seen:?}");
+        for (k, at) in seen.iter().enumerate() {
+            assert!(*at >= every * k as u32, "{seen:?}");
+        }
         let log = text(&buf);
         assert!(
-            log.contains("dormant: waiting for the thing: step 1 (0 s of 600 s)"),
+            log.starts_with("dormant: waiting for the thing: step 1 (0 s of 600 s)\n"),
             "{log}"
         );
-        // The state changed every second: at most one line a second.
-        assert_eq!(log.lines().count(), 3, "{log}");
+        // The state changed at every probe, but a line comes at most once a second.
+        let lines = log.lines().count() as u64;
+        assert!(lines <= 1 + t.elapsed().as_secs(), "{log}");
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn progress_is_bounded_while_the_state_stays_the_same() {
-        let (ctx, buf) = ctx(Duration::from_secs(35));
-        let mut wait = Wait::new(&ctx, "a slot", Schedule::fixed(Duration::from_millis(200)));
+        let (ctx, buf) = ctx(Duration::from_millis(350));
+        let every = Duration::from_millis(100);
+        let mut wait = Wait::new(&ctx, "a slot", Schedule::fixed(Duration::from_millis(5)))
+            .progress_every(every);
+        let t = Instant::now();
         let e = wait
             .until(|| async { Ok(Poll::<()>::Pending("2 of 2 in use".into())) })
             .await
             .unwrap_err();
+        let waited = t.elapsed();
+        assert!(waited >= Duration::from_millis(350), "{waited:?}");
         let msg = format!("{e:#}");
         assert!(
-            msg.contains("timed out waiting for a slot after 35 s (last: 2 of 2 in use)"),
+            msg.starts_with("timed out waiting for a slot after 0 s (last: 2 of 2 in use)"),
             "{msg}"
         );
-        // 175 probes, but a line at 0, 10, 20, 30 s only.
-        assert!(wait.probes() >= 170, "{}", wait.probes());
-        let log = text(&buf);
-        assert_eq!(log.lines().count(), 4, "{log}");
-        assert!(log.contains("(30 s of 35 s)"), "{log}");
+        // Many probes, but a line only at the start and then once per `every`.
+        let lines = text(&buf).lines().count() as u32;
+        assert!(wait.probes() > lines, "{} probes", wait.probes());
+        assert!(
+            lines >= 2 && lines <= 1 + (waited.as_millis() / every.as_millis()) as u32,
+            "{lines} lines in {waited:?}:\n{}",
+            text(&buf)
+        );
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn quiet_waits_say_nothing_when_short_and_cancel_names_the_wait() {
         let (ctx, buf) = ctx(Duration::from_secs(60));
-        let mut wait = Wait::new(&ctx, "a lock", Schedule::fixed(Duration::from_millis(50)))
-            .quiet_for(Duration::from_secs(1));
-        let mut n = 0;
-        wait.until(|| {
-            n += 1;
-            let k = n;
-            async move {
-                Ok(if k > 5 {
+        let mut wait = Wait::new(&ctx, "a lock", Schedule::fixed(Duration::from_millis(5)))
+            .quiet_for(Duration::from_secs(30));
+        let n = std::sync::atomic::AtomicU32::new(0);
+        wait.until(|| async {
+            Ok(
+                if n.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= 5 {
                     Poll::Ready(())
                 } else {
                     Poll::Pending("held".into())
-                })
-            }
+                },
+            )
         })
         .await
         .unwrap();
@@ -334,7 +346,7 @@ mod tests {
 
         let cancel = ctx.cancel.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(3)).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
             cancel.cancel();
         });
         let mut wait = Wait::new(&ctx, "a lock", Schedule::fixed(Duration::from_secs(1)));
@@ -348,7 +360,7 @@ mod tests {
         );
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn a_probe_error_ends_the_wait_with_that_error() {
         let (ctx, _) = ctx(Duration::from_secs(60));
         let mut wait = Wait::new(&ctx, "x", Schedule::fixed(Duration::from_secs(1)));

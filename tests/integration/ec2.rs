@@ -623,11 +623,15 @@ async fn max_environments_waits_for_a_slot_then_proceeds() {
         done.duration_since(freed).as_secs_f64()
     );
     assert_eq!(rig.state(&m.id).await, InstanceStateName::Running);
+    let log = rig.log();
     assert!(
-        rig.log()
-            .contains("waiting for capacity: 1 of 1 environments in use, "),
-        "{}",
-        rig.log()
+        log.contains("waiting for capacity: 1 of 1 environments in use ("),
+        "{log}"
+    );
+    // Woken by the release (a local marker), not by its next backoff look at EC2.
+    assert!(
+        log.contains("an instance of this runner manager was terminated: looking again"),
+        "{log}"
     );
 }
 

@@ -189,6 +189,11 @@ where
                     if !released && Instant::now() < g.next_attempt {
                         return Ok(Poll::Pending(reason.clone()));
                     }
+                    if released {
+                        ctx.log.info(
+                            "an instance of this runner manager was terminated: looking again for capacity",
+                        );
+                    }
                 }
             }
             // Read before the attempt: a release during it is not missed.
