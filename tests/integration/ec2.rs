@@ -905,7 +905,8 @@ async fn a_create_that_times_out_terminates_what_it_launched() {
     let text = err_text(&e);
     assert!(
         text.contains("waiting for instance")
-            && text.contains("to be running: it was pending after"),
+            && text.contains("to be running after")
+            && text.contains("(last: pending)"),
         "{text}"
     );
     assert!(text.contains("timed out"), "{text}");
