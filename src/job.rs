@@ -114,3 +114,9 @@ pub fn read_trimmed(path: &Path) -> Result<Option<String>> {
         Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
     }
 }
+
+impl crate::settings::DriverEnv for Job {
+    fn driver_var(&self, name: &str) -> Option<&str> {
+        Job::driver_var(self, name)
+    }
+}

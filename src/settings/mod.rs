@@ -18,7 +18,6 @@ use serde::Deserialize;
 
 pub use duration::HumanDuration;
 
-use crate::job::Job;
 use crate::text::{excerpt, excerpt_ends};
 
 /// Where the settings file is when neither `--config` nor `DORMANT_CONFIG` says.
@@ -127,9 +126,20 @@ impl Default for LocalSettings {
     }
 }
 
+/// What the settings read from dormant's own environment (never the job's):
+/// `DORMANT_CONFIG`, `DORMANT_STATE_DIR`, the runner's `TMPDIR`. Implemented
+/// by `job::Job`, which reads the environment once at the edge; settings do
+/// not depend on it.
+pub trait DriverEnv {
+    fn driver_var(&self, name: &str) -> Option<&str>;
+}
+
 impl Settings {
     /// Finds and parses the settings file. Returns the settings and the file they came from.
-    pub fn load(cli_path: Option<&Path>, job: &Job) -> Result<(Settings, Option<PathBuf>)> {
+    pub fn load(
+        cli_path: Option<&Path>,
+        job: &dyn DriverEnv,
+    ) -> Result<(Settings, Option<PathBuf>)> {
         let explicit = cli_path.map(Path::to_path_buf).or_else(|| {
             job.driver_var("DORMANT_CONFIG")
                 .filter(|s| !s.is_empty())
@@ -245,7 +255,7 @@ impl Settings {
 
     /// The state dir: `DORMANT_STATE_DIR`, else `state_dir`, else the system default.
     /// Never inside the runner's per-job TMPDIR, which is deleted after cleanup.
-    pub fn state_dir(&self, job: &Job) -> Result<PathBuf> {
+    pub fn state_dir(&self, job: &dyn DriverEnv) -> Result<PathBuf> {
         let dir = match job
             .driver_var("DORMANT_STATE_DIR")
             .filter(|s| !s.is_empty())
@@ -262,7 +272,11 @@ impl Settings {
                 dir.display()
             );
         }
-        if let Some(tmp) = job.runner_tmpdir() {
+        let runner_tmp = job
+            .driver_var("TMPDIR")
+            .filter(|s| !s.is_empty())
+            .map(PathBuf::from);
+        if let Some(tmp) = runner_tmp {
             if dir.starts_with(&tmp) {
                 bail!(
                     "state dir {} is inside the runner's per-job temp dir {} which is deleted after \
@@ -292,6 +306,7 @@ fn default_state_dir() -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::job::Job;
 
     #[test]
     fn empty_file_gives_defaults() {

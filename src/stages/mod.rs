@@ -6,6 +6,7 @@
 pub mod cleanup;
 pub mod config;
 pub mod outcome;
+mod prep;
 pub mod prepare;
 mod resume;
 pub mod run;

@@ -16,7 +16,7 @@ use crate::state::registry::{self, UpdateError};
 use crate::state::transitions::same_holder;
 use crate::state::{now_unix, EnvPaths, EnvStatus, EnvironmentRecord, Holder, Mode, Phase};
 
-use super::prepare::{announce, connect, job_state};
+use super::prep::{announce, connect, job_state};
 use super::Session;
 
 /// Why a resume claim was not taken.
