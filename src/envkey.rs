@@ -1,7 +1,7 @@
 //! The environment key: `<runner-id>/<PathEscape(system-id)>/<query>`.
 //!
-//! The format is GitLab Runner's own (see `background/suspendable-environments-
-//! blueprint.txt`): the runner id and the path-escaped system id route the key to
+//! The format is GitLab Runner's own (see `docs/runner-contract.md`, "The job
+//! payload"): the runner id and the path-escaped system id route the key to
 //! the runner manager that made it; the rest is a query string in the encoding
 //! of Go's `url.Values.Encode()` (keys sorted, values query-escaped) that only
 //! dormant reads. It carries at least `env=<uuid>` and the provider's fields.

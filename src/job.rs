@@ -16,6 +16,7 @@ use anyhow::{Context, Result};
 
 pub use payload::{parse_bool, JobInput, SuspendRequest};
 
+use crate::contract::var;
 use crate::exit::ExitCodes;
 
 /// The driver's environment, as the runner composed it.
@@ -52,7 +53,7 @@ impl Job {
     /// A job variable (`CUSTOM_ENV_<name>`). Untrusted.
     pub fn var(&self, name: &str) -> Option<&str> {
         self.env
-            .get(&format!("CUSTOM_ENV_{name}"))
+            .get(&format!("{}{name}", var::CUSTOM_ENV_PREFIX))
             .map(String::as_str)
     }
 
@@ -61,7 +62,7 @@ impl Job {
     pub fn job_variables(&self) -> BTreeMap<String, String> {
         self.env
             .iter()
-            .filter_map(|(k, v)| k.strip_prefix("CUSTOM_ENV_").map(|k| (k, v)))
+            .filter_map(|(k, v)| k.strip_prefix(var::CUSTOM_ENV_PREFIX).map(|k| (k, v)))
             .filter(|(k, _)| k.starts_with("DORMANT_"))
             .map(|(k, v)| (k.to_string(), v.clone()))
             .collect()
@@ -72,14 +73,14 @@ impl Job {
     }
 
     pub fn build_exit_code_file(&self) -> Option<PathBuf> {
-        self.driver_var("BUILD_EXIT_CODE_FILE")
+        self.driver_var(var::BUILD_EXIT_CODE_FILE)
             .filter(|s| !s.is_empty())
             .map(PathBuf::from)
     }
 
     /// The runner's per-job temp dir: deleted after cleanup, never durable storage.
     pub fn runner_tmpdir(&self) -> Option<PathBuf> {
-        self.driver_var("TMPDIR")
+        self.driver_var(var::TMPDIR)
             .filter(|s| !s.is_empty())
             .map(PathBuf::from)
     }
@@ -87,7 +88,7 @@ impl Job {
     /// Reads and parses `JOB_RESPONSE_FILE`.
     pub fn input(&self) -> Result<JobInput> {
         let path = self
-            .driver_var("JOB_RESPONSE_FILE")
+            .driver_var(var::JOB_RESPONSE_FILE)
             .filter(|s| !s.is_empty())
             .context(
                 "JOB_RESPONSE_FILE is not set: dormant must be called by GitLab Runner as a \
@@ -101,7 +102,7 @@ impl Job {
 
     /// `CI_JOB_STATUS` as the runner last set it (`running`, `success`, `failed`, ...).
     pub fn job_status(&self) -> Option<&str> {
-        self.var("CI_JOB_STATUS").filter(|s| !s.is_empty())
+        self.var(var::CI_JOB_STATUS).filter(|s| !s.is_empty())
     }
 }
 

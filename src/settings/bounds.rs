@@ -29,6 +29,9 @@ const fn bound(key: &'static str, zero_ok: bool, max: HumanDuration) -> Duration
 ///   room for an operator who raised it, and no job waits longer for a machine.
 /// - `suspend.cleanup_sweep_budget`: 1 h, the runner's default
 ///   `cleanup_exec_timeout`; a longer budget would be cut by the runner anyway.
+/// - `suspend.claim_grace`: 7 d, the default TTL: a holder gone longer than
+///   that would have its environment swept anyway. Not 0: between two stages
+///   of a job no process runs for a moment, and that must not look gone.
 /// - `suspend.ttl`: 365 d. A suspended environment costs disk (or an EBS
 ///   volume) while it waits; a year is the longest any pipeline pauses.
 /// - `ssh.connect_timeout` (one connect attempt): 10 min; a handshake that has
@@ -43,6 +46,7 @@ pub const DURATION_BOUNDS: &[DurationBound] = &[
     bound("prepare_timeout", false, hours(24)),
     bound("suspend.ttl", false, days(365)),
     bound("suspend.cleanup_sweep_budget", true, hours(1)),
+    bound("suspend.claim_grace", false, days(7)),
     bound("ssh.connect_timeout", false, HumanDuration::from_secs(600)),
     bound("ssh.ready_timeout", false, hours(24)),
     bound("ssh.control_persist", false, hours(24)),
@@ -62,6 +66,7 @@ impl Settings {
                 "suspend.cleanup_sweep_budget",
                 Some(self.suspend.cleanup_sweep_budget),
             ),
+            ("suspend.claim_grace", Some(self.suspend.claim_grace)),
             ("ssh.connect_timeout", Some(self.ssh.connect_timeout)),
             ("ssh.ready_timeout", Some(self.ssh.ready_timeout)),
             ("ssh.control_persist", Some(self.ssh.control_persist)),

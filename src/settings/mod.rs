@@ -94,6 +94,11 @@ pub struct SuspendSettings {
     pub ttl: HumanDuration,
     /// How long the TTL sweep at the end of every cleanup may take.
     pub cleanup_sweep_budget: HumanDuration,
+    /// How long an environment whose holder has no process running still
+    /// counts as held. The gap between two stages of a job is milliseconds
+    /// and a running stage is a live process, so past this the holder is gone:
+    /// a resume, `release` or `sweep` recovers the environment.
+    pub claim_grace: HumanDuration,
 }
 
 impl Default for SuspendSettings {
@@ -102,6 +107,7 @@ impl Default for SuspendSettings {
             enabled: true,
             ttl: HumanDuration::from_secs(7 * 24 * 3600),
             cleanup_sweep_budget: HumanDuration::from_secs(10),
+            claim_grace: HumanDuration::from_secs(5 * 60),
         }
     }
 }

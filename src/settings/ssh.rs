@@ -8,8 +8,8 @@ use anyhow::Result;
 use serde::Deserialize;
 
 use super::HumanDuration;
-use crate::provider::Dirs;
-use crate::state::EnvPaths;
+use crate::model::Dirs;
+use crate::model::EnvPaths;
 use crate::text::quoted;
 
 #[derive(Debug, Clone, Deserialize)]
