@@ -9,6 +9,8 @@ mod crash;
 mod ec2;
 #[cfg(feature = "ec2")]
 mod ec2_job;
+#[cfg(feature = "ec2")]
+mod ec2_resume;
 mod edge;
 mod harness;
 mod hygiene;
