@@ -300,5 +300,4 @@ pub fn parse_bool(name: &str, value: &str) -> Result<bool> {
 }
 
 #[cfg(test)]
-#[path = "payload_tests.rs"]
 mod tests;

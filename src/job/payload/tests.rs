@@ -1,4 +1,7 @@
-//! Unit tests of the job payload reader (`payload.rs`).
+//! Tests of the payload reader: what GitLab Runner writes is read, anything
+//! else is refused naming the field, and no message quotes a secret or more
+//! than an excerpt of a job variable.
+
 use super::*;
 
 fn job(vars: &[(&str, &str)]) -> Job {
