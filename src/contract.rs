@@ -105,7 +105,10 @@ impl ConfigOutput {
             .context("config printed invalid JSON")?;
         let rest = &stdout[de.byte_offset()..];
         if !rest.trim().is_empty() {
-            bail!("config printed text after its JSON: {rest:?}");
+            bail!(
+                "config printed text after its JSON: {}",
+                crate::text::quoted(rest)
+            );
         }
         if !value.is_object() {
             bail!("config printed JSON that is not an object");

@@ -150,7 +150,7 @@ fn print_job(out: &mut dyn Write, title: &str, r: &JobReport) -> Result<()> {
     let total: f64 = r.calls.iter().map(|c| c.elapsed.as_secs_f64()).sum();
     writeln!(
         out,
-        "{title}: {:?}, {} call(s), {:.2} s",
+        "{title}: {}, {} call(s), {:.2} s",
         r.result,
         r.calls.len(),
         total

@@ -49,6 +49,18 @@ pub enum JobResult {
     Canceled,
 }
 
+impl std::fmt::Display for JobResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JobResult::Success => f.write_str("success"),
+            JobResult::BuildFailure(Some(code)) => write!(f, "build failure (exit {code})"),
+            JobResult::BuildFailure(None) => f.write_str("build failure"),
+            JobResult::SystemFailure => f.write_str("system failure"),
+            JobResult::Canceled => f.write_str("canceled"),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct JobReport {
     pub result: JobResult,

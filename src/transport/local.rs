@@ -100,9 +100,9 @@ impl Transport for LocalTransport {
             })?;
         if !out.status.success() {
             bail!(
-                "{} does not run scripts (exit {:?})",
+                "{} does not run scripts ({})",
                 self.shell.display(),
-                out.status.code()
+                out.status
             );
         }
         for missing in String::from_utf8_lossy(&out.stdout).split_whitespace() {

@@ -29,13 +29,15 @@ pub fn choose(
     let Some(asked) = job_image.map(str::trim).filter(|s| !s.is_empty()) else {
         return Ok((default, None));
     };
+    // The job's `image:` is untrusted: shown as a short excerpt.
+    let (asked_q, default_q) = (crate::text::quoted(asked), crate::text::quoted(&default));
     if settings.allowed_images.is_empty() {
         // Pipelines often carry a docker `image:` meant for other runners: with no
         // allow-list, the job gets the operator's image and is told so.
         return Ok((
             default.clone(),
             Some(format!(
-                "the job's image {asked:?} is ignored: ec2.allowed_images is empty, so jobs run on ec2.image {default:?}"
+                "the job's image {asked_q} is ignored: ec2.allowed_images is empty, so jobs run on ec2.image {default_q}"
             )),
         ));
     }
@@ -43,7 +45,7 @@ pub fn choose(
         return Ok((asked.to_string(), None));
     }
     Err(Refusal(format!(
-        "the job's image {asked:?} is not in this runner's allow-list ec2.allowed_images ({}); \
+        "the job's image {asked_q} is not in this runner's allow-list ec2.allowed_images ({}); \
          use one of those or ask the runner's operator to add it",
         settings.allowed_images.join(", ")
     )))
@@ -96,12 +98,13 @@ impl ImageResolver<'_> {
 
     /// Resolves a request, from the cache when it is fresh.
     pub async fn resolve(&self, client: &Client, request: &str, ctx: &Ctx) -> Result<ImageInfo> {
+        let request_q = crate::text::quoted(request);
         let (file, lock_path) = self.cache_paths(request);
         crate::state::store::ensure_private_dir(file.parent().expect("cache dir"))?;
         let _lock = FileLock::acquire(
             &lock_path,
             ctx,
-            &format!("waiting for the lookup of image {request:?}"),
+            &format!("waiting for the lookup of image {request_q}"),
         )
         .await?
         .with_context(|| format!("{} vanished", lock_path.display()))?;
@@ -128,6 +131,7 @@ impl ImageResolver<'_> {
     }
 
     async fn lookup(&self, client: &Client, request: &str, ctx: &Ctx) -> Result<ImageInfo> {
+        let request_q = crate::text::quoted(request);
         let by_id = is_ami_id(request);
         let owners = self.settings.image_owners.clone();
         let out = call("DescribeImages", ctx, || {
@@ -143,7 +147,7 @@ impl ImageResolver<'_> {
             req.send()
         })
         .await
-        .with_context(|| format!("looking up image {request:?} in {}", self.region))?;
+        .with_context(|| format!("looking up image {request_q} in {}", self.region))?;
         // Newest first; equal dates: the highest name (versioned names sort).
         let best = out.images().iter().max_by(|a, b| {
             (a.creation_date(), a.name(), a.image_id()).cmp(&(
@@ -161,7 +165,7 @@ impl ImageResolver<'_> {
                 );
             }
             bail!(
-                "no available image matches the name pattern {request:?} among the images of {} in {}: \
+                "no available image matches the name pattern {request_q} among the images of {} in {}: \
                  check ec2.image (or the job's image:) and ec2.image_owners",
                 owners.join(", "),
                 self.region
@@ -185,7 +189,7 @@ impl ImageResolver<'_> {
         };
         if !by_id {
             ctx.log.info(format!(
-                "image {request:?} resolved to {} ({})",
+                "image {request_q} resolved to {} ({})",
                 info.image_id,
                 info.name.as_deref().unwrap_or("?")
             ));

@@ -20,6 +20,8 @@ impl Ec2Provider {
         let Some(asked) = asked else {
             return Ok(self.settings.instance_type.clone());
         };
+        // A job variable: untrusted, shown as a short excerpt.
+        let asked_q = crate::text::quoted(asked);
         if self
             .settings
             .allowed_instance_types
@@ -30,13 +32,13 @@ impl Ec2Provider {
         }
         if self.settings.allowed_instance_types.is_empty() {
             return Err(Refusal(format!(
-                "the job asks for instance type {asked:?} ({INSTANCE_TYPE_VARIABLE}), but this runner's allow-list \
+                "the job asks for instance type {asked_q} ({INSTANCE_TYPE_VARIABLE}), but this runner's allow-list \
                  ec2.allowed_instance_types is empty: jobs run on {}; drop the variable or ask the runner's operator",
                 self.settings.instance_type
             )));
         }
         Err(Refusal(format!(
-            "the job asks for instance type {asked:?} ({INSTANCE_TYPE_VARIABLE}), which is not in this runner's \
+            "the job asks for instance type {asked_q} ({INSTANCE_TYPE_VARIABLE}), which is not in this runner's \
              allow-list ec2.allowed_instance_types ({})",
             self.settings.allowed_instance_types.join(", ")
         )))
@@ -123,8 +125,12 @@ impl Ec2Provider {
     /// Where SSH connects for this machine.
     pub(super) fn ssh_target(&self, machine: &Machine) -> Result<SshTarget> {
         let (host, port) = match &self.settings.connect_address {
-            Some(c) => parse_host_port(c)
-                .with_context(|| format!("ec2.connect_address {c:?} is not host:port"))?,
+            Some(c) => parse_host_port(c).with_context(|| {
+                format!(
+                    "ec2.connect_address {} is not host:port",
+                    crate::text::quoted(c)
+                )
+            })?,
             None => (
                 machine
                     .field(field::ADDRESS)

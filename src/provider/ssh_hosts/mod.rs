@@ -50,7 +50,8 @@ impl SshHostsProvider {
             .find(|h| h.name() == name)
             .ok_or_else(|| {
                 anyhow!(
-                    "SSH host {name:?} is no longer in the [[ssh.hosts]] settings; add it back to reach its workspaces"
+                    "SSH host {} is no longer in the [[ssh.hosts]] settings; add it back to reach its workspaces",
+                    crate::text::quoted(name)
                 )
             })
     }
