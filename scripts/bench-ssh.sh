@@ -87,20 +87,29 @@ tmp="$work/custom-executor"
 mkdir -m 700 "$tmp"
 printf '{"id":%s,"token":"x","job_info":{"project_id":1,"project_full_path":"g/p"},"variables":[{"key":"CI_RUNNER_ID","value":"1"}]}\n' \
   "$job_id" > "$tmp/response.json"
+# A subshell that empties its environment with builtins and execs dormant: one
+# fork and one exec, like the runner's own spawn (and like the bare ssh below;
+# `env -i` would add an exec to dormant's side only).
 call() {
-  env -i PATH="$PATH" HOME="$HOME" TMPDIR="$tmp" \
-    DORMANT_CONFIG="$work/dormant.toml" DORMANT_STATE_DIR="$work/state" \
-    BUILD_FAILURE_EXIT_CODE=1 SYSTEM_FAILURE_EXIT_CODE=2 \
-    BUILD_EXIT_CODE_FILE="$tmp/build_exit_code" JOB_RESPONSE_FILE="$tmp/response.json" \
-    CUSTOM_ENV_CI_JOB_ID="$job_id" CUSTOM_ENV_CI_JOB_STATUS="${status:-running}" \
-    CUSTOM_ENV_CI_BUILDS_DIR="$builds" CUSTOM_ENV_CI_PROJECT_DIR="$builds/g/p" \
-    "$BIN" "$@"
+  (
+    p=$PATH h=$HOME
+    for v in $(compgen -e); do unset "$v" 2>/dev/null; done
+    export PATH="$p" HOME="$h" TMPDIR="$tmp" \
+      DORMANT_CONFIG="$work/dormant.toml" DORMANT_STATE_DIR="$work/state" \
+      BUILD_FAILURE_EXIT_CODE=1 SYSTEM_FAILURE_EXIT_CODE=2 \
+      BUILD_EXIT_CODE_FILE="$tmp/build_exit_code" JOB_RESPONSE_FILE="$tmp/response.json" \
+      CUSTOM_ENV_CI_JOB_ID="$job_id" CUSTOM_ENV_CI_JOB_STATUS="${status:-running}" \
+      CUSTOM_ENV_CI_BUILDS_DIR="$builds" CUSTOM_ENV_CI_PROJECT_DIR="$builds/g/p"
+    exec "$BIN" "$@"
+  )
 }
 now() { date +%s%N; }
 ms() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", (b - a) / 1e6 }'; }
 # stats FILE -> "median mean min max" in ms
 stats() { sort -n "$1" | awk '{ v[NR] = $1; s += $1 } END { m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2; printf "%.1f %.1f %.1f %.1f\n", m, s / NR, v[1], v[NR] }'; }
 
+# For the fresh connections below (before counting: it connects once per key type).
+ssh-keyscan -p "$port" 127.0.0.1 2>/dev/null > "$work/known_hosts"
 builds=
 conns_before=$(grep -c "Connection from" "$work/sshd.log" || true)
 builds=$(call config | python3 -c 'import json,sys; print(json.load(sys.stdin)["builds_dir"])')
@@ -108,40 +117,38 @@ t0=$(now); call prepare > "$work/prepare.log" 2>&1; t1=$(now)
 prepare_ms=$(ms "$t0" "$t1")
 
 printf '#!/usr/bin/env bash\ntrap '"'"'exit 1'"'"' TERM\nset -eo pipefail\ntrue\nexit 0\n' > "$tmp/script"
-: > "$work/run.ms"
+# One warm-up stage (page cache, the master's first session), not counted.
+call run "$tmp/script" step_0 >> "$work/run.log" 2>&1
+socket=$(ls -d "$work"/state/ctl/*/.ssh-connection*/master | head -1)
+# The three kinds interleaved, stage by stage, so a change in the machine's
+# load hits them alike (this machine is shared).
+: > "$work/run.ms"; : > "$work/bare.ms"; : > "$work/fresh.ms"
 for i in $(seq "$STAGES"); do
   t0=$(now); call run "$tmp/script" "step_$i" >> "$work/run.log" 2>&1; t1=$(now)
   ms "$t0" "$t1" >> "$work/run.ms"; echo >> "$work/run.ms"
-done
-conns_job=$(( $(grep -c "Connection from" "$work/sshd.log") - conns_before ))
-
-# Bare ssh over dormant's own master, while it is still up.
-socket=$(ls -d "$work"/state/ctl/*/.ssh-connection*/master | head -1)
-: > "$work/bare.ms"
-for _ in $(seq "$STAGES"); do
+  # Bare ssh over dormant's own master.
   t0=$(now); ssh -S "$socket" -o BatchMode=yes -p 9 none true; t1=$(now)
   ms "$t0" "$t1" >> "$work/bare.ms"; echo >> "$work/bare.ms"
-done
-
-status=success
-t0=$(now); call cleanup > "$work/cleanup.log" 2>&1; t1=$(now)
-cleanup_ms=$(ms "$t0" "$t1")
-
-# A fresh connection per stage, host key already known (the best case for it).
-ssh-keyscan -p "$port" 127.0.0.1 2>/dev/null > "$work/known_hosts"
-: > "$work/fresh.ms"
-for _ in $(seq "$STAGES"); do
+  # A fresh connection per stage, host key already known (the best case for it).
   t0=$(now)
   ssh -F /dev/null -i "$work/client_key" -p "$port" -o BatchMode=yes -o IdentitiesOnly=yes \
     -o UserKnownHostsFile="$work/known_hosts" root@127.0.0.1 true
   t1=$(now)
   ms "$t0" "$t1" >> "$work/fresh.ms"; echo >> "$work/fresh.ms"
 done
+# Less the fresh connections: what dormant itself opened.
+conns_job=$(( $(grep -c "Connection from" "$work/sshd.log") - conns_before - STAGES ))
+
+status=success
+t0=$(now); call cleanup > "$work/cleanup.log" 2>&1; t1=$(now)
+cleanup_ms=$(ms "$t0" "$t1")
 
 read -r run_med run_mean run_min run_max < <(stats "$work/run.ms")
 read -r bare_med bare_mean bare_min bare_max < <(stats "$work/bare.ms")
 read -r fresh_med fresh_mean fresh_min fresh_max < <(stats "$work/fresh.ms")
 overhead=$(awk -v a="$run_med" -v b="$bare_med" 'BEGIN { printf "%.1f", a - b }')
+ratio=$(awk -v a="$run_med" -v b="$bare_med" 'BEGIN { printf "%.2f", a / b }')
+ratio_mean=$(awk -v a="$run_mean" -v b="$bare_mean" 'BEGIN { printf "%.2f", a / b }')
 total() { awk -v m="$1" -v n="$STAGES" 'BEGIN { printf "%.0f", m * n }'; }
 
 echo
@@ -154,5 +161,6 @@ printf '| bare `ssh -S <socket> none true`            | %9s | %7s | %6s | %6s | 
 printf '| fresh `ssh host true` per stage             | %9s | %7s | %6s | %6s | %11s |\n' "$fresh_med" "$fresh_mean" "$fresh_min" "$fresh_max" "$(total "$fresh_mean")"
 echo
 echo "dormant's own overhead per stage over the bare multiplexed channel (medians): $overhead ms"
+echo "dormant run / bare ssh -S: ${ratio}x (medians), ${ratio_mean}x (means); load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "prepare (workspace, first handshake, host key pinned, probes): $prepare_ms ms; cleanup (release, close): $cleanup_ms ms"
-echo "SSH connections sshd accepted for the whole job (prepare + $STAGES stages): $conns_job"
+echo "SSH connections dormant opened for the whole job (prepare + $((STAGES + 1)) stages): $conns_job; reconnects: $(grep -c reconnecting "$work/run.log" || true)"

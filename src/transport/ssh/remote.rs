@@ -21,15 +21,17 @@
 //! stdin from /dev/null so a command that reads stdin cannot swallow anything.
 //! Apart from that bash, the wrapper starts no programs (no `mktemp`, `head`,
 //! `wc` or `setsid`): each would cost a fork and exec on every stage. The
-//! script's process group comes from job control (`set -m`).
+//! script's process group comes from job control (`set -m`). When the login
+//! shell is bash, it runs the wrapper itself (see [`command_line`]).
 
-/// The wrapper, run as `bash -c WRAPPER dormant <script bytes> <workdir>`.
+/// The wrapper, run with `$1` = the script's length in bytes and `$2` = the
+/// work directory (see [`command_line`]).
 pub const WRAPPER: &str = r#"r() { local LC_ALL=C; IFS= read -r -N "$1" s && [ "${#s}" -eq "$1" ]; }
 if ! r "$1"; then echo "dormant-error the stage script arrived incomplete: not run" >&2; exit 97; fi
 unset -f r
 if [ -n "$2" ] && ! cd -- "$2" 2>/dev/null; then echo "dormant-error the work directory $2 does not exist on the host" >&2; exit 97; fi
 set -m
-bash -c '. /dev/fd/3' "$0" 3< <(printf %s "$s") </dev/null 2>&1 &
+bash -c '. /dev/fd/3' dormant 3< <(printf %s "$s") </dev/null 2>&1 &
 p=$!
 set +m
 unset s
@@ -58,12 +60,16 @@ pub fn signal_line(signal: &str) -> Vec<u8> {
     format!("{signal}\n").into_bytes()
 }
 
-/// The remote command line (interpreted once by the login shell).
+/// The remote command line, interpreted by the user's login shell: a bash
+/// (not in POSIX mode) runs the wrapper itself, any other shell starts one —
+/// a bash start saved on every stage for the common case.
 pub fn command_line(script_len: usize, workdir: Option<&str>) -> String {
     format!(
-        "bash -c {} dormant {script_len} {}",
-        shell_quote(WRAPPER),
-        shell_quote(workdir.unwrap_or(""))
+        "set -- {script_len} {workdir}; w={wrapper}; \
+         if [ -n \"${{BASH_VERSION-}}\" ] && ! shopt -oq posix; then eval \"$w\"; \
+         else exec bash -c \"$w\" dormant \"$@\"; fi",
+        workdir = shell_quote(workdir.unwrap_or("")),
+        wrapper = shell_quote(WRAPPER),
     )
 }
 

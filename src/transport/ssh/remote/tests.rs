@@ -46,8 +46,13 @@ impl Run {
     /// Starts the wrapper with `TMPDIR` = `tmp` and sends `script` (as dormant
     /// uploads it); stdin stays open, as dormant keeps it.
     fn start(script: &str, workdir: Option<&str>, tmp: &std::path::Path) -> Run {
+        Run::start_in("sh", script, workdir, tmp)
+    }
+
+    /// As [`Run::start`], with `shell` as the login shell.
+    fn start_in(shell: &str, script: &str, workdir: Option<&str>, tmp: &std::path::Path) -> Run {
         let body = script_with_env(script.as_bytes(), &[]).unwrap();
-        let mut child = Command::new("sh")
+        let mut child = Command::new(shell)
             .arg("-c")
             .arg(command_line(body.len(), workdir))
             .env("TMPDIR", tmp)
@@ -118,6 +123,28 @@ fn the_wrapper_reports_pgid_and_exit_and_merges_streams_in_order() {
 }
 
 #[test]
+fn the_wrapper_runs_under_a_bash_login_shell_and_under_sh() {
+    let tmp = tempfile::tempdir().unwrap();
+    for shell in ["sh", "bash"] {
+        let run = Run::start_in(
+            shell,
+            "echo $BASH_VERSION; ps -o comm= -p $PPID; exit 3\n",
+            None,
+            tmp.path(),
+        );
+        let (reports, out) = run.finish();
+        assert_eq!(
+            reports.last(),
+            Some(&Report::Exit(3)),
+            "{shell}: {reports:?}"
+        );
+        // bash runs the wrapper itself, sh starts a bash for it: either way
+        // the script's parent is a bash.
+        assert!(out.ends_with("bash\n"), "{shell}: {out}");
+    }
+}
+
+#[test]
 fn the_script_runs_as_its_own_process_group_leader_with_nothing_inherited() {
     let tmp = tempfile::tempdir().unwrap();
     // $$ is the script's own shell (so `kill $$` means the script), which
@@ -136,7 +163,7 @@ fn the_script_runs_as_its_own_process_group_leader_with_nothing_inherited() {
     assert!(out.contains(&format!("pid={p} pgid={p}\n")), "{out}");
     assert!(out.contains("stdin-empty\n"), "{out}");
     assert!(!out.contains("fd3-open"), "{out}");
-    assert!(out.contains("args=0\n"), "{out}");
+    assert!(out.contains("zero=dormant args=0\n"), "{out}");
     assert_eq!(reports.last(), Some(&Report::Exit(0)));
 }
 
