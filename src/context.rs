@@ -76,14 +76,14 @@ impl Ctx {
         Ctx {
             log,
             cancel,
-            deadline: Instant::now() + budget,
+            deadline: deadline_after(budget),
         }
     }
 
     /// The same log and cancellation with a tighter deadline.
     pub fn within(&self, budget: Duration) -> Ctx {
         Ctx {
-            deadline: self.deadline.min(Instant::now() + budget),
+            deadline: self.deadline.min(deadline_after(budget)),
             ..self.clone()
         }
     }
@@ -124,9 +124,26 @@ impl Ctx {
     }
 }
 
+/// `now + budget`, saturating: settings bound every duration, but a budget no
+/// clock can hold must still mean "no deadline to speak of", never a panic.
+fn deadline_after(budget: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 86400);
+    let now = Instant::now();
+    now.checked_add(budget.min(CENTURY)).unwrap_or(now)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn budgets_no_clock_can_hold_saturate() {
+        let ctx = Ctx::new(JobLog::capture().0, CancellationToken::new(), Duration::MAX);
+        assert!(ctx.remaining() > Duration::from_secs(365 * 86400));
+        let inner = ctx.within(Duration::MAX);
+        assert!(inner.remaining() > Duration::from_secs(365 * 86400));
+        assert!(ctx.within(Duration::from_secs(1)).remaining() <= Duration::from_secs(1));
+    }
 
     #[tokio::test]
     async fn sleep_is_cut_by_cancel_and_deadline() {

@@ -6,6 +6,7 @@
 //! (`ec2.instance_type: ...`). `examples/dormant.toml` documents every setting
 //! and a test parses it. Sections of a provider live in their own file.
 
+pub mod bounds;
 pub mod duration;
 pub mod ec2;
 pub mod ssh;
@@ -17,7 +18,7 @@ use serde::Deserialize;
 
 pub use duration::HumanDuration;
 
-use crate::job::Job;
+use crate::text::{excerpt, excerpt_ends};
 
 /// Where the settings file is when neither `--config` nor `DORMANT_CONFIG` says.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/dormant/config.toml";
@@ -92,6 +93,11 @@ pub struct SuspendSettings {
     pub ttl: HumanDuration,
     /// How long the TTL sweep at the end of every cleanup may take.
     pub cleanup_sweep_budget: HumanDuration,
+    /// How long an environment whose holder has no process running still
+    /// counts as held. The gap between two stages of a job is milliseconds
+    /// and a running stage is a live process, so past this the holder is gone:
+    /// a resume, `release` or `sweep` recovers the environment.
+    pub claim_grace: HumanDuration,
 }
 
 impl Default for SuspendSettings {
@@ -100,6 +106,7 @@ impl Default for SuspendSettings {
             enabled: true,
             ttl: HumanDuration::from_secs(7 * 24 * 3600),
             cleanup_sweep_budget: HumanDuration::from_secs(10),
+            claim_grace: HumanDuration::from_secs(5 * 60),
         }
     }
 }
@@ -119,9 +126,20 @@ impl Default for LocalSettings {
     }
 }
 
+/// What the settings read from dormant's own environment (never the job's):
+/// `DORMANT_CONFIG`, `DORMANT_STATE_DIR`, the runner's `TMPDIR`. Implemented
+/// by `job::Job`, which reads the environment once at the edge; settings do
+/// not depend on it.
+pub trait DriverEnv {
+    fn driver_var(&self, name: &str) -> Option<&str>;
+}
+
 impl Settings {
     /// Finds and parses the settings file. Returns the settings and the file they came from.
-    pub fn load(cli_path: Option<&Path>, job: &Job) -> Result<(Settings, Option<PathBuf>)> {
+    pub fn load(
+        cli_path: Option<&Path>,
+        job: &dyn DriverEnv,
+    ) -> Result<(Settings, Option<PathBuf>)> {
         let explicit = cli_path.map(Path::to_path_buf).or_else(|| {
             job.driver_var("DORMANT_CONFIG")
                 .filter(|s| !s.is_empty())
@@ -155,8 +173,11 @@ impl Settings {
     /// Parses settings text, reporting every unknown key and bad value at once.
     pub fn parse_str(text: &str) -> Result<Settings> {
         let mut unknown = Vec::new();
-        let de = toml::Deserializer::parse(text)
-            .map_err(|e| anyhow::anyhow!("{}", e.to_string().trim_end()))?;
+        let de = toml::Deserializer::parse(text).map_err(|e| {
+            // toml quotes the offending line: keep each line of its message short.
+            let msg: Vec<String> = e.to_string().trim_end().lines().map(excerpt).collect();
+            anyhow::anyhow!("{}", msg.join("\n"))
+        })?;
         // serde_ignored collects every unknown key; serde_path_to_error names
         // the key of a value of the wrong type (`suspend.ttl: ...`).
         let mut record = |path: serde_ignored::Path<'_>| unknown.push(path.to_string());
@@ -164,13 +185,20 @@ impl Settings {
             serde_path_to_error::deserialize(serde_ignored::Deserializer::new(de, &mut record));
         let mut problems: Vec<String> = unknown
             .into_iter()
-            .map(|k| format!("{k}: unknown setting (see examples/dormant.toml for every setting)"))
+            .map(|k| {
+                format!(
+                    "{}: unknown setting (see examples/dormant.toml for every setting)",
+                    excerpt(&k)
+                )
+            })
             .collect();
         let settings = match parsed {
             Ok(s) => s,
             Err(e) => {
-                let path = e.path().to_string();
-                problems.push(format!("{path}: {}", e.into_inner().message().trim_end()));
+                // serde's message may quote the whole bad value.
+                let path = excerpt(&e.path().to_string());
+                let msg = excerpt_ends(e.into_inner().message().trim_end());
+                problems.push(format!("{path}: {msg}"));
                 bail!(
                     "{} problem(s):\n  {}",
                     problems.len(),
@@ -204,23 +232,21 @@ impl Settings {
         }
         if let Some(r) = &self.runner_id {
             if r.contains('/') {
-                problems.push(format!("runner_id: {r:?} must not contain '/'"));
+                problems.push(format!(
+                    "runner_id: \"{}\" must not contain '/'",
+                    excerpt(r)
+                ));
             }
         }
         if let Some(d) = &self.state_dir {
             if !d.is_absolute() {
                 problems.push(format!(
                     "state_dir: {} must be an absolute path",
-                    d.display()
+                    excerpt(&d.display().to_string())
                 ));
             }
         }
-        if self.prepare_timeout.is_zero() {
-            problems.push("prepare_timeout: must be more than 0s".into());
-        }
-        if self.suspend.ttl.is_zero() {
-            problems.push("suspend.ttl: must be more than 0s".into());
-        }
+        self.check_durations(problems);
         self.ssh
             .validate(self.provider == ProviderKind::Ssh, problems);
         self.ec2
@@ -229,7 +255,7 @@ impl Settings {
 
     /// The state dir: `DORMANT_STATE_DIR`, else `state_dir`, else the system default.
     /// Never inside the runner's per-job TMPDIR, which is deleted after cleanup.
-    pub fn state_dir(&self, job: &Job) -> Result<PathBuf> {
+    pub fn state_dir(&self, job: &dyn DriverEnv) -> Result<PathBuf> {
         let dir = match job
             .driver_var("DORMANT_STATE_DIR")
             .filter(|s| !s.is_empty())
@@ -246,7 +272,11 @@ impl Settings {
                 dir.display()
             );
         }
-        if let Some(tmp) = job.runner_tmpdir() {
+        let runner_tmp = job
+            .driver_var("TMPDIR")
+            .filter(|s| !s.is_empty())
+            .map(PathBuf::from);
+        if let Some(tmp) = runner_tmp {
             if dir.starts_with(&tmp) {
                 bail!(
                     "state dir {} is inside the runner's per-job temp dir {} which is deleted after \
@@ -276,6 +306,7 @@ fn default_state_dir() -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::job::Job;
 
     #[test]
     fn empty_file_gives_defaults() {
@@ -346,6 +377,27 @@ mod tests {
         );
         let err = Settings::parse_str("runner_id = \"a/b\"\n").unwrap_err();
         assert!(format!("{err:#}").contains("runner_id"), "{err:#}");
+    }
+
+    #[test]
+    fn huge_values_are_quoted_briefly() {
+        let huge = "x/".repeat(32_768);
+        for text in [
+            format!("runner_id = \"{huge}\"\n"),
+            format!("state_dir = \"{huge}\"\n"),
+            format!("provider = \"{huge}\"\n"),
+            format!("[ssh]\nconnect_timeout = [\"{huge}\"]\n"),
+            format!("[suspend]\nttl = \"{huge}\"\n"),
+            format!("\"{huge}\" = 1\n"),
+            format!("colour = \"{huge}\n"),
+            format!("[ssh]\nworkspace_root = \"{huge}\"\n"),
+            format!("[ec2]\nendpoint_url = \"{huge}\"\n"),
+        ] {
+            let err = format!("{:#}", Settings::parse_str(&text).unwrap_err());
+            for line in err.lines() {
+                assert!(line.len() < 400, "{} bytes: {line}", line.len());
+            }
+        }
     }
 
     #[test]

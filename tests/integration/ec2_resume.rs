@@ -161,15 +161,12 @@ impl ResumeRig {
     pub fn resume(&mut self, hold: Duration, stop_hold: Duration, sshd_after: Duration) -> Resumed {
         self.sshd.stop();
         self.proxy.hold_transitions(hold, stop_hold);
-        let mut job = harness::job(5)
+        let job = harness::job(5)
             .resume(&self.key)
             .suspend_on(true, false)
             .script("cat progress.txt");
         // The runner calls prepare_script right after prepare exits: stamp that moment.
-        job.before_stage.push((
-            "prepare_script".into(),
-            format!("date +%s%N > {}", self.stamp.display()),
-        ));
+        let stamp_cmd = format!("date +%s%N > {}", self.stamp.display());
         let since = Instant::now();
         let wall0 = SystemTime::now();
         let (report, started, sshd_up) = std::thread::scope(|s| {
@@ -185,7 +182,9 @@ impl ResumeRig {
                 sshd.restart();
                 (started, Instant::now())
             });
-            let report = self.rig.run(&job);
+            let report = self
+                .rig
+                .run_with_command_before(&job, "prepare_script", &stamp_cmd);
             let (started, up) = starter.join().unwrap();
             (report, started, up)
         });

@@ -181,7 +181,7 @@ impl Provider for SshHostsProvider {
 
     async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
         let env = Self::env_of(machine)?;
-        self.release_slot(env)?;
+        self.release_slot(env, ctx).await?;
         ctx.log.info(format!(
             "workspace {} kept on SSH host {}; its slot is free while the environment is suspended",
             machine.field("workspace").unwrap_or("?"),
@@ -206,13 +206,15 @@ impl Provider for SshHostsProvider {
         // The sweep and `dormant release` delete without a transport that
         // would close the master afterwards.
         let _ = master.close().await;
-        self.release_slot(env)
+        self.release_slot(env, ctx).await
     }
 
     async fn describe(&self, machine: &Machine, _ctx: &Ctx) -> Result<MachineState> {
         // No SSH call: a held slot means a job is using it, else it waits suspended.
         let env = Self::env_of(machine)?;
-        let held = self.with_slots(|s| s.hosts.values().any(|ids| ids.contains(&env)))?;
+        let held = self
+            .with_slots(_ctx, |s| s.hosts.values().any(|ids| ids.contains(&env)))
+            .await?;
         Ok(if held {
             MachineState::Running
         } else {
@@ -226,9 +228,10 @@ impl Provider for SshHostsProvider {
         let mut out = Vec::new();
         for id in self.store.environment_ids()? {
             let paths = self.store.env_paths(id);
-            if let Ok(Some(rec)) = paths.peek() {
+            if let Ok(Some(rec)) = crate::state::registry::peek(&paths) {
+                let status = rec.status();
                 if let Some(m) = rec.machine.filter(|m| m.field("workspace").is_some()) {
-                    let state = if rec.status == EnvStatus::Suspended {
+                    let state = if status == EnvStatus::Suspended {
                         MachineState::Stopped
                     } else {
                         MachineState::Running
@@ -265,7 +268,6 @@ impl Provider for SshHostsProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::EnvironmentRecord;
 
     pub(super) fn provider(slots: u32) -> (tempfile::TempDir, SshHostsProvider) {
         let dir = tempfile::tempdir().unwrap();
@@ -286,10 +288,7 @@ mod tests {
 
     pub(super) fn active_env(p: &SshHostsProvider) -> Uuid {
         let id = Uuid::new_v4();
-        let paths = p.store.env_paths(id);
-        paths.create().unwrap();
-        let rec = EnvironmentRecord::new(id, "ssh", "1", "s", 1, 1);
-        paths.lock().unwrap().save(&rec).unwrap();
+        crate::state::testing::place(&p.store, id, EnvStatus::Active, None, 0, None).unwrap();
         id
     }
 

@@ -15,8 +15,9 @@ use uuid::Uuid;
 use super::SshHostsProvider;
 use crate::context::Ctx;
 use crate::settings::ssh::SshHost;
-use crate::state::store::{self, FileLock, FORMAT_VERSION};
+use crate::state::store::{self, FORMAT_VERSION};
 use crate::state::EnvStatus;
+use crate::state::{registry, FileLock};
 use crate::wait::{Poll, Schedule, Wait};
 
 /// The slot file's lock is held for a read-modify-write only.
@@ -38,18 +39,25 @@ impl SshHostsProvider {
         self.store.root().join("ssh-slots.json")
     }
 
-    pub(super) fn with_slots<T>(&self, change: impl FnOnce(&mut Slots) -> T) -> Result<T> {
+    pub(super) async fn with_slots<T>(
+        &self,
+        ctx: &Ctx,
+        change: impl FnOnce(&mut Slots) -> T,
+    ) -> Result<T> {
+        let path = self.store.root().join("ssh-slots.lock");
         let _lock = FileLock::acquire(
-            &self.store.root().join("ssh-slots.lock"),
-            SLOT_LOCK_TIMEOUT,
-            "the SSH host slots",
-        )?;
+            &path,
+            &ctx.uncancellable().within(SLOT_LOCK_TIMEOUT),
+            "waiting for the SSH host slots' lock",
+        )
+        .await?
+        .with_context(|| format!("the state dir of {} is missing", path.display()))?;
         let mut slots: Slots = store::read_json(&self.slots_path())?.unwrap_or_default();
         slots.version = FORMAT_VERSION;
         // A slot whose environment was released, or is suspended, is free.
         for ids in slots.hosts.values_mut() {
             ids.retain(|id| {
-                matches!(self.store.env_paths(*id).peek(), Ok(Some(rec)) if rec.status != EnvStatus::Suspended)
+                matches!(registry::peek(&self.store.env_paths(*id)), Ok(Some(rec)) if rec.status() != EnvStatus::Suspended)
             });
         }
         let out = change(&mut slots);
@@ -68,7 +76,7 @@ impl SshHostsProvider {
         let ctx = ctx.within(self.settings.slot_wait.get());
         let mut wait = Wait::new(&ctx, "a free SSH host slot", Schedule::fixed(SLOT_POLL));
         let host = wait
-            .until(|| async { self.try_slot(env, only) })
+            .until(|| async { self.try_slot(env, only, &ctx).await })
             .await
             .with_context(|| {
                 format!(
@@ -88,12 +96,12 @@ impl SshHostsProvider {
 
     /// One look at the slots: a host with a free slot (taken for `env`), or
     /// how busy every candidate is.
-    fn try_slot(&self, env: Uuid, only: Option<&str>) -> Result<Poll<SshHost>> {
+    async fn try_slot(&self, env: Uuid, only: Option<&str>, ctx: &Ctx) -> Result<Poll<SshHost>> {
         let candidates: Vec<&SshHost> = match only {
             Some(name) => vec![self.host(name)?],
             None => self.settings.hosts.iter().collect(),
         };
-        self.with_slots(|slots| {
+        self.with_slots(ctx, |slots| {
             if let Some((name, _)) = slots.hosts.iter().find(|(_, ids)| ids.contains(&env)) {
                 if let Some(h) = candidates.iter().find(|h| h.name() == name) {
                     return Poll::Ready((*h).clone());
@@ -123,14 +131,16 @@ impl SshHostsProvider {
                 )),
             }
         })
+        .await
     }
 
-    pub(super) fn release_slot(&self, env: Uuid) -> Result<()> {
-        self.with_slots(|slots| {
+    pub(super) async fn release_slot(&self, env: Uuid, ctx: &Ctx) -> Result<()> {
+        self.with_slots(ctx, |slots| {
             for ids in slots.hosts.values_mut() {
                 ids.retain(|id| *id != env);
             }
         })
+        .await
     }
 }
 
@@ -170,7 +180,9 @@ mod tests {
             .unwrap_err();
         assert!(format!("{err:#}").contains("a 1/1, b 1/1"), "{err:#}");
         // Suspending e1 frees its slot for e3.
-        p.release_slot(e1).unwrap();
+        p.release_slot(e1, &ctx(Duration::from_secs(5)))
+            .await
+            .unwrap();
         let h3 = p
             .acquire_slot(e3, None, &ctx(Duration::from_secs(5)))
             .await
@@ -191,7 +203,9 @@ mod tests {
         let waiting = Ctx::new(log, CancellationToken::new(), budget);
         let (got, freed) = tokio::join!(p.acquire_slot(e3, None, &waiting), async {
             tokio::time::sleep(Duration::from_millis(600)).await;
-            p.release_slot(e2).unwrap();
+            p.release_slot(e2, &ctx(Duration::from_secs(5)))
+                .await
+                .unwrap();
             std::time::Instant::now()
         });
         assert_eq!(got.unwrap().name(), "b");
@@ -216,7 +230,7 @@ mod tests {
         p.acquire_slot(e1, Some("a"), &ctx(Duration::from_secs(5)))
             .await
             .unwrap();
-        p.store.env_paths(e1).remove_all().unwrap();
+        crate::state::store::remove_tree(&p.store.env_paths(e1).dir).unwrap();
         let e2 = active_env(&p);
         let h = p
             .acquire_slot(e2, Some("a"), &ctx(Duration::from_secs(2)))

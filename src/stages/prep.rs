@@ -1,0 +1,70 @@
+//! What the two paths of `dormant prepare` (a new environment in
+//! `prepare.rs`, a resume in `resume.rs`) share: the job state they continue,
+//! waiting for the machine to run commands, and announcing the key.
+
+use anyhow::Result;
+
+use crate::context::Ctx;
+use crate::provider::Machine;
+use crate::state::job::LockedJob;
+use crate::state::{EnvPaths, JobState, Mode, Phase};
+
+use super::Session;
+
+/// The job state to continue: the one a previous attempt left, or a new one;
+/// saved in phase `Claiming` before anything is claimed (intent), so cleanup
+/// knows which environment to look at.
+pub(super) fn job_state(
+    s: &Session,
+    locked: &LockedJob,
+    env_id: uuid::Uuid,
+    mode: Mode,
+) -> Result<JobState> {
+    let mut state = match locked.load()? {
+        Some(prev) if prev.env_id == env_id && prev.mode == mode => prev,
+        _ => JobState::new(&s.runner_id, s.job_id(), s.input.project_id, env_id, mode),
+    };
+    state.suspend_on_success = s.input.suspend.on_success;
+    state.suspend_on_failure = s.input.suspend.on_failure;
+    state.phase = Phase::Claiming;
+    locked.save(&state)?;
+    Ok(state)
+}
+
+/// Waits for the environment to run commands (SSH readiness, tool probes).
+pub(super) async fn connect(
+    s: &Session,
+    paths: &EnvPaths,
+    machine: &Machine,
+    ctx: &Ctx,
+) -> Result<()> {
+    let target = s.provider.target(machine)?;
+    let transport = s.transports.open(&target, paths)?;
+    transport.connect(ctx).await
+}
+
+pub(super) fn announce(s: &Session, key: &str, env_id: uuid::Uuid, resumed: bool) {
+    s.log.info(format!("environment key: {key}"));
+    let t = &s.input.suspend;
+    let when = match (t.on_success, t.on_failure) {
+        (true, true) => Some("when the job ends (success or failure)"),
+        (true, false) => Some("if the job succeeds"),
+        (false, true) => Some("if the job fails"),
+        (false, false) => None,
+    };
+    match (when, s.settings.suspend.enabled) {
+        (Some(when), true) => s.log.info(format!(
+            "environment {env_id} will be suspended {when} (triggers from {}); resume it with the key above. \
+             Job scripts see it as DORMANT_ENVIRONMENT_KEY",
+            t.source
+        )),
+        (Some(_), false) => s.log.warn(format!(
+            "the job asks to suspend its environment, but suspension is disabled on this runner \
+             (suspend.enabled = false): environment {env_id} will be released at the end of the job"
+        )),
+        (None, _) if resumed => s.log.info(format!(
+            "no suspension trigger is set: environment {env_id} will be released at the end of this job"
+        )),
+        (None, _) => {}
+    }
+}

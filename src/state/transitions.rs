@@ -1,0 +1,328 @@
+//! The environment lifecycle as a state machine: every change of an
+//! environment's `status` and `claim` is one of the methods here, each
+//! checking it is allowed from the current status and by this holder. They are
+//! applied under the record lock by `registry::update` only; no other code can
+//! write those fields (they are private to `state`).
+//!
+//! ```text
+//!              claim (new job)                 activate
+//!   (none) ─────────────────────▶ creating ───────────────▶ active ──┐
+//!                                    │                        ▲      │ begin_suspend
+//!                                    │ begin_release          │      ▼
+//!                                    ▼              activate  │  suspending ── suspended ──▶ suspended
+//!   (gone) ◀── remove ── releasing ◀──────── resuming ───────┘      ▲
+//!                          ▲    ▲               ▲                    │
+//!                          │    └─ begin_release (any held status)   │
+//!                          │                    └── claim_for_resume ┘ (from suspended)
+//!                          └── begin_release (suspended: TTL, operator)
+//! ```
+//!
+//! The pure rules — what cleanup does with a job's environment, what a stale
+//! claim is settled to — are functions at the end, unit-tested over every
+//! status × phase × outcome. `docs/architecture.md` has the table.
+
+use super::record::{Claim, EnvStatus, EnvironmentRecord, Holder, Mode};
+use crate::model::Machine;
+
+/// A transition that is not allowed now; says why in words for the log.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("environment {id} is {status}{held}: cannot {verb}")]
+pub struct NotAllowed {
+    pub id: uuid::Uuid,
+    pub status: &'static str,
+    pub held: String,
+    pub verb: &'static str,
+}
+
+fn not_allowed(rec: &EnvironmentRecord, verb: &'static str) -> NotAllowed {
+    NotAllowed {
+        id: rec.id,
+        status: rec.status.as_str(),
+        held: rec
+            .holder()
+            .map(|h| format!(" (held by {})", h.describe()))
+            .unwrap_or_default(),
+        verb,
+    }
+}
+
+/// Whether `a` and `b` are the same holder (a job's triggers may be updated
+/// by a retried prepare; it is still the same job).
+pub fn same_holder(a: &Holder, b: &Holder) -> bool {
+    match (a, b) {
+        (
+            Holder::Job {
+                runner_id: r1,
+                job_id: j1,
+                ..
+            },
+            Holder::Job {
+                runner_id: r2,
+                job_id: j2,
+                ..
+            },
+        ) => r1 == r2 && j1 == j2,
+        _ => a == b,
+    }
+}
+
+impl EnvironmentRecord {
+    fn held_by(&self, holder: &Holder) -> bool {
+        self.claim
+            .as_ref()
+            .is_some_and(|c| same_holder(&c.holder, holder))
+    }
+
+    fn require(
+        &self,
+        holder: &Holder,
+        from: &[EnvStatus],
+        verb: &'static str,
+    ) -> Result<(), NotAllowed> {
+        if self.held_by(holder) && from.contains(&self.status) {
+            Ok(())
+        } else {
+            Err(not_allowed(self, verb))
+        }
+    }
+
+    fn set(&mut self, status: EnvStatus, holder: &Holder) {
+        self.status = status;
+        match &mut self.claim {
+            Some(c) if same_holder(&c.holder, holder) => {
+                c.holder = holder.clone();
+                c.last_activity = super::now_unix();
+            }
+            _ => self.claim = Some(Claim::new(holder.clone())),
+        }
+    }
+
+    /// A retried prepare of the job that made this environment takes it back,
+    /// whatever an earlier attempt's cleanup left (it may have failed to
+    /// release it): the machine is found again by `create_or_reclaim`.
+    pub fn retake_for_retry(&mut self, holder: &Holder) -> Result<(), NotAllowed> {
+        let ours = holder.job_id() == Some(self.created_by_job)
+            && (self.claim.is_none() || self.held_by(holder));
+        if !ours || self.status == EnvStatus::Suspended {
+            return Err(not_allowed(self, "be taken back by a retried prepare"));
+        }
+        self.set(EnvStatus::Creating, holder);
+        Ok(())
+    }
+
+    /// Records the machine a create made (result right after the effect).
+    pub fn machine_made(
+        &mut self,
+        holder: &Holder,
+        machine: Machine,
+        key: String,
+    ) -> Result<(), NotAllowed> {
+        self.require(holder, &[EnvStatus::Creating], "record its new machine")?;
+        self.machine = Some(machine);
+        self.key = Some(key);
+        self.set(EnvStatus::Creating, holder);
+        Ok(())
+    }
+
+    /// A job (or a shell) claims a suspended environment to resume it.
+    pub fn claim_for_resume(&mut self, holder: &Holder) -> Result<(), NotAllowed> {
+        if self.status != EnvStatus::Suspended || self.claim.is_some() {
+            return Err(not_allowed(self, "be resumed"));
+        }
+        self.set(EnvStatus::Resuming, holder);
+        Ok(())
+    }
+
+    /// Records the machine as started (it may have a new address).
+    pub fn machine_started(&mut self, holder: &Holder, machine: Machine) -> Result<(), NotAllowed> {
+        self.require(holder, &[EnvStatus::Resuming], "record its started machine")?;
+        self.machine = Some(machine);
+        self.set(EnvStatus::Resuming, holder);
+        Ok(())
+    }
+
+    /// Prepare finished: the environment runs the holder's commands.
+    pub fn activate(&mut self, holder: &Holder) -> Result<(), NotAllowed> {
+        self.require(
+            holder,
+            &[EnvStatus::Creating, EnvStatus::Resuming, EnvStatus::Active],
+            "become active",
+        )?;
+        if self.status == EnvStatus::Resuming {
+            self.resumed_at = Some(super::now_unix());
+            self.job_count += 1;
+        }
+        self.last_error = None;
+        self.set(EnvStatus::Active, holder);
+        Ok(())
+    }
+
+    /// Intent to stop the machine and keep it.
+    pub fn begin_suspend(&mut self, holder: &Holder) -> Result<(), NotAllowed> {
+        self.require(
+            holder,
+            &[
+                EnvStatus::Active,
+                EnvStatus::Resuming,
+                EnvStatus::Suspending,
+            ],
+            "be suspended",
+        )?;
+        self.set(EnvStatus::Suspending, holder);
+        Ok(())
+    }
+
+    /// The stop's result: suspended either way — a machine whose stop failed
+    /// is kept all the same (its disk holds the job's work; the next resume
+    /// starts it, or the TTL deletes it), with the error recorded.
+    /// `fresh`: a new suspension (its TTL starts now), not a failed resume
+    /// put back.
+    pub fn suspended(
+        &mut self,
+        holder: &Holder,
+        error: Option<String>,
+        fresh: bool,
+    ) -> Result<(), NotAllowed> {
+        self.require(holder, &[EnvStatus::Suspending], "be marked suspended")?;
+        self.status = EnvStatus::Suspended;
+        self.claim = None;
+        if fresh || self.suspended_at.is_none() {
+            self.suspended_at = Some(super::now_unix());
+        }
+        self.last_error = error;
+        Ok(())
+    }
+
+    /// Intent to delete the machine. Allowed to the holder in any held
+    /// status, and to anyone on a suspended environment (TTL, operator) or on
+    /// a release that failed (nobody holds it: anyone may finish it).
+    pub fn begin_release(&mut self, holder: &Holder) -> Result<(), NotAllowed> {
+        let unheld = self.claim.is_none()
+            && matches!(self.status, EnvStatus::Suspended | EnvStatus::Releasing);
+        if !(self.held_by(holder) || unheld) {
+            return Err(not_allowed(self, "be released"));
+        }
+        self.set(EnvStatus::Releasing, holder);
+        Ok(())
+    }
+
+    /// The delete failed: stays `releasing` with nobody holding it, so the
+    /// next sweep (or `dormant release`) retries at once; error recorded.
+    pub fn release_failed(&mut self, holder: &Holder, error: String) -> Result<(), NotAllowed> {
+        self.require(holder, &[EnvStatus::Releasing], "record a failed release")?;
+        self.last_error = Some(error);
+        self.claim = None;
+        Ok(())
+    }
+
+    /// Whether `holder` may now delete the record and directory (the machine is gone).
+    pub fn may_remove(&self, holder: &Holder) -> Result<(), NotAllowed> {
+        self.require(holder, &[EnvStatus::Releasing], "be removed")
+    }
+
+    /// A new stage of the holder started or ended: its claim is alive.
+    pub fn touch(&mut self, holder: &Holder) -> Result<(), NotAllowed> {
+        if !self.held_by(holder) {
+            return Err(not_allowed(self, "be touched by a holder it does not have"));
+        }
+        let status = self.status;
+        self.set(status, holder);
+        Ok(())
+    }
+
+    /// Takes over a claim whose holder is gone (checked by the caller: dead and
+    /// idle past the grace, or forced), to settle it as [`on_stale`] says.
+    pub fn take_over(&mut self, by: &Holder, why: String) -> Result<Holder, NotAllowed> {
+        let Some(old) = self.claim.clone() else {
+            return Err(not_allowed(self, "be taken over (nobody holds it)"));
+        };
+        self.claim = Some(Claim::new(by.clone()));
+        self.last_recovery = Some(why);
+        Ok(old.holder)
+    }
+}
+
+/// What happens to an environment's machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settle {
+    /// Stop it and keep it: a job's triggers asked for it.
+    Suspend,
+    /// Stop it and keep it: a resume that never reached the job's first stage,
+    /// or a stop that did not finish, goes back to suspended.
+    Resuspend,
+    /// Delete it.
+    Release,
+    /// Nothing to do (not held).
+    Nothing,
+}
+
+/// How far a job got, as cleanup needs to know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Reached {
+    /// Prepare did not finish.
+    Preparing,
+    /// Prepare finished; no stage script started.
+    Ready,
+    /// At least one stage script started.
+    Stages,
+}
+
+/// What cleanup does with the environment its job holds. `suspends` is
+/// whether the job's outcome matches its triggers (false for cancel/timeout).
+pub fn at_cleanup(
+    status: EnvStatus,
+    mode: Mode,
+    reached: Reached,
+    terminated: bool,
+    suspends: bool,
+    suspend_enabled: bool,
+) -> Settle {
+    match status {
+        EnvStatus::Suspended => Settle::Nothing,
+        EnvStatus::Creating => Settle::Release,
+        // The machine may be half started: stop it again, nothing is lost.
+        EnvStatus::Resuming | EnvStatus::Suspending => Settle::Resuspend,
+        EnvStatus::Releasing => Settle::Release,
+        EnvStatus::Active => {
+            if mode == Mode::Resume && reached < Reached::Stages {
+                // The job never touched it: it is still what was suspended.
+                Settle::Resuspend
+            } else if reached >= Reached::Ready && suspend_enabled && !terminated && suspends {
+                Settle::Suspend
+            } else {
+                Settle::Release
+            }
+        }
+    }
+}
+
+/// What a claim whose holder is gone is settled to.
+pub fn on_stale(status: EnvStatus, holder: &Holder, suspend_enabled: bool) -> Settle {
+    match status {
+        EnvStatus::Suspended => Settle::Nothing,
+        EnvStatus::Creating | EnvStatus::Releasing => Settle::Release,
+        EnvStatus::Resuming | EnvStatus::Suspending => Settle::Resuspend,
+        EnvStatus::Active => match holder {
+            Holder::Job {
+                mode: Mode::Resume, ..
+            } => Settle::Resuspend,
+            // A new job's environment: as its triggers say for a system failure.
+            Holder::Job {
+                mode: Mode::New,
+                suspend_on_failure,
+                ..
+            } => {
+                if *suspend_on_failure && suspend_enabled {
+                    Settle::Suspend
+                } else {
+                    Settle::Release
+                }
+            }
+            Holder::Shell { .. } | Holder::Operator { .. } => Settle::Resuspend,
+        },
+    }
+}
+
+#[cfg(test)]
+#[path = "transitions_tests.rs"]
+mod tests;
