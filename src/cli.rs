@@ -1,4 +1,7 @@
 //! Command line: the four stages GitLab Runner calls, and the operator commands.
+//!
+//! `build.rs` includes this file to generate the man pages and shell
+//! completions: it may use only `std` and `clap`.
 
 use std::path::PathBuf;
 
