@@ -113,6 +113,8 @@ pub struct JobInput {
     /// The job's `image:`, if any.
     pub image: Option<String>,
     pub suspend: SuspendRequest,
+    /// `CI_JOB_URL` (for the notify hook): from the payload's variables, else the job's.
+    pub job_url: Option<String>,
 }
 
 /// What the job asks for: suspension triggers and a key to resume.
@@ -233,14 +235,22 @@ impl JobInput {
                 "no project id: neither the payload's `job_info.project_id` nor CI_PROJECT_ID is set",
             )?,
         };
-        let payload_runner_id = payload
-            .variables
-            .as_deref()
-            .unwrap_or_default()
-            .iter()
-            .find(|v| v.key.as_deref() == Some("CI_RUNNER_ID"))
-            .and_then(|v| v.value.clone())
-            .filter(|v| !v.is_empty());
+        let payload_var = |name: &str| {
+            payload
+                .variables
+                .as_deref()
+                .unwrap_or_default()
+                .iter()
+                .find(|v| v.key.as_deref() == Some(name))
+                .and_then(|v| v.value.clone())
+                .filter(|v| !v.is_empty())
+        };
+        let payload_runner_id = payload_var("CI_RUNNER_ID");
+        let job_url = payload_var("CI_JOB_URL").or_else(|| {
+            job.var("CI_JOB_URL")
+                .filter(|v| !v.is_empty())
+                .map(String::from)
+        });
         let suspend = match payload.suspend_options {
             Some(opts) => SuspendRequest {
                 on_success: opts.suspend_on_success.unwrap_or(false),
@@ -263,6 +273,7 @@ impl JobInput {
                 .and_then(|i| i.name)
                 .filter(|n| !n.trim().is_empty()),
             suspend,
+            job_url,
         })
     }
 }
@@ -348,7 +359,8 @@ mod tests {
     fn payload_fields_are_read() {
         let text = r#"{"id": 77, "token": "glcbt-secret", "job_info": {"project_id": 5, "project_full_path": "g/p"},
             "image": {"name": "ubuntu:24.04"},
-            "variables": [{"key": "CI_RUNNER_ID", "value": "12", "public": true}],
+            "variables": [{"key": "CI_RUNNER_ID", "value": "12", "public": true},
+                          {"key": "CI_JOB_URL", "value": "https://gitlab.example.com/g/p/-/jobs/77", "public": true}],
             "suspend_options": {"suspend_on_success": true, "suspend_on_failure": null,
                                 "runtime_environment_key": "12/s_x/env=abc"}}"#;
         let input = JobInput::from_payload(text, &Job::default()).unwrap();
@@ -356,6 +368,10 @@ mod tests {
         assert_eq!(input.project_id, 5);
         assert_eq!(input.payload_runner_id.as_deref(), Some("12"));
         assert_eq!(input.image.as_deref(), Some("ubuntu:24.04"));
+        assert_eq!(
+            input.job_url.as_deref(),
+            Some("https://gitlab.example.com/g/p/-/jobs/77")
+        );
         assert!(input.suspend.on_success && !input.suspend.on_failure);
         assert_eq!(input.suspend.resume_key.as_deref(), Some("12/s_x/env=abc"));
         assert!(!format!("{input:?}").contains("glcbt-secret"));

@@ -10,6 +10,8 @@ pub mod envkey;
 pub mod exit;
 pub mod identity;
 pub mod job;
+pub mod job_request;
+pub mod notify;
 pub mod ops;
 pub mod provider;
 pub mod runner_sim;

@@ -92,7 +92,18 @@ pub struct SuspendSettings {
     pub ttl: HumanDuration,
     /// How long the TTL sweep at the end of every cleanup may take.
     pub cleanup_sweep_budget: HumanDuration,
+    /// Runs on every suspend, resume, release and expiry with a JSON document
+    /// on stdin (`crate::notify`). Empty: no hook.
+    pub notify_command: Vec<String>,
+    /// Bound on one run of `notify_command`; then its process group is killed.
+    pub notify_timeout: HumanDuration,
+    /// Whether a job may ask for its own suspension through `DORMANT_SUSPEND_FILE`.
+    pub allow_job_request: bool,
 }
+
+/// `notify_timeout` may not exceed this: the hook runs inside a job's prepare
+/// and cleanup, which it must not hold up.
+pub const MAX_NOTIFY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Default for SuspendSettings {
     fn default() -> Self {
@@ -100,6 +111,9 @@ impl Default for SuspendSettings {
             enabled: true,
             ttl: HumanDuration::from_secs(7 * 24 * 3600),
             cleanup_sweep_budget: HumanDuration::from_secs(10),
+            notify_command: Vec::new(),
+            notify_timeout: HumanDuration::from_secs(5),
+            allow_job_request: true,
         }
     }
 }
@@ -115,6 +129,27 @@ impl Default for LocalSettings {
     fn default() -> Self {
         LocalSettings {
             shell: PathBuf::from("bash"),
+        }
+    }
+}
+
+impl SuspendSettings {
+    fn validate(&self, problems: &mut Vec<String>) {
+        if let Some(program) = self.notify_command.first() {
+            if !Path::new(program).is_absolute() {
+                problems.push(format!(
+                    "suspend.notify_command: the program {program:?} must be an absolute path \
+                     (the runner's PATH is not the operator's shell's)"
+                ));
+            }
+        }
+        let t = self.notify_timeout.get();
+        if t.is_zero() || t > MAX_NOTIFY_TIMEOUT {
+            problems.push(format!(
+                "suspend.notify_timeout: must be more than 0s and at most {}s: the hook runs \
+                 inside a job's prepare and cleanup",
+                MAX_NOTIFY_TIMEOUT.as_secs()
+            ));
         }
     }
 }
@@ -221,6 +256,7 @@ impl Settings {
         if self.suspend.ttl.is_zero() {
             problems.push("suspend.ttl: must be more than 0s".into());
         }
+        self.suspend.validate(problems);
         self.ssh
             .validate(self.provider == ProviderKind::Ssh, problems);
         self.ec2
@@ -301,6 +337,9 @@ mod tests {
             "enabled",
             "ttl",
             "cleanup_sweep_budget",
+            "notify_command",
+            "notify_timeout",
+            "allow_job_request",
             "[local]",
             "shell",
             "[ssh]",
@@ -346,6 +385,37 @@ mod tests {
         );
         let err = Settings::parse_str("runner_id = \"a/b\"\n").unwrap_err();
         assert!(format!("{err:#}").contains("runner_id"), "{err:#}");
+    }
+
+    #[test]
+    fn notify_and_job_request_settings_are_read_and_bounded() {
+        let s = Settings::parse_str(
+            "[suspend]\nnotify_command = [\"/usr/local/bin/hook\", \"--mr\"]\nnotify_timeout = \"3s\"\nallow_job_request = false\n",
+        )
+        .unwrap();
+        assert_eq!(s.suspend.notify_command, ["/usr/local/bin/hook", "--mr"]);
+        assert_eq!(s.suspend.notify_timeout.as_secs(), 3);
+        assert!(!s.suspend.allow_job_request);
+        let d = Settings::parse_str("").unwrap();
+        assert!(d.suspend.notify_command.is_empty() && d.suspend.allow_job_request);
+        let err = Settings::parse_str(
+            "[suspend]\nnotify_command = [\"hook\"]\nnotify_timeout = \"10m\"\n",
+        )
+        .unwrap_err();
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("suspend.notify_command: the program \"hook\" must be an absolute path"),
+            "{text}"
+        );
+        assert!(
+            text.contains("suspend.notify_timeout: must be more than 0s and at most 60s"),
+            "{text}"
+        );
+        let err = Settings::parse_str("[suspend]\nnotify_timeout = \"0s\"\n").unwrap_err();
+        assert!(
+            format!("{err:#}").contains("suspend.notify_timeout"),
+            "{err:#}"
+        );
     }
 
     #[test]
