@@ -72,10 +72,16 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         .with_context(|| format!("environment {} has no machine", state.env_id))?;
     let paths = s.store.env_paths(state.env_id);
     let transport = s.transports.open(&s.provider.target(&machine)?, &paths)?;
-    let env = vec![(
-        "DORMANT_ENVIRONMENT_KEY".to_string(),
-        record.key.clone().unwrap_or_default(),
-    )];
+    let env = vec![
+        (
+            "DORMANT_ENVIRONMENT_KEY".to_string(),
+            record.key.clone().unwrap_or_default(),
+        ),
+        (
+            crate::job_request::VAR.to_string(),
+            crate::job_request::path_for(&s.settings, &paths)?,
+        ),
+    ];
     let started = Instant::now();
     let result = transport
         .run_script(

@@ -8,8 +8,10 @@ mod ec2;
 #[cfg(feature = "ec2")]
 mod ec2_job;
 mod harness;
+mod job_request;
 #[cfg(feature = "ec2")]
 mod moto;
+mod notify;
 mod ssh;
 mod sshd;
 
