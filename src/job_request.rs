@@ -76,6 +76,61 @@ pub async fn take(transport: &dyn Transport, path: &str, ctx: &Ctx) -> Result<Op
         .map(|content| reason(&content)))
 }
 
+/// Whether the job's own code runs in this stage (`build_script`, the
+/// `step_*` of multi-step jobs, `after_script`): after those, the run stage
+/// looks for a request, one command over the open connection (about 10 ms on SSH).
+pub fn runs_job_code(stage: &str) -> bool {
+    stage == "build_script" || stage == "after_script" || stage.starts_with("step_")
+}
+
+/// After a stage that ran the job's code: takes a request the script wrote and
+/// says in the job log what becomes of it. Never fails the stage: a request
+/// that cannot be read now is read again by cleanup.
+pub async fn after_stage(
+    settings: &Settings,
+    transport: &dyn Transport,
+    path: &str,
+    ctx: &Ctx,
+) -> Option<String> {
+    let reason = match take(transport, path, ctx).await {
+        Ok(r) => r?,
+        Err(e) => {
+            tracing::debug!("looking for a suspend request at {path}: {e:#}");
+            return None;
+        }
+    };
+    ctx.log.info(match verdict(settings) {
+        Verdict::Honoured => format!("suspending: requested by the job: {reason}"),
+        Verdict::NotAllowed => format!(
+            "warning: the job asked to be suspended ({reason}) but this runner does not allow it \
+             (suspend.allow_job_request = false): its environment is released at the end"
+        ),
+        Verdict::SuspendDisabled => format!(
+            "warning: the job asked to be suspended ({reason}) but suspension is off on this \
+             runner (suspend.enabled = false): its environment is released at the end"
+        ),
+    });
+    Some(reason)
+}
+
+/// What the operator's settings make of a job's request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Honoured,
+    NotAllowed,
+    SuspendDisabled,
+}
+
+pub fn verdict(settings: &Settings) -> Verdict {
+    if !settings.suspend.enabled {
+        Verdict::SuspendDisabled
+    } else if !settings.suspend.allow_job_request {
+        Verdict::NotAllowed
+    } else {
+        Verdict::Honoured
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

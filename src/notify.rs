@@ -81,6 +81,65 @@ impl Notification {
     }
 }
 
+impl Notification {
+    /// What the registry knows about the environment: key, project, provider, machine.
+    pub fn for_record(event: Event, rec: &crate::state::EnvironmentRecord) -> Self {
+        let mut n = Notification::new(event, rec.id, rec.provider.clone());
+        n.key = rec.key.clone();
+        n.project_id = Some(rec.project_id);
+        n.project_path = rec.project_path.clone();
+        n.machine = rec.machine.clone();
+        n
+    }
+
+    /// The job that caused the event.
+    pub fn job(mut self, input: &crate::job::JobInput) -> Self {
+        self.job_id = Some(input.job_id);
+        self.job_url = input.job_url.clone();
+        if self.project_path.is_none() {
+            self.project_path = input.project_path.clone();
+        }
+        self
+    }
+
+    pub fn reason(mut self, reason: impl Into<String>) -> Self {
+        self.reason = Some(reason.into());
+        self
+    }
+}
+
+/// Where a failure of the hook is said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Audience {
+    /// The runner's log (cleanup) or the operator's terminal: the whole error.
+    Operator,
+    /// The job log (prepare): one short line, without the hook's output.
+    Job,
+}
+
+/// Runs the hook, if one is set, and says a failure on `log`. Never fails:
+/// the job goes on whatever the hook does.
+pub async fn announce(
+    settings: &crate::settings::Settings,
+    n: &Notification,
+    log: &crate::context::JobLog,
+    audience: Audience,
+) {
+    let Some(hook) = Notifier::from_settings(&settings.suspend) else {
+        return;
+    };
+    if let Err(e) = hook.send(n).await {
+        let event = serde_json::to_value(n.event).unwrap_or_default();
+        let event = event.as_str().unwrap_or("?");
+        match audience {
+            Audience::Operator => {
+                log.warn(format!("{event} of environment {}: {e}", n.environment_id))
+            }
+            Audience::Job => log.warn(format!("{} (the job goes on)", e.short())),
+        }
+    }
+}
+
 /// Why the hook failed.
 #[derive(Debug, thiserror::Error)]
 pub enum NotifyError {
