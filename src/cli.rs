@@ -45,8 +45,15 @@ pub enum Command {
     },
     /// Show one environment's record, by key or id.
     Inspect { key: String },
-    /// Release (delete) a suspended environment, by key or id.
-    Release { key: String },
+    /// Release (delete) an environment, by key or id: a suspended one, or one
+    /// whose holder (job or shell) is gone.
+    Release {
+        key: String,
+        /// Do not wait for the claim grace of a holder that has no process
+        /// left (a live holder is never overridden).
+        #[arg(long)]
+        force: bool,
+    },
     /// Delete suspended environments past the TTL; report machines with no record.
     Sweep {
         /// Also delete machines the provider manages that have no record (lost state).

@@ -2,15 +2,18 @@
 //! suspended at the end of a job and resumed, disk intact, by a later job.
 //!
 //! `main.rs` only calls [`main_entry`]; everything else is reachable from here
-//! so tests can drive it. See `README.md` and `../shared/design.md`.
+//! so tests can drive it. See `README.md` and `docs/architecture.md`.
 
 pub mod cli;
 pub mod context;
 pub mod envkey;
 pub mod exit;
+pub mod failpoint;
 pub mod identity;
 pub mod job;
 pub mod job_request;
+pub mod lifecycle;
+pub mod model;
 pub mod notify;
 pub mod ops;
 pub mod provider;
@@ -18,6 +21,7 @@ pub mod runner_sim;
 pub mod settings;
 pub mod stages;
 pub mod state;
+pub mod text;
 pub mod transport;
 
 use std::io::Write;
@@ -38,6 +42,10 @@ use settings::Settings;
 pub fn main_entry() -> i32 {
     let job = Job::from_env();
     scrub_job_variables();
+    failpoint::init(
+        job.driver_var("DORMANT_FAILPOINT"),
+        job.driver_var("DORMANT_FAILPOINT_ONCE"),
+    );
     let codes = job.exit_codes();
     std::panic::set_hook(Box::new(|info| {
         eprintln!("dormant: internal error (a bug, please report it): {info}");
@@ -136,11 +144,11 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
             &key,
             &mut std::io::stdout(),
         )?),
-        Command::Release { key } => {
-            Ok(ops::list::release(&settings, &job, &key, log, cancel).await?)
+        Command::Release { key, force } => {
+            Ok(ops::release::release(&settings, &job, &key, force, log, cancel).await?)
         }
         Command::Sweep { delete_orphans } => {
-            Ok(ops::list::sweep(&settings, &job, delete_orphans, log, cancel).await?)
+            Ok(ops::sweep::sweep(&settings, &job, delete_orphans, log, cancel).await?)
         }
         Command::Metrics => {
             let store = state::StateStore::open(&settings.state_dir(&job)?)?;

@@ -15,12 +15,12 @@ pub fn metrics(store: &StateStore, out: &mut dyn Write) -> Result<()> {
     let mut unreadable = 0u64;
     let now = now_unix();
     for id in store.environment_ids()? {
-        match store.env_paths(id).peek() {
+        match crate::state::registry::peek(&store.env_paths(id)) {
             Ok(Some(rec)) => {
                 *counts
-                    .entry((rec.provider.clone(), rec.status.as_str()))
+                    .entry((rec.provider.clone(), rec.status().as_str()))
                     .or_default() += 1;
-                if rec.status == EnvStatus::Suspended {
+                if rec.status() == EnvStatus::Suspended {
                     let age = now.saturating_sub(rec.suspended_at.unwrap_or(rec.created_at));
                     oldest_suspended = oldest_suspended.max(age);
                 }
@@ -55,7 +55,6 @@ pub fn metrics(store: &StateStore, out: &mut dyn Write) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::EnvironmentRecord;
 
     #[test]
     fn counts_by_status_and_reports_the_oldest_suspension() {
@@ -66,15 +65,11 @@ mod tests {
             (EnvStatus::Suspended, 500),
             (EnvStatus::Active, 0),
         ] {
-            let paths = store.env_paths(uuid::Uuid::new_v4());
-            paths.create().unwrap();
-            let mut rec = EnvironmentRecord::new(paths.id, "local", "1", "s", 5, 9);
-            rec.status = status;
-            rec.suspended_at = Some(now_unix() - age);
-            paths.lock().unwrap().save(&rec).unwrap();
+            crate::state::testing::place(&store, uuid::Uuid::new_v4(), status, None, age, None)
+                .unwrap();
         }
         let bad = store.env_paths(uuid::Uuid::new_v4());
-        bad.create().unwrap();
+        std::fs::create_dir(&bad.dir).unwrap();
         std::fs::write(&bad.record, "{").unwrap();
         let mut out = Vec::new();
         metrics(&store, &mut out).unwrap();

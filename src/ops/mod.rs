@@ -1,7 +1,37 @@
 //! Operator commands beside the four stages: `list`, `inspect`, `release`,
-//! `sweep`, `metrics`, and `try`, which drives a whole job like GitLab Runner would.
+//! `sweep`, `metrics`, and `try`, which drives a whole job like GitLab Runner
+//! would. They use the lifecycle (`crate::lifecycle`), never a stage.
 
 pub mod list;
 pub mod metrics;
+pub mod release;
 pub mod sweep;
 pub mod try_job;
+
+use anyhow::Result;
+use uuid::Uuid;
+
+use crate::envkey::EnvironmentKey;
+use crate::job::Job;
+use crate::settings::Settings;
+use crate::state::StateStore;
+
+/// How long `release` and `sweep` may take.
+pub const OPERATOR_BUDGET: std::time::Duration = std::time::Duration::from_secs(30 * 60);
+
+pub fn open_store(settings: &Settings, job: &Job) -> Result<StateStore> {
+    StateStore::open(&settings.state_dir(job)?)
+}
+
+/// An environment id from a key or a bare id.
+pub fn env_id(text: &str) -> Result<Uuid> {
+    if let Ok(id) = Uuid::parse_str(text.trim()) {
+        return Ok(id);
+    }
+    EnvironmentKey::parse(text).map(|k| k.env_id).map_err(|e| {
+        anyhow::anyhow!(
+            "{} is neither an environment id nor a key: {e}; `dormant list` shows both",
+            crate::text::excerpt(text)
+        )
+    })
+}

@@ -80,8 +80,12 @@ pub fn try_job(
         .and_then(|k| crate::envkey::EnvironmentKey::parse(k).ok())
         .map(|k| k.env_id);
     let suspended = env_id
-        .and_then(|id| store.env_paths(id).peek().ok().flatten())
-        .is_some_and(|rec| rec.status == EnvStatus::Suspended);
+        .and_then(|id| {
+            crate::state::registry::peek(&store.env_paths(id))
+                .ok()
+                .flatten()
+        })
+        .is_some_and(|rec| rec.status() == EnvStatus::Suspended);
     checks.push((
         suspended,
         "job 1's environment is suspended in the registry".into(),

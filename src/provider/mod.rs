@@ -15,38 +15,13 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use async_trait::async_trait;
-use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::context::Ctx;
 use crate::settings::{ProviderKind, Settings};
-use crate::state::{EnvPaths, StateStore};
+use crate::state::StateStore;
 
-/// A provider's handle on the machine of one environment. Stored in the
-/// environment record; `fields` are provider-specific (region, host, address).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Machine {
-    /// Instance id, directory, or host/workspace: what the provider acts on.
-    pub id: String,
-    #[serde(default)]
-    pub fields: BTreeMap<String, String>,
-}
-
-impl Machine {
-    pub fn new(id: impl Into<String>) -> Self {
-        Machine {
-            id: id.into(),
-            fields: BTreeMap::new(),
-        }
-    }
-    pub fn with(mut self, k: &str, v: impl Into<String>) -> Self {
-        self.fields.insert(k.to_string(), v.into());
-        self
-    }
-    pub fn field(&self, k: &str) -> Option<&str> {
-        self.fields.get(k).map(String::as_str)
-    }
-}
+pub use crate::model::{Dirs, EnvPaths, Machine, MachineState, ManagedMachine, SshTarget, Target};
 
 /// A job's request that the operator's settings do not allow (an image or an
 /// instance type outside an allow-list). Prepare reports it as a refusal (build
@@ -86,49 +61,6 @@ impl MachineSpec {
     pub fn machine_name(env_id: Uuid) -> String {
         format!("dormant-{env_id}")
     }
-}
-
-/// How the machine's state looks to the provider.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum MachineState {
-    Pending,
-    Running,
-    Stopping,
-    Stopped,
-    /// Terminated, shutting down, or not found.
-    Gone,
-    Other(String),
-}
-
-/// A machine found by listing what the provider manages (orphan detection).
-#[derive(Debug, Clone)]
-pub struct ManagedMachine {
-    pub machine: Machine,
-    /// The environment it belongs to, from its tags or directory name.
-    pub env_id: Option<Uuid>,
-    pub state: MachineState,
-    /// Unix seconds when it was launched, if known.
-    pub launched_at: Option<u64>,
-}
-
-/// How to reach a machine to run scripts on it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Target {
-    /// Run bash on this host, in this directory.
-    Local { workdir: std::path::PathBuf },
-    /// Run bash over SSH.
-    Ssh(SshTarget),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SshTarget {
-    pub host: String,
-    pub port: u16,
-    pub user: String,
-    /// The key to log in with; `None` means the environment's own key (`EnvPaths::ssh_key`).
-    pub identity_file: Option<std::path::PathBuf>,
-    /// Run scripts in this directory (the workspace on an SSH host).
-    pub workdir: Option<String>,
 }
 
 /// A place environments run. Every call is bounded by `ctx.deadline` and
@@ -179,13 +111,6 @@ pub trait Provider: Send + Sync {
 
     /// The provider's fields for the environment key (`instance=i-..&region=..`).
     fn key_fields(&self, machine: &Machine) -> Vec<(String, String)>;
-}
-
-/// Where builds and caches go inside an environment (config's JSON).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Dirs {
-    pub builds: String,
-    pub cache: String,
 }
 
 /// The directories for `config`: stable per environment and computed from

@@ -27,7 +27,8 @@ use super::{
 };
 use crate::context::{Backoff, Ctx};
 use crate::settings::ssh::{SshHost, SshSettings};
-use crate::state::store::{self, FileLock, FORMAT_VERSION};
+use crate::state::store::{self, FORMAT_VERSION};
+use crate::state::{registry, FileLock};
 use crate::state::{EnvPaths, EnvStatus, StateStore};
 use crate::transport::ssh::master::{Master, Purpose};
 use crate::transport::ssh::remote::shell_quote;
@@ -75,18 +76,21 @@ impl SshHostsProvider {
         self.store.root().join("ssh-slots.json")
     }
 
-    fn with_slots<T>(&self, change: impl FnOnce(&mut Slots) -> T) -> Result<T> {
+    async fn with_slots<T>(&self, ctx: &Ctx, change: impl FnOnce(&mut Slots) -> T) -> Result<T> {
+        let path = self.store.root().join("ssh-slots.lock");
         let _lock = FileLock::acquire(
-            &self.store.root().join("ssh-slots.lock"),
-            SLOT_LOCK_TIMEOUT,
-            "the SSH host slots",
-        )?;
+            &path,
+            &ctx.uncancellable().within(SLOT_LOCK_TIMEOUT),
+            "waiting for the SSH host slots' lock",
+        )
+        .await?
+        .with_context(|| format!("the state dir of {} is missing", path.display()))?;
         let mut slots: Slots = store::read_json(&self.slots_path())?.unwrap_or_default();
         slots.version = FORMAT_VERSION;
         // A slot whose environment was released, or is suspended, is free.
         for ids in slots.hosts.values_mut() {
             ids.retain(|id| {
-                matches!(self.store.env_paths(*id).peek(), Ok(Some(rec)) if rec.status != EnvStatus::Suspended)
+                matches!(registry::peek(&self.store.env_paths(*id)), Ok(Some(rec)) if rec.status() != EnvStatus::Suspended)
             });
         }
         let out = change(&mut slots);
@@ -106,36 +110,39 @@ impl SshHostsProvider {
                 Some(name) => vec![self.host(name)?],
                 None => self.settings.hosts.iter().collect(),
             };
-            let (picked, busy) = self.with_slots(|slots| {
-                if let Some((name, _)) = slots.hosts.iter().find(|(_, ids)| ids.contains(&env)) {
-                    if let Some(h) = candidates.iter().find(|h| h.name() == name) {
-                        return (Some((*h).clone()), String::new());
+            let (picked, busy) = self
+                .with_slots(&ctx, |slots| {
+                    if let Some((name, _)) = slots.hosts.iter().find(|(_, ids)| ids.contains(&env))
+                    {
+                        if let Some(h) = candidates.iter().find(|h| h.name() == name) {
+                            return (Some((*h).clone()), String::new());
+                        }
                     }
-                }
-                let used = |h: &SshHost| slots.hosts.get(h.name()).map_or(0, Vec::len) as u32;
-                let best = candidates
-                    .iter()
-                    .filter(|h| used(h) < h.slots)
-                    .min_by_key(|h| used(h) * 1000 / h.slots);
-                match best {
-                    Some(h) => {
-                        slots
-                            .hosts
-                            .entry(h.name().to_string())
-                            .or_default()
-                            .push(env);
-                        (Some((*h).clone()), String::new())
+                    let used = |h: &SshHost| slots.hosts.get(h.name()).map_or(0, Vec::len) as u32;
+                    let best = candidates
+                        .iter()
+                        .filter(|h| used(h) < h.slots)
+                        .min_by_key(|h| used(h) * 1000 / h.slots);
+                    match best {
+                        Some(h) => {
+                            slots
+                                .hosts
+                                .entry(h.name().to_string())
+                                .or_default()
+                                .push(env);
+                            (Some((*h).clone()), String::new())
+                        }
+                        None => (
+                            None,
+                            candidates
+                                .iter()
+                                .map(|h| format!("{} {}/{}", h.name(), used(h), h.slots))
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                        ),
                     }
-                    None => (
-                        None,
-                        candidates
-                            .iter()
-                            .map(|h| format!("{} {}/{}", h.name(), used(h), h.slots))
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                    ),
-                }
-            })?;
+                })
+                .await?;
             if let Some(h) = picked {
                 if last_note.is_some() {
                     ctx.log.info(format!(
@@ -160,12 +167,13 @@ impl SshHostsProvider {
         }
     }
 
-    fn release_slot(&self, env: Uuid) -> Result<()> {
-        self.with_slots(|slots| {
+    async fn release_slot(&self, env: Uuid, ctx: &Ctx) -> Result<()> {
+        self.with_slots(ctx, |slots| {
             for ids in slots.hosts.values_mut() {
                 ids.retain(|id| *id != env);
             }
         })
+        .await
     }
 
     fn env_of(machine: &Machine) -> Result<Uuid> {
@@ -294,7 +302,7 @@ impl Provider for SshHostsProvider {
 
     async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
         let env = Self::env_of(machine)?;
-        self.release_slot(env)?;
+        self.release_slot(env, ctx).await?;
         ctx.log.info(format!(
             "workspace {} kept on SSH host {}; its slot is free while the environment is suspended",
             machine.field("workspace").unwrap_or("?"),
@@ -319,13 +327,15 @@ impl Provider for SshHostsProvider {
         // The sweep and `dormant release` delete without a transport that
         // would close the master afterwards.
         let _ = master.close().await;
-        self.release_slot(env)
+        self.release_slot(env, ctx).await
     }
 
     async fn describe(&self, machine: &Machine, _ctx: &Ctx) -> Result<MachineState> {
         // No SSH call: a held slot means a job is using it, else it waits suspended.
         let env = Self::env_of(machine)?;
-        let held = self.with_slots(|s| s.hosts.values().any(|ids| ids.contains(&env)))?;
+        let held = self
+            .with_slots(_ctx, |s| s.hosts.values().any(|ids| ids.contains(&env)))
+            .await?;
         Ok(if held {
             MachineState::Running
         } else {
@@ -339,9 +349,10 @@ impl Provider for SshHostsProvider {
         let mut out = Vec::new();
         for id in self.store.environment_ids()? {
             let paths = self.store.env_paths(id);
-            if let Ok(Some(rec)) = paths.peek() {
+            if let Ok(Some(rec)) = registry::peek(&paths) {
+                let status = rec.status();
                 if let Some(m) = rec.machine.filter(|m| m.field("workspace").is_some()) {
-                    let state = if rec.status == EnvStatus::Suspended {
+                    let state = if status == EnvStatus::Suspended {
                         MachineState::Stopped
                     } else {
                         MachineState::Running
@@ -379,7 +390,6 @@ impl Provider for SshHostsProvider {
 mod tests {
     use super::*;
     use crate::context::JobLog;
-    use crate::state::EnvironmentRecord;
     use tokio_util::sync::CancellationToken;
 
     fn provider(slots: u32) -> (tempfile::TempDir, SshHostsProvider) {
@@ -401,10 +411,7 @@ mod tests {
 
     fn active_env(p: &SshHostsProvider) -> Uuid {
         let id = Uuid::new_v4();
-        let paths = p.store.env_paths(id);
-        paths.create().unwrap();
-        let rec = EnvironmentRecord::new(id, "ssh", "1", "s", 1, 1);
-        paths.lock().unwrap().save(&rec).unwrap();
+        crate::state::testing::place(&p.store, id, EnvStatus::Active, None, 0, None).unwrap();
         id
     }
 
@@ -437,7 +444,9 @@ mod tests {
             .unwrap_err();
         assert!(format!("{err:#}").contains("a 1/1, b 1/1"), "{err:#}");
         // Suspending e1 frees its slot for e3.
-        p.release_slot(e1).unwrap();
+        p.release_slot(e1, &ctx(Duration::from_secs(5)))
+            .await
+            .unwrap();
         let h3 = p
             .acquire_slot(e3, None, &ctx(Duration::from_secs(5)))
             .await
@@ -452,7 +461,7 @@ mod tests {
         p.acquire_slot(e1, Some("a"), &ctx(Duration::from_secs(5)))
             .await
             .unwrap();
-        p.store.env_paths(e1).remove_all().unwrap();
+        crate::state::store::remove_tree(&p.store.env_paths(e1).dir).unwrap();
         let e2 = active_env(&p);
         let h = p
             .acquire_slot(e2, Some("a"), &ctx(Duration::from_secs(2)))

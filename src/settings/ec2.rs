@@ -9,8 +9,8 @@ use anyhow::Result;
 use serde::Deserialize;
 
 use super::HumanDuration;
-use crate::provider::Dirs;
-use crate::state::EnvPaths;
+use crate::model::Dirs;
+use crate::model::EnvPaths;
 
 /// The job variable through which a job picks an instance type from `allowed_instance_types`.
 pub const INSTANCE_TYPE_VARIABLE: &str = "DORMANT_EC2_INSTANCE_TYPE";

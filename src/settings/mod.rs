@@ -99,6 +99,11 @@ pub struct SuspendSettings {
     pub notify_timeout: HumanDuration,
     /// Whether a job may ask for its own suspension through `DORMANT_SUSPEND_FILE`.
     pub allow_job_request: bool,
+    /// How long an environment whose holder has no process running still
+    /// counts as held. The gap between two stages of a job is milliseconds
+    /// and a running stage is a live process, so past this the holder is gone:
+    /// a resume, `release` or `sweep` recovers the environment.
+    pub claim_grace: HumanDuration,
 }
 
 /// `notify_timeout` may not exceed this: the hook runs inside a job's prepare
@@ -114,6 +119,7 @@ impl Default for SuspendSettings {
             notify_command: Vec::new(),
             notify_timeout: HumanDuration::from_secs(5),
             allow_job_request: true,
+            claim_grace: HumanDuration::from_secs(5 * 60),
         }
     }
 }

@@ -8,8 +8,8 @@ use anyhow::Result;
 use serde::Deserialize;
 
 use super::HumanDuration;
-use crate::provider::Dirs;
-use crate::state::EnvPaths;
+use crate::model::Dirs;
+use crate::model::EnvPaths;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default)]

@@ -1,56 +1,36 @@
-//! `dormant cleanup`: suspends or releases the environment, then removes the
-//! job's state. Best effort, idempotent, bounded: every step is tried, errors
-//! are reported together at the end, job state goes last. Its output reaches
-//! only the runner's log, never the job log.
+//! `dormant cleanup`: suspends or releases the environment its job holds, then
+//! removes the job's state. Best effort, idempotent, bounded: every step is
+//! tried, errors are reported together at the end, job state goes last. Its
+//! output reaches only the runner's log, never the job log.
 //!
-//! The decision:
-//! - a resume whose prepare did not complete → back to suspended (a failed
-//!   resume must never destroy what it tried to resume);
-//! - prepare completed, suspension enabled, not terminated, a trigger matches
-//!   the outcome → suspend; a SIGTERM during the suspension lets it finish,
-//!   then releases (termination wins, without a half-suspended machine);
-//! - otherwise → release.
+//! Cleanup acts on an environment only if the record says this job holds it
+//! (not on what the job state says: prepare may have been killed between
+//! claiming and recording that it did). What it does is
+//! `state::transitions::at_cleanup`: a resume that never reached a stage goes
+//! back to suspended; a job whose triggers match its outcome (not terminated)
+//! is suspended, and a SIGTERM during the suspension lets the stop finish, then
+//! releases (termination wins, without a half-suspended machine); otherwise
+//! the environment is released.
 
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
 use crate::context::Ctx;
 use crate::exit::Failure;
-use crate::ops::sweep;
-use crate::state::job::LockedJob;
-use crate::state::{now_unix, EnvPaths, EnvStatus, EnvironmentRecord, JobState, Mode};
+use crate::lifecycle::{self, sweep};
+use crate::model::EnvPaths;
+use crate::state::job::{hold_job_alive, LockedJob};
+use crate::state::transitions::{at_cleanup, same_holder};
+use crate::state::{registry, EnvironmentRecord, Holder, JobState, Settle};
 use crate::transport::Transport;
 
 use super::outcome::Outcome;
-use super::prepare::update_record;
 use super::Session;
 
 /// Upper bound for cleanup's provider calls (a stop waits for the machine to
 /// stop; a terminate for it to go). The runner's own cleanup timeout is 1 h.
 const CLEANUP_BUDGET: Duration = Duration::from_secs(15 * 60);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision {
-    Suspend,
-    /// A resume that failed in prepare: the environment goes back to suspended.
-    Resuspend,
-    Release,
-}
-
-pub fn decide(state: &JobState, outcome: Outcome, suspend_enabled: bool) -> Decision {
-    if state.mode == Mode::Resume && !state.prepare_completed {
-        return Decision::Resuspend;
-    }
-    if state.prepare_completed
-        && suspend_enabled
-        && !state.terminated
-        && outcome.suspends(state.suspend_on_success, state.suspend_on_failure)
-    {
-        return Decision::Suspend;
-    }
-    Decision::Release
-}
 
 pub async fn cleanup(s: &Session) -> Result<(), Failure> {
     let ctx = Ctx::new(s.log.clone(), s.cancel.clone(), CLEANUP_BUDGET);
@@ -58,11 +38,11 @@ pub async fn cleanup(s: &Session) -> Result<(), Failure> {
     if let Err(e) = cleanup_job(s, &ctx).await {
         errors.push(e);
     }
-    // Opportunistic TTL sweep, within a small bound.
+    // Opportunistic sweep, within a small bound.
     let budget = ctx
         .uncancellable()
         .within(s.settings.suspend.cleanup_sweep_budget.get());
-    match sweep::expired(&s.store, s.provider.as_ref(), &s.settings, &budget).await {
+    match sweep::sweep(s.world(), &s.settings.suspend, &budget).await {
         Ok(report) => errors.extend(report.errors),
         Err(e) => errors.push(e.context("sweeping expired environments")),
     }
@@ -81,6 +61,7 @@ pub async fn cleanup(s: &Session) -> Result<(), Failure> {
 }
 
 async fn cleanup_job(s: &Session, ctx: &Ctx) -> Result<()> {
+    let _alive = hold_job_alive(&s.store, &s.runner_id, s.job_id())?;
     // Cleanup is never cancelled with the job: a SIGTERM must not stop it here.
     let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id(), &ctx.uncancellable()).await?;
     let Some(state) = locked.load()? else {
@@ -88,27 +69,36 @@ async fn cleanup_job(s: &Session, ctx: &Ctx) -> Result<()> {
         return Ok(());
     };
     let paths = s.store.env_paths(state.env_id);
-    if state.claimed {
-        let owned = paths
-            .peek()?
-            .filter(|rec| rec.current_job == Some(state.job_id));
-        if let Some(rec) = owned {
-            let outcome = Outcome::of(&state, s.job.job_status());
-            let decision = decide(&state, outcome, s.settings.suspend.enabled);
-            settle(s, &state, &paths, rec, outcome, decision, ctx).await?;
-        }
+    let holder = s.holder(state.mode);
+    let ours =
+        registry::peek(&paths)?.filter(|rec| rec.holder().is_some_and(|h| same_holder(h, &holder)));
+    if let Some(rec) = ours {
+        let outcome = Outcome::of(&state, s.job.job_status());
+        let settle = at_cleanup(
+            rec.status(),
+            state.mode,
+            state.phase.reached(),
+            state.terminated,
+            outcome.suspends(state.suspend_on_success, state.suspend_on_failure),
+            s.settings.suspend.enabled,
+        );
+        crate::failpoint!("cleanup:decided");
+        settle_environment(s, &state, &paths, &rec, &holder, outcome, settle, ctx).await?;
     }
+    crate::failpoint!("cleanup:settled");
     // Job state goes last: if anything above failed, a retried cleanup finds it.
     locked.remove()
 }
 
-async fn settle(
+#[allow(clippy::too_many_arguments)]
+async fn settle_environment(
     s: &Session,
     state: &JobState,
     paths: &EnvPaths,
-    rec: EnvironmentRecord,
+    rec: &EnvironmentRecord,
+    holder: &Holder,
     outcome: Outcome,
-    decision: Decision,
+    settle: Settle,
     ctx: &Ctx,
 ) -> Result<()> {
     let id = state.env_id;
@@ -121,98 +111,25 @@ async fn settle(
         .as_ref()
         .and_then(|m| s.provider.target(m).ok())
         .and_then(|t| s.transports.open(&t, paths).ok());
-    let result = settle_machine(s, state, &rec, outcome, decision, transport.as_deref(), ctx).await;
-    // Idempotent: a release already closed it before removing the files.
-    close(transport.as_deref(), id, ctx).await;
-    result
-}
-
-async fn close(transport: Option<&dyn Transport>, id: uuid::Uuid, ctx: &Ctx) {
-    if let Some(t) = transport {
-        if let Err(e) = t.close(ctx).await {
-            tracing::debug!("closing the connection to {id}: {e:#}");
-        }
-    }
-}
-
-async fn settle_machine(
-    s: &Session,
-    state: &JobState,
-    rec: &EnvironmentRecord,
-    outcome: Outcome,
-    decision: Decision,
-    transport: Option<&dyn Transport>,
-    ctx: &Ctx,
-) -> Result<()> {
-    let id = state.env_id;
-    let paths = &s.store.env_paths(id);
-    match decision {
-        Decision::Resuspend => {
+    let transport = transport.as_deref();
+    let w = s.world();
+    let result = match settle {
+        Settle::Nothing => Ok(()),
+        Settle::Resuspend => {
             s.log.info(format!(
-                "resume of environment {id} did not complete: putting it back to suspended"
+                "environment {id} ({}) did not reach a stage of job {}: putting it back to suspended",
+                rec.status().as_str(),
+                state.job_id
             ));
-            let stopped = match &rec.machine {
-                Some(m) => s.provider.stop(m, &ctx.uncancellable()).await,
-                None => Ok(()),
-            };
-            update_record(paths, |r| {
-                r.status = EnvStatus::Suspended;
-                r.current_job = None;
-                r.last_error = stopped.as_ref().err().map(|e| format!("{e:#}"));
-                if r.suspended_at.is_none() {
-                    r.suspended_at = Some(now_unix());
-                }
-            })?;
-            stopped.with_context(|| {
-                format!(
-                    "stopping environment {id} after its failed resume (it is kept as suspended)"
-                )
-            })
+            lifecycle::suspend(w, paths, holder, false, ctx)
+                .await
+                .map(drop)
         }
-        Decision::Suspend => {
-            s.log.info(format!(
-                "job {} {}: suspending environment {id}",
-                state.job_id,
-                outcome.as_str()
-            ));
-            // A suspension in progress finishes even if SIGTERM arrives.
-            let stopped = match &rec.machine {
-                Some(m) => s.provider.stop(m, &ctx.uncancellable()).await,
-                None => Err(anyhow::anyhow!(
-                    "environment {id} has no machine to suspend"
-                )),
-            };
-            update_record(paths, |r| {
-                r.status = EnvStatus::Suspended;
-                r.current_job = None;
-                r.suspended_at = Some(now_unix());
-                r.last_error = stopped.as_ref().err().map(|e| format!("{e:#}"));
-            })?;
-            if s.cancel.is_cancelled() {
-                s.log.info(format!(
-                    "termination arrived during the suspension of {id}: releasing it now"
-                ));
-                return release(s, paths, transport, ctx).await;
-            }
-            match stopped {
-                Ok(()) => {
-                    s.log.info(format!(
-                        "environment {id} suspended; key: {}",
-                        rec.key.as_deref().unwrap_or("?")
-                    ));
-                    Ok(())
-                }
-                // Kept as suspended all the same: its disk holds the job's work; the
-                // next resume starts it, or the TTL sweep deletes it.
-                Err(e) => {
-                    Err(e.context(format!("suspending environment {id} (kept as suspended)")))
-                }
-            }
-        }
-        Decision::Release => {
+        Settle::Suspend => suspend(s, state, paths, holder, outcome, transport, ctx).await,
+        Settle::Release => {
             let why = if state.terminated {
                 "was terminated".to_string()
-            } else if !state.prepare_completed {
+            } else if !state.prepared() {
                 "did not finish prepare".to_string()
             } else {
                 outcome.as_str().to_string()
@@ -221,25 +138,43 @@ async fn settle_machine(
                 "job {} {why}: releasing environment {id}",
                 state.job_id
             ));
-            release(s, paths, transport, ctx).await
+            lifecycle::release(w, paths, holder, transport, ctx).await
         }
-    }
+    };
+    // Idempotent: a release already closed it before removing the files.
+    lifecycle::close(transport, id, ctx).await;
+    result
 }
 
-/// Deletes the machine, then the environment's files. A failed delete leaves
-/// the record as `releasing` for the sweep to retry.
-/// The connection is closed between the two: after the delete (which may use
-/// it) and before the files (which hold its control socket) go.
-pub(crate) async fn release(
+async fn suspend(
     s: &Session,
+    state: &JobState,
     paths: &EnvPaths,
+    holder: &Holder,
+    outcome: Outcome,
     transport: Option<&dyn Transport>,
     ctx: &Ctx,
 ) -> Result<()> {
-    let deleted = sweep::delete_machine(s.provider.as_ref(), paths, &ctx.uncancellable()).await;
-    close(transport, paths.id, ctx).await;
-    deleted?;
-    paths.remove_all()
+    let id = state.env_id;
+    s.log.info(format!(
+        "job {} {}: suspending environment {id}",
+        state.job_id,
+        outcome.as_str()
+    ));
+    // A suspension in progress finishes even if SIGTERM arrives.
+    let suspended = lifecycle::suspend(s.world(), paths, holder, true, ctx).await;
+    if s.cancel.is_cancelled() {
+        s.log.info(format!(
+            "termination arrived during the suspension of {id}: releasing it now"
+        ));
+        return lifecycle::release(s.world(), paths, holder, transport, ctx).await;
+    }
+    let rec = suspended?;
+    s.log.info(format!(
+        "environment {id} suspended; key: {}",
+        rec.key.as_deref().unwrap_or("(none recorded)")
+    ));
+    Ok(())
 }
 
 #[cfg(test)]
@@ -247,7 +182,17 @@ mod tests {
     use super::*;
     use crate::job::SuspendRequest;
     use crate::stages::fakes::{session, FakeProvider, FakeTransports};
-    use crate::state::StateStore;
+    use crate::state::{registry, EnvStatus, EnvironmentRecord, StateStore};
+
+    /// Reads a record (tests only).
+    trait Peek {
+        fn peek(&self) -> Result<Option<EnvironmentRecord>>;
+    }
+    impl Peek for EnvPaths {
+        fn peek(&self) -> Result<Option<EnvironmentRecord>> {
+            registry::peek(self)
+        }
+    }
 
     fn ok() -> FakeTransports {
         FakeTransports {
@@ -281,7 +226,7 @@ mod tests {
 
     fn status(store: &StateStore, key: &str) -> Option<EnvStatus> {
         let id = crate::envkey::EnvironmentKey::parse(key).unwrap().env_id;
-        store.env_paths(id).peek().unwrap().map(|r| r.status)
+        store.env_paths(id).peek().unwrap().map(|r| r.status())
     }
 
     fn resume(key: &str, on_success: bool) -> SuspendRequest {
@@ -363,7 +308,7 @@ mod tests {
             .peek()
             .unwrap()
             .unwrap();
-        assert_eq!(rec.status, EnvStatus::Suspended);
+        assert_eq!(rec.status(), EnvStatus::Suspended);
         assert!(rec.last_error.unwrap().contains("fake stop failure"));
         assert!(!p.calls().iter().any(|c| c.starts_with("delete")));
     }
@@ -403,11 +348,16 @@ mod tests {
         crate::stages::prepare::prepare(&s).await.unwrap();
         assert!(cleanup(&s).await.is_err());
         let paths = store.env_paths(crate::identity::new_env_id("1", 1));
-        assert_eq!(paths.peek().unwrap().unwrap().status, EnvStatus::Releasing);
+        assert_eq!(
+            paths.peek().unwrap().unwrap().status(),
+            EnvStatus::Releasing
+        );
         p.cloud.lock().unwrap().fail_delete = false;
         let ctx = Ctx::new(s.log.clone(), s.cancel.clone(), Duration::from_secs(5));
-        let report = sweep::expired(&store, &p, &s.settings, &ctx).await.unwrap();
-        assert_eq!(report.released, vec![paths.id]);
+        let report = sweep::sweep(s.world(), &s.settings.suspend, &ctx)
+            .await
+            .unwrap();
+        assert_eq!(report.released, vec![paths.id], "{:?}", report.errors);
         assert!(!paths.exists());
     }
 
@@ -430,7 +380,7 @@ mod tests {
                 .peek()
                 .unwrap()
                 .unwrap()
-                .status,
+                .status(),
             EnvStatus::Suspended
         );
         let (s, _) = session(&store, &p, ok(), 2, on_failure, "canceled");
@@ -496,6 +446,6 @@ mod tests {
             .peek()
             .unwrap()
             .unwrap();
-        assert_eq!(rec.status, EnvStatus::Active);
+        assert_eq!(rec.status(), EnvStatus::Active);
     }
 }

@@ -16,9 +16,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::context::JobLog;
 use crate::job::{Job, JobInput};
+use crate::model::EnvPaths;
 use crate::provider::{Provider, Target};
 use crate::settings::Settings;
-use crate::state::{EnvPaths, StateStore};
+use crate::state::StateStore;
 use crate::transport::Transport;
 
 /// Opens transports; injected so stage logic can be tested without processes.
@@ -83,6 +84,24 @@ impl Session {
 
     pub fn job_id(&self) -> u64 {
         self.input.job_id
+    }
+
+    /// This job as the holder of its environment's claim.
+    pub fn holder(&self, mode: crate::state::Mode) -> crate::state::Holder {
+        crate::state::Holder::Job {
+            runner_id: self.runner_id.clone(),
+            job_id: self.job_id(),
+            mode,
+            suspend_on_failure: self.input.suspend.on_failure,
+        }
+    }
+
+    /// The store and the provider, for the lifecycle's effects.
+    pub fn world(&self) -> crate::lifecycle::World<'_> {
+        crate::lifecycle::World {
+            store: &self.store,
+            provider: self.provider.as_ref(),
+        }
     }
 }
 

@@ -49,7 +49,7 @@ impl Outcome {
                     .stages
                     .iter()
                     .any(|s| s.name == "build_script" || s.name.starts_with("step_"));
-                if user_steps_ran && state.prepare_completed {
+                if user_steps_ran && state.prepared() {
                     Outcome::Success
                 } else {
                     Outcome::Failed
@@ -88,7 +88,7 @@ mod tests {
 
     fn state(stages: &[(&str, StageResult)]) -> JobState {
         let mut s = JobState::new("1", 2, 3, Uuid::nil(), Mode::New);
-        s.prepare_completed = true;
+        s.phase = crate::state::Phase::Stages;
         s.stages = stages
             .iter()
             .map(|(n, r)| StageRecord {

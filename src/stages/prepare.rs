@@ -4,10 +4,11 @@
 //! Prepare is retried by the runner (cleanup in between, fresh process, same
 //! job id), so every step is idempotent: the environment id of a new job is
 //! derived from runner and job id, the machine is created or reclaimed by name,
-//! and state is saved right after every side effect. Refusals of the job's own
-//! input (a malformed or foreign key, an unknown environment, another project's
-//! environment, one in use) are build failures, so the runner does not retry
-//! what can never succeed; see `exit.rs`.
+//! and every step is recorded as intent before its side effect (the job's
+//! phase, the record's status) and as a result right after. Refusals of the
+//! job's own input (a malformed or foreign key, an unknown environment,
+//! another project's environment, one in use) are build failures, so the
+//! runner does not retry what can never succeed; see `exit.rs`.
 
 use std::time::Instant;
 
@@ -16,9 +17,14 @@ use anyhow::{Context, Result};
 use crate::context::Ctx;
 use crate::envkey::EnvironmentKey;
 use crate::exit::Failure;
+use crate::lifecycle::recover::{self, Found};
+use crate::lifecycle::{human_age, update_error, World};
 use crate::provider::{Machine, MachineGone, MachineSpec, Refusal};
-use crate::state::job::LockedJob;
-use crate::state::{now_unix, EnvPaths, EnvStatus, EnvironmentRecord, JobState, Mode};
+use crate::state::job::{hold_job_alive, LockedJob};
+use crate::state::registry::{self, UpdateError};
+use crate::state::{
+    now_unix, EnvPaths, EnvStatus, EnvironmentRecord, Holder, JobState, Mode, NewEnvironment, Phase,
+};
 
 use super::Session;
 
@@ -28,6 +34,7 @@ pub async fn prepare(s: &Session) -> Result<(), Failure> {
         s.cancel.clone(),
         s.settings.prepare_timeout.get(),
     );
+    let _alive = hold_job_alive(&s.store, &s.runner_id, s.job_id())?;
     let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id(), &ctx).await?;
     let started = Instant::now();
     let result = match s.input.suspend.resume_key.clone() {
@@ -50,7 +57,9 @@ pub async fn prepare(s: &Session) -> Result<(), Failure> {
     result
 }
 
-/// The job state to continue: the one a previous attempt left, or a new one.
+/// The job state to continue: the one a previous attempt left, or a new one;
+/// saved in phase `Claiming` before anything is claimed (intent), so cleanup
+/// knows which environment to look at.
 fn job_state(s: &Session, locked: &LockedJob, env_id: uuid::Uuid, mode: Mode) -> Result<JobState> {
     let mut state = match locked.load()? {
         Some(prev) if prev.env_id == env_id && prev.mode == mode => prev,
@@ -58,7 +67,7 @@ fn job_state(s: &Session, locked: &LockedJob, env_id: uuid::Uuid, mode: Mode) ->
     };
     state.suspend_on_success = s.input.suspend.on_success;
     state.suspend_on_failure = s.input.suspend.on_failure;
-    state.prepare_completed = false;
+    state.phase = Phase::Claiming;
     locked.save(&state)?;
     Ok(state)
 }
@@ -67,45 +76,12 @@ async fn prepare_new(s: &Session, locked: &LockedJob, ctx: &Ctx) -> Result<(), F
     let env_id = crate::identity::new_env_id(&s.runner_id, s.job_id());
     let system_id = crate::identity::system_id(&s.settings, &s.store)?;
     let paths = s.store.env_paths(env_id);
+    let holder = s.holder(Mode::New);
     let mut state = job_state(s, locked, env_id, Mode::New)?;
-
-    paths.create()?;
-    {
-        let env = paths.lock()?;
-        match env.load()? {
-            None => {
-                let mut rec = EnvironmentRecord::new(
-                    env_id,
-                    s.provider.name(),
-                    &s.runner_id,
-                    &system_id,
-                    s.input.project_id,
-                    s.job_id(),
-                );
-                rec.project_path = s.input.project_path.clone();
-                env.save(&rec)?;
-            }
-            Some(rec) if rec.current_job == Some(s.job_id()) => {}
-            // This job made it and an earlier attempt's cleanup could not finish
-            // releasing it: adopt it; create_or_reclaim finds its machine.
-            Some(mut rec) if rec.created_by_job == s.job_id() => {
-                rec.status = EnvStatus::Active;
-                rec.current_job = Some(s.job_id());
-                env.save(&rec)?;
-            }
-            Some(rec) => {
-                return Err(anyhow::anyhow!(
-                    "environment {env_id} for job {} already exists and belongs to job {:?} ({}); \
-                     inspect it with `dormant list`",
-                    s.job_id(),
-                    rec.current_job,
-                    paths.record.display()
-                )
-                .into())
-            }
-        }
-    }
-    state.claimed = true;
+    crate::failpoint!("prepare:claiming");
+    claim_new(s, &paths, &system_id, &holder, ctx).await?;
+    crate::failpoint!("prepare:claimed");
+    state.phase = Phase::Preparing;
     locked.save(&state)?;
 
     let ssh_public_key = if s.provider.needs_ssh_key() {
@@ -135,18 +111,86 @@ async fn prepare_new(s: &Session, locked: &LockedJob, ctx: &Ctx) -> Result<(), F
         .await
         .with_context(|| format!("creating {} environment {env_id}", s.provider.name()))
         .map_err(refused_or_system)?;
+    crate::failpoint!("prepare:created");
     let key = environment_key(s, &system_id, env_id, &machine);
-    update_record(&paths, |rec| {
-        rec.machine = Some(machine.clone());
-        rec.key = Some(key.clone());
-    })?;
+    registry::update(&paths, ctx, |r| {
+        r.machine_made(&holder, machine.clone(), key.clone())
+    })
+    .await
+    .map_err(update_error)?;
+    crate::failpoint!("prepare:recorded");
 
     connect(s, &paths, &machine, ctx).await?;
-
-    state.prepare_completed = true;
+    registry::update(&paths, ctx, |r| r.activate(&holder))
+        .await
+        .map_err(update_error)?;
+    crate::failpoint!("prepare:activated");
+    state.phase = Phase::Ready;
     locked.save(&state)?;
+    crate::failpoint!("prepare:ready");
     announce(s, &key, env_id, false);
     Ok(())
+}
+
+/// Creates the new environment's record, held by this job — or takes it back
+/// if an earlier attempt of this job made it.
+async fn claim_new(
+    s: &Session,
+    paths: &EnvPaths,
+    system_id: &str,
+    holder: &Holder,
+    ctx: &Ctx,
+) -> Result<(), Failure> {
+    let rec = EnvironmentRecord::new(
+        NewEnvironment {
+            id: paths.id,
+            provider: s.provider.name(),
+            runner_id: &s.runner_id,
+            system_id,
+            project_id: s.input.project_id,
+            project_path: s.input.project_path.clone(),
+            job_id: s.job_id(),
+        },
+        holder.clone(),
+    );
+    for _ in 0..2 {
+        if registry::create(&s.store, &rec)? {
+            return Ok(());
+        }
+        let retaken = registry::update(paths, ctx, |r| match r.holder() {
+            Some(h) if crate::state::transitions::same_holder(h, holder) => r.touch(holder),
+            _ => r.retake_for_retry(holder),
+        })
+        .await;
+        match retaken {
+            Ok(_) => return Ok(()),
+            // A directory without a record (an older dormant's leftover).
+            Err(UpdateError::Gone(_)) => {
+                registry::remove_recordless(&s.store, paths)?;
+            }
+            Err(e) => {
+                return Err(Failure::System(update_error(e).context(format!(
+                    "environment {} for job {} already exists and is not this job's to take ({}); \
+                     inspect it with `dormant inspect {}`",
+                    paths.id,
+                    s.job_id(),
+                    paths.record.display(),
+                    paths.id
+                ))))
+            }
+        }
+    }
+    Err(Failure::System(anyhow::anyhow!(
+        "could not create environment {} in {}",
+        paths.id,
+        paths.dir.display()
+    )))
+}
+
+/// Why a resume claim was not taken.
+enum NotClaimed {
+    Refused(Failure),
+    Held,
 }
 
 async fn prepare_resume(
@@ -156,25 +200,30 @@ async fn prepare_resume(
     ctx: &Ctx,
 ) -> Result<(), Failure> {
     let source = s.input.suspend.source;
+    let shown = crate::text::excerpt(text);
     let key = EnvironmentKey::parse(text).map_err(|e| {
         Failure::refused(format!(
-            "the environment key {text:?} (from {source}) is malformed: {e}; \
+            "the environment key {shown} (from {source}) is malformed: {e}; \
              pass the key exactly as a suspending job printed it"
         ))
     })?;
     let system_id = crate::identity::system_id(&s.settings, &s.store)?;
     if key.runner_id != s.runner_id || key.system_id != system_id {
         return Err(Failure::refused(format!(
-            "the environment key belongs to runner {} on system {:?}, but this is runner {} on system {:?}: \
+            "the environment key belongs to runner {} on system {}, but this is runner {} on system {}: \
              a key is honoured only by the runner manager that made it; route the job to that runner \
              (e.g. by tags) or run it without a key to start a new environment",
-            key.runner_id, key.system_id, s.runner_id, system_id
+            crate::text::excerpt(&key.runner_id),
+            crate::text::excerpt(&key.system_id),
+            s.runner_id,
+            system_id
         )));
     }
     if let Some(p) = key.field("provider") {
         if p != s.provider.name() {
             return Err(Failure::refused(format!(
-                "the environment key is for the {p} provider, but this runner uses {}",
+                "the environment key is for the {} provider, but this runner uses {}",
+                crate::text::excerpt(p),
                 s.provider.name()
             )));
         }
@@ -185,101 +234,71 @@ async fn prepare_resume(
         Failure::refused(format!(
             "environment {env_id} is not in this runner's registry ({}): it was released, expired after \
              the TTL ({}), or its state was lost; start a new environment by running the job without a key",
-            s.store.root().join("environments").display(),
+            s.store.environments_dir().display(),
             s.settings.suspend.ttl
         ))
     };
     if !paths.exists() {
         return Err(not_found());
     }
+    let holder = s.holder(Mode::Resume);
     let mut state = job_state(s, locked, env_id, Mode::Resume)?;
-    let machine = {
-        let env = paths.lock()?;
-        let mut rec = env.load()?.ok_or_else(not_found)?;
-        if rec.project_id != s.input.project_id {
-            return Err(Failure::refused(format!(
-                "environment {env_id} belongs to project {}, not to this job's project {}: \
-                 an environment is only resumed by jobs of the project that suspended it",
-                rec.project_id, s.input.project_id
-            )));
-        }
-        if let Some(recorded) = rec
-            .key
-            .as_deref()
-            .and_then(|k| EnvironmentKey::parse(k).ok())
-        {
-            for (name, value) in &key.fields {
-                if let Some(ours) = recorded.field(name) {
-                    if ours != value {
-                        return Err(Failure::refused(format!(
-                            "the environment key says {name}={value} but environment {env_id} has {name}={ours}: \
-                             the key was altered; use the key exactly as it was printed"
-                        )));
-                    }
-                }
+    crate::failpoint!("resume:claiming");
+    let mut recovered = false;
+    let machine = loop {
+        let claimed = registry::update(&paths, ctx, |r| claim_resume(s, r, &key, &holder)).await;
+        match claimed {
+            Ok((_, machine)) => break machine,
+            Err(UpdateError::Gone(_)) => return Err(not_found()),
+            Err(UpdateError::Refused(NotClaimed::Refused(f))) => return Err(f),
+            Err(UpdateError::Io(e)) => return Err(Failure::System(e)),
+            Err(UpdateError::Refused(NotClaimed::Held)) if !recovered => {
+                recovered = true;
+                held_elsewhere(s, &paths, ctx).await?;
             }
-        }
-        match rec.status {
-            EnvStatus::Suspended => {}
-            EnvStatus::Active | EnvStatus::Resuming if rec.current_job == Some(s.job_id()) => {}
-            EnvStatus::Active | EnvStatus::Resuming => {
+            Err(UpdateError::Refused(NotClaimed::Held)) => {
                 return Err(Failure::refused(format!(
-                    "environment {env_id} is in use by job {}: one environment runs one job at a time; \
-                     retry after that job has finished",
-                    rec.current_job.map(|j| j.to_string()).unwrap_or_else(|| "?".into())
+                    "environment {env_id} was claimed by another job while this one recovered it; \
+                     retry after that job has finished"
                 )))
             }
-            EnvStatus::Releasing => {
-                return Err(Failure::refused(format!("environment {env_id} is being released")));
-            }
         }
-        let machine = rec.machine.clone().with_context(|| {
-            format!(
-                "environment {env_id} has no machine in {}",
-                paths.record.display()
-            )
-        })?;
-        rec.status = EnvStatus::Resuming;
-        rec.current_job = Some(s.job_id());
-        env.save(&rec)?;
-        machine
     };
-    state.claimed = true;
+    crate::failpoint!("resume:claimed");
+    state.phase = Phase::Preparing;
     locked.save(&state)?;
 
     s.log.info(format!(
         "resuming {} environment {env_id}",
         s.provider.name()
     ));
-    let machine = s
-        .provider
-        .start(&machine, ctx)
+    let machine = s.provider.start(&machine, ctx).await.map_err(|e| {
+        if e.downcast_ref::<MachineGone>().is_some() {
+            Failure::Refused(e.context(format!(
+                "environment {env_id} cannot be resumed: its machine is gone; run the job without \
+                 the key to start a new environment (`dormant release {env_id}` forgets this one)"
+            )))
+        } else {
+            Failure::System(e.context(format!("resuming environment {env_id}; it stays suspended")))
+        }
+    })?;
+    crate::failpoint!("resume:started");
+    registry::update(&paths, ctx, |r| r.machine_started(&holder, machine.clone()))
         .await
-        .map_err(|e| {
-            if e.downcast_ref::<MachineGone>().is_some() {
-                Failure::Refused(e.context(format!(
-                    "environment {env_id} cannot be resumed: its machine is gone; run the job without \
-                     the key to start a new environment (`dormant release {env_id}` forgets this one)"
-                )))
-            } else {
-                Failure::System(e.context(format!("resuming environment {env_id}; it stays suspended")))
-            }
-        })?;
-    update_record(&paths, |rec| rec.machine = Some(machine.clone()))?;
+        .map_err(update_error)?;
 
     connect(s, &paths, &machine, ctx)
         .await
         .map_err(|e| Failure::System(e.context(format!("environment {env_id} stays suspended"))))?;
 
-    let rec = update_record(&paths, |rec| {
-        rec.status = EnvStatus::Active;
-        rec.resumed_at = Some(now_unix());
-        rec.job_count += 1;
-        rec.last_error = None;
-    })?;
-    state.prepare_completed = true;
+    let (rec, ()) = registry::update(&paths, ctx, |r| r.activate(&holder))
+        .await
+        .map_err(update_error)?;
+    crate::failpoint!("resume:activated");
+    state.phase = Phase::Ready;
     locked.save(&state)?;
-    let key = rec.key.unwrap_or_else(|| text.to_string());
+    crate::failpoint!("resume:ready");
+    let key = rec.key.clone().unwrap_or_else(|| text.to_string());
     let age = rec
         .suspended_at
         .map(|t| now_unix().saturating_sub(t))
@@ -292,6 +311,95 @@ async fn prepare_resume(
     ));
     announce(s, &key, env_id, true);
     Ok(())
+}
+
+/// Under the record lock: may this job resume the environment? If so, claims
+/// it (`suspended` → `resuming`) and returns its machine.
+fn claim_resume(
+    s: &Session,
+    r: &mut EnvironmentRecord,
+    key: &EnvironmentKey,
+    holder: &Holder,
+) -> Result<Machine, NotClaimed> {
+    let env_id = r.id;
+    let refuse = |m: String| NotClaimed::Refused(Failure::refused(m));
+    if r.project_id != s.input.project_id {
+        return Err(refuse(format!(
+            "environment {env_id} belongs to project {}, not to this job's project {}: \
+             an environment is only resumed by jobs of the project that suspended it",
+            r.project_id, s.input.project_id
+        )));
+    }
+    if let Some(recorded) = r.key.as_deref().and_then(|k| EnvironmentKey::parse(k).ok()) {
+        for (name, value) in &key.fields {
+            if let Some(ours) = recorded.field(name) {
+                if ours != value {
+                    return Err(refuse(format!(
+                        "the environment key says {}={} but environment {env_id} has {name}={ours}: \
+                         the key was altered; use the key exactly as it was printed",
+                        crate::text::excerpt(name),
+                        crate::text::excerpt(value)
+                    )));
+                }
+            }
+        }
+    }
+    let machine = r.machine.clone().ok_or_else(|| {
+        NotClaimed::Refused(Failure::System(anyhow::anyhow!(
+            "environment {env_id} has no machine in its record; `dormant release {env_id}` forgets it"
+        )))
+    })?;
+    match r.holder() {
+        // An earlier attempt of this job claimed it (its cleanup did not run).
+        Some(h) if crate::state::transitions::same_holder(h, holder) => {
+            r.touch(holder).map_err(|e| refuse(e.to_string()))?
+        }
+        Some(_) => return Err(NotClaimed::Held),
+        None if r.status() == EnvStatus::Suspended => r
+            .claim_for_resume(holder)
+            .map_err(|e| refuse(e.to_string()))?,
+        None => return Err(NotClaimed::Held),
+    }
+    Ok(machine)
+}
+
+/// The environment is held by someone else: recover it if its holder is gone,
+/// else refuse saying who holds it and what to do.
+async fn held_elsewhere(s: &Session, paths: &EnvPaths, ctx: &Ctx) -> Result<(), Failure> {
+    let id = paths.id;
+    let w = World {
+        store: &s.store,
+        provider: s.provider.as_ref(),
+    };
+    let me = recover::operator(&format!("job {}'s prepare", s.job_id()));
+    let found = recover::recover(w, paths, &me, &s.settings.suspend, false, ctx)
+        .await
+        .map_err(|e| Failure::System(e.context(format!("recovering environment {id}"))))?;
+    match found {
+        Found::NoEnvironment | Found::NotHeld | Found::Recovered { .. } => Ok(()),
+        Found::Live(holder) => Err(Failure::refused(match holder {
+            Holder::Shell { .. } => format!(
+                "environment {id} is in use by a shell ({}) on the runner host: retry after it exits",
+                holder.describe()
+            ),
+            Holder::Operator { .. } => format!(
+                "environment {id} is being changed by {}: retry in a moment",
+                holder.describe()
+            ),
+            Holder::Job { .. } => format!(
+                "environment {id} is in use by {}: one environment runs one job at a time; \
+                 retry after that job has finished",
+                holder.describe()
+            ),
+        })),
+        Found::Idle { holder, idle } => Err(Failure::refused(format!(
+            "environment {id} is held by {}, which has no process running (idle {idle} s): if it is \
+             gone, the environment is recovered automatically once it has been idle for \
+             suspend.claim_grace ({}); retry then",
+            holder.describe(),
+            s.settings.suspend.claim_grace
+        ))),
+    }
 }
 
 /// A provider's [`Refusal`] (an allow-list said no) is the job's fault and is
@@ -320,20 +428,6 @@ fn environment_key(s: &Session, system_id: &str, env_id: uuid::Uuid, machine: &M
     key.encode()
 }
 
-/// Applies a change to an environment record under its lock; returns the result.
-pub(crate) fn update_record(
-    paths: &EnvPaths,
-    change: impl FnOnce(&mut EnvironmentRecord),
-) -> Result<EnvironmentRecord> {
-    let env = paths.lock()?;
-    let mut rec = env
-        .load()?
-        .with_context(|| format!("environment record {} disappeared", paths.record.display()))?;
-    change(&mut rec);
-    env.save(&rec)?;
-    Ok(rec)
-}
-
 fn announce(s: &Session, key: &str, env_id: uuid::Uuid, resumed: bool) {
     s.log.info(format!("environment key: {key}"));
     let t = &s.input.suspend;
@@ -357,14 +451,5 @@ fn announce(s: &Session, key: &str, env_id: uuid::Uuid, resumed: bool) {
             "no suspension trigger is set: environment {env_id} will be released at the end of this job"
         )),
         (None, _) => {}
-    }
-}
-
-pub(crate) fn human_age(secs: u64) -> String {
-    match secs {
-        s if s < 120 => format!("{s} s ago"),
-        s if s < 7200 => format!("{} min ago", s / 60),
-        s if s < 172800 => format!("{} h ago", s / 3600),
-        s => format!("{} days ago", s / 86400),
     }
 }

@@ -13,8 +13,8 @@ use anyhow::{Context, Result};
 
 use crate::context::Ctx;
 use crate::exit::{write_build_exit_code, Failure};
-use crate::state::job::LockedJob;
-use crate::state::{JobState, Mode, StageRecord, StageResult};
+use crate::state::job::{hold_job_alive, LockedJob};
+use crate::state::{registry, JobState, Mode, Phase, StageRecord, StageResult};
 use crate::transport::{Script, ScriptExit};
 
 use super::Session;
@@ -29,6 +29,7 @@ const RUN_BUDGET: Duration = Duration::from_secs(30 * 24 * 3600);
 
 pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Failure> {
     let ctx = Ctx::new(s.log.clone(), s.cancel.clone(), RUN_BUDGET);
+    let _alive = hold_job_alive(&s.store, &s.runner_id, s.job_id())?;
     let (state, record) = {
         let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id(), &ctx).await?;
         let state = locked.load()?.with_context(|| {
@@ -38,15 +39,23 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
                 locked.path().display()
             )
         })?;
-        if !state.prepare_completed {
+        if !state.prepared() {
             return Err(anyhow::anyhow!(
                 "job {}: prepare did not complete, so there is no environment to run {stage} in",
                 s.job_id()
             )
             .into());
         }
+        let mut state = state;
+        if state.phase < Phase::Stages {
+            // Intent before effect: from here on the job has touched its
+            // environment (a resume that fails later is no longer "unused").
+            state.phase = Phase::Stages;
+            locked.save(&state)?;
+        }
+        crate::failpoint!("run:first-stage");
         let paths = s.store.env_paths(state.env_id);
-        let record = paths.peek()?.with_context(|| {
+        let record = registry::peek(&paths)?.with_context(|| {
             format!(
                 "environment {} of job {} has no record ({})",
                 state.env_id,

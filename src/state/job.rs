@@ -1,20 +1,50 @@
-//! One job's durable progress, shared by its stage processes.
+//! One job's durable progress (`jobs/<runner>-<job>.json`), shared by its stage
+//! processes, and the job's two lock files: `.lock` (exclusive, held while a
+//! stage reads and writes the progress) and `.live` (shared, held by every
+//! stage process of the job for its whole life: proof the job is alive, see
+//! `registry::liveness`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::store::{self, FileLock, StateStore, FORMAT_VERSION, JOB_LOCK_TIMEOUT};
+use super::lock::{FileLock, LiveLock};
+use super::record::Mode;
+use super::store::{self, StateStore, FORMAT_VERSION};
+use super::transitions::Reached;
 use crate::context::Ctx;
 
-/// Whether the job made a fresh environment or resumed a suspended one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    New,
-    Resume,
+/// Stage processes of one job wait this long for its lock. The runner never
+/// runs two stages of a job at once; the wait covers a cleanup that overlaps a
+/// run the runner gave up on, which holds the lock only briefly.
+pub const JOB_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// How far the job got. Each phase is saved before the step it announces
+/// (intent before effect), so a process killed at any line leaves a phase
+/// that tells the next one what may have happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Prepare chose the environment and is about to claim it.
+    Claiming,
+    /// Prepare claimed it and is making or starting its machine.
+    Preparing,
+    /// Prepare finished: the environment is ready and its key was printed.
+    Ready,
+    /// A stage script started (the job reached its first stage).
+    Stages,
+}
+
+impl Phase {
+    pub fn reached(self) -> Reached {
+        match self {
+            Phase::Claiming | Phase::Preparing => Reached::Preparing,
+            Phase::Ready => Reached::Ready,
+            Phase::Stages => Reached::Stages,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,16 +81,23 @@ pub struct JobState {
     pub mode: Mode,
     pub suspend_on_success: bool,
     pub suspend_on_failure: bool,
-    /// This job holds the environment record (`current_job` is this job). Until
-    /// then cleanup must not touch the environment: it may be another job's.
-    pub claimed: bool,
-    /// Prepare finished: the environment is ready and the key was printed.
-    pub prepare_completed: bool,
+    #[serde(default = "legacy_phase")]
+    pub phase: Phase,
     /// A termination signal reached a stage of this job (cancel, timeout).
     pub terminated: bool,
     #[serde(default)]
     pub stages: Vec<StageRecord>,
     pub created_at: u64,
+    /// Format 1's booleans, read to derive `phase`.
+    #[serde(default, skip_serializing)]
+    claimed: bool,
+    #[serde(default, skip_serializing)]
+    prepare_completed: bool,
+}
+
+/// Marks a format 1 file, whose phase is derived from its booleans.
+fn legacy_phase() -> Phase {
+    Phase::Claiming
 }
 
 impl JobState {
@@ -74,19 +111,71 @@ impl JobState {
             mode,
             suspend_on_success: false,
             suspend_on_failure: false,
-            claimed: false,
-            prepare_completed: false,
+            phase: Phase::Claiming,
             terminated: false,
             stages: Vec::new(),
             created_at: super::now_unix(),
+            claimed: false,
+            prepare_completed: false,
         }
+    }
+
+    fn upgrade(mut self) -> Self {
+        if self.version < 2 {
+            self.phase = match (self.claimed, self.prepare_completed, self.stages.is_empty()) {
+                (_, true, false) => Phase::Stages,
+                (_, true, true) => Phase::Ready,
+                (true, false, _) => Phase::Preparing,
+                _ => Phase::Claiming,
+            };
+            self.version = FORMAT_VERSION;
+        }
+        self
+    }
+
+    pub fn prepared(&self) -> bool {
+        self.phase >= Phase::Ready
     }
 }
 
+impl StateStore {
+    pub fn job_file(&self, runner_id: &str, job_id: u64) -> PathBuf {
+        self.root()
+            .join("jobs")
+            .join(format!("{}-{job_id}.json", file_safe(runner_id)))
+    }
+
+    /// The job's liveness file: held shared by each of its stage processes.
+    pub fn job_live_file(&self, runner_id: &str, job_id: u64) -> PathBuf {
+        self.job_file(runner_id, job_id).with_extension("live")
+    }
+}
+
+/// Runner ids are numbers in practice; anything else is made safe for a file name.
+fn file_safe(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// Held by a stage process for its whole life: the job is alive.
+pub fn hold_job_alive(store: &StateStore, runner_id: &str, job_id: u64) -> Result<LiveLock> {
+    LiveLock::hold(&store.job_live_file(runner_id, job_id))
+}
+
 /// A job's state file, held under its lock for as long as this value lives.
+/// Dropped without a state file on disk (the job never saved one, or its
+/// cleanup removed it), it deletes its lock and liveness files too, so a job
+/// that was refused or finished leaves nothing behind.
 pub struct LockedJob {
     path: PathBuf,
-    _lock: FileLock,
+    lock: Option<FileLock>,
 }
 
 impl LockedJob {
@@ -100,35 +189,54 @@ impl LockedJob {
         ctx: &Ctx,
     ) -> Result<LockedJob> {
         let path = store.job_file(runner_id, job_id);
-        let lock = FileLock::acquire_async(
+        let what = format!(
+            "waiting for job {job_id}'s lock (another dormant process of the same job holds it)"
+        );
+        let lock = FileLock::acquire(
             &path.with_extension("lock"),
             &ctx.within(JOB_LOCK_TIMEOUT),
-            &format!("waiting for job {job_id}'s lock (another dormant process of the same job holds it)"),
+            &what,
         )
-        .await?;
-        Ok(LockedJob { path, _lock: lock })
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("the state dir's jobs/ directory is missing"))?;
+        Ok(LockedJob {
+            path,
+            lock: Some(lock),
+        })
     }
 
     pub fn load(&self) -> Result<Option<JobState>> {
-        store::read_json(&self.path)
+        Ok(store::read_json::<JobState>(&self.path)?.map(JobState::upgrade))
     }
 
     pub fn save(&self, state: &JobState) -> Result<()> {
         store::write_json(&self.path, state)
     }
 
-    /// Removes the state file (the lock file stays until the lock is dropped).
-    pub fn remove(self) -> Result<()> {
-        store::remove_file(&self.path)?;
-        let lock_path = self._lock.path().to_path_buf();
-        drop(self._lock);
-        // Another process may be waiting on this lock file; removing it is still
-        // safe because a job's stages never overlap once cleanup has run.
-        store::remove_file(&lock_path)
+    /// Removes the state file; the lock files go when this value is dropped.
+    pub fn remove(&self) -> Result<()> {
+        store::remove_file(&self.path)
     }
 
-    pub fn path(&self) -> &std::path::Path {
+    pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+impl Drop for LockedJob {
+    fn drop(&mut self) {
+        let Some(lock) = self.lock.take() else {
+            return;
+        };
+        if self.path.exists() {
+            return;
+        }
+        // No progress on disk: nothing for a later stage to find, so the lock
+        // and liveness files go (deleted while held: see `lock.rs`). A live
+        // stage process of this job (an overlapping run) keeps its liveness
+        // lock on the unlinked file; nobody needs to find it any more.
+        let _ = store::remove_file(&self.path.with_extension("live"));
+        let _ = lock.remove();
     }
 }
 
@@ -144,7 +252,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = StateStore::open(dir.path()).unwrap();
         let lock_path = store.job_file("1", 7).with_extension("lock");
-        let held = FileLock::acquire(&lock_path, Duration::from_secs(1), "test").unwrap();
+        let held = FileLock::try_acquire(&lock_path).unwrap().unwrap();
 
         let ctx = Ctx::new(
             JobLog::capture().0,
@@ -173,5 +281,48 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(locked.load().unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn a_job_that_saved_nothing_leaves_no_lock_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::open(dir.path()).unwrap();
+        let ctx = Ctx::new(
+            JobLog::capture().0,
+            Default::default(),
+            Duration::from_secs(5),
+        );
+        let live = hold_job_alive(&store, "1", 3).unwrap();
+        drop(LockedJob::lock(&store, "1", 3, &ctx).await.unwrap());
+        drop(live);
+        let locked = LockedJob::lock(&store, "1", 4, &ctx).await.unwrap();
+        locked
+            .save(&JobState::new("1", 4, 5, Uuid::nil(), Mode::New))
+            .unwrap();
+        drop(locked);
+        let left: Vec<_> = std::fs::read_dir(store.root().join("jobs"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(left.len(), 2, "job 4's state and lock stay: {left:?}");
+        let locked = LockedJob::lock(&store, "1", 4, &ctx).await.unwrap();
+        locked.remove().unwrap();
+        drop(locked);
+        assert_eq!(
+            std::fs::read_dir(store.root().join("jobs"))
+                .unwrap()
+                .count(),
+            0
+        );
+    }
+
+    #[test]
+    fn a_format_1_job_state_gets_its_phase_from_the_booleans() {
+        let v1 = r#"{"version":1,"runner_id":"1","job_id":2,"project_id":3,
+          "env_id":"00000000-0000-0000-0000-000000000000","mode":"resume",
+          "suspend_on_success":false,"suspend_on_failure":false,"claimed":true,
+          "prepare_completed":true,"terminated":false,"stages":[],"created_at":1}"#;
+        let s = serde_json::from_str::<JobState>(v1).unwrap().upgrade();
+        assert_eq!(s.phase, Phase::Ready);
     }
 }

@@ -1,30 +1,25 @@
-//! The state store's mechanics: directories with 0700, lock files kept beside
-//! the data, atomic writes of versioned JSON, and refusal to overwrite what
-//! cannot be read (modelled on nextest's `record/store.rs`).
+//! The state store's mechanics: directories with 0700, atomic writes of
+//! versioned JSON (0600), refusal to overwrite what cannot be read, and the
+//! staging and trash directories that make creating and deleting an
+//! environment's directory atomic. Locks are in `lock.rs`.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::environment::EnvPaths;
+use crate::model::EnvPaths;
 
 /// The format version every state file carries; a newer one is refused.
-pub const FORMAT_VERSION: u32 = 1;
-
-/// Stage processes of one job wait this long for its lock. The runner never runs
-/// two stages of a job at once; the wait covers a cleanup that overlaps a run the
-/// runner gave up on (it waits 5 min for it), which holds the lock only briefly.
-pub const JOB_LOCK_TIMEOUT: Duration = Duration::from_secs(60);
-/// An environment record is locked only around read-check-write, never across
-/// cloud calls, so other jobs wait milliseconds at most.
-pub const ENV_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+/// 2: environment records hold a claim (who holds it, provably) instead of a
+/// job number, and job state a phase instead of booleans. Version 1 files are
+/// still read (see `record.rs` and `job.rs`).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// The state dir.
 #[derive(Debug, Clone)]
@@ -39,6 +34,7 @@ impl StateStore {
             root.to_path_buf(),
             root.join("jobs"),
             root.join("environments"),
+            root.join("trash"),
         ] {
             ensure_private_dir(&dir)?;
         }
@@ -51,19 +47,24 @@ impl StateStore {
         &self.root
     }
 
-    pub fn job_file(&self, runner_id: &str, job_id: u64) -> PathBuf {
-        self.root
-            .join("jobs")
-            .join(format!("{}-{job_id}.json", file_safe(runner_id)))
-    }
-
     pub fn env_paths(&self, id: Uuid) -> EnvPaths {
         EnvPaths::new(&self.root, id)
     }
 
-    /// Every environment directory in the registry (by id; unreadable names skipped).
+    /// `environments/`: one directory per environment, named by its id.
+    pub fn environments_dir(&self) -> PathBuf {
+        self.root.join("environments")
+    }
+
+    /// `trash/`: directories being deleted (renamed here first, atomically).
+    pub fn trash_dir(&self) -> PathBuf {
+        self.root.join("trash")
+    }
+
+    /// Every environment directory in the registry (by id; other names are
+    /// staging directories of a create in progress, see [`Self::stray_entries`]).
     pub fn environment_ids(&self) -> Result<Vec<Uuid>> {
-        let dir = self.root.join("environments");
+        let dir = self.environments_dir();
         let mut ids = Vec::new();
         for entry in fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))? {
             let entry = entry?;
@@ -78,19 +79,87 @@ impl StateStore {
         ids.sort();
         Ok(ids)
     }
+
+    /// Entries under `environments/` that are not an environment (a staging
+    /// directory a killed create left), and everything in `trash/` (a delete
+    /// that was killed half-way), with their age in seconds.
+    pub fn stray_entries(&self) -> Result<Vec<(PathBuf, u64)>> {
+        let mut out = Vec::new();
+        for dir in [self.environments_dir(), self.trash_dir()] {
+            let entries = match fs::read_dir(&dir) {
+                Ok(e) => e,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e).with_context(|| format!("listing {}", dir.display())),
+            };
+            for entry in entries {
+                let entry = entry?;
+                let name = entry.file_name();
+                if dir == self.environments_dir()
+                    && name.to_str().is_some_and(|n| Uuid::parse_str(n).is_ok())
+                {
+                    continue;
+                }
+                let age = entry
+                    .metadata()
+                    .ok()
+                    .and_then(|m| m.modified().ok())
+                    .and_then(|t| t.elapsed().ok())
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0);
+                out.push((entry.path(), age));
+            }
+        }
+        Ok(out)
+    }
+
+    /// A fresh, private staging directory beside `environments/<id>/`, to be
+    /// filled and then renamed into place (so an environment directory never
+    /// exists without its record).
+    pub fn staging_dir(&self, id: Uuid) -> Result<PathBuf> {
+        let dir = self.environments_dir().join(format!(
+            ".new-{id}-{}-{:08x}",
+            std::process::id(),
+            fastrand::u32(..)
+        ));
+        fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("setting 0700 on {}", dir.display()))?;
+        Ok(dir)
+    }
+
+    /// Deletes a directory in a way no other process can race: renames it into
+    /// `trash/` (atomic; afterwards nothing can reach it under its old name,
+    /// nor re-create a lock file in it), then deletes it there. A delete killed
+    /// half-way leaves only an entry in `trash/`, which `sweep` finishes.
+    pub fn delete_dir(&self, dir: &Path) -> Result<()> {
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let doomed = self.trash_dir().join(format!(
+            "{name}-{}-{:08x}",
+            std::process::id(),
+            fastrand::u32(..)
+        ));
+        match fs::rename(dir, &doomed) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("moving {} to {}", dir.display(), doomed.display()))
+            }
+        }
+        remove_tree(&doomed)
+    }
 }
 
-/// Runner ids are numbers in practice; anything else is made safe for a file name.
-fn file_safe(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '_' || c == '.' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
+/// `rm -rf`; already gone is fine.
+pub fn remove_tree(dir: &Path) -> Result<()> {
+    match fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("removing {}", dir.display())),
+    }
 }
 
 /// Creates a directory (and parents) and makes it 0700.
@@ -99,86 +168,6 @@ pub fn ensure_private_dir(dir: &Path) -> Result<()> {
         .with_context(|| format!("creating state directory {}", dir.display()))?;
     fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
         .with_context(|| format!("setting 0700 on {}", dir.display()))
-}
-
-/// An exclusive lock on a lock file kept permanently beside the data it guards.
-/// Dropping the guard unlocks; the kernel also unlocks when the process dies.
-#[derive(Debug)]
-pub struct FileLock {
-    file: File,
-    path: PathBuf,
-}
-
-impl FileLock {
-    /// Takes the lock, retrying until `timeout`; the error names the lock file.
-    /// Blocking: for sync callers and short waits (record locks are held for
-    /// milliseconds). Async code that may wait long uses [`FileLock::acquire_async`].
-    pub fn acquire(path: &Path, timeout: Duration, what: &str) -> Result<FileLock> {
-        let start = Instant::now();
-        let mut pause = Duration::from_millis(2);
-        loop {
-            if let Some(lock) = FileLock::try_acquire(path)? {
-                return Ok(lock);
-            }
-            if start.elapsed() >= timeout {
-                bail!(
-                    "{what} is locked by another dormant process (lock file {}); gave up after {} s",
-                    path.display(),
-                    timeout.as_secs()
-                );
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(100));
-        }
-    }
-
-    /// Takes the lock without blocking the async runtime, bounded by `ctx`
-    /// (its deadline and SIGTERM).
-    pub async fn acquire_async(
-        path: &Path,
-        ctx: &crate::context::Ctx,
-        what: &str,
-    ) -> Result<FileLock> {
-        loop {
-            if let Some(lock) = FileLock::try_acquire(path)? {
-                return Ok(lock);
-            }
-            ctx.sleep(Duration::from_millis(50), what)
-                .await
-                .with_context(|| format!("lock file {}", path.display()))?;
-        }
-    }
-
-    /// Takes the lock only if it is free now.
-    pub fn try_acquire(path: &Path) -> Result<Option<FileLock>> {
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .mode(0o600)
-            .open(path)
-            .with_context(|| format!("opening lock file {}", path.display()))?;
-        match file.try_lock() {
-            Ok(()) => Ok(Some(FileLock {
-                file,
-                path: path.to_path_buf(),
-            })),
-            Err(fs::TryLockError::WouldBlock) => Ok(None),
-            Err(fs::TryLockError::Error(e)) => {
-                Err(e).with_context(|| format!("locking {}", path.display()))
-            }
-        }
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
-impl Drop for FileLock {
-    fn drop(&mut self) {
-        let _ = self.file.unlock();
-    }
 }
 
 #[derive(serde::Deserialize)]
@@ -305,17 +294,5 @@ mod tests {
             read_json::<Doc>(&dir.path().join("missing.json")).unwrap(),
             None
         );
-    }
-
-    #[test]
-    fn lock_waits_are_bounded_and_name_the_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("a.lock");
-        let held = FileLock::acquire(&path, Duration::from_secs(1), "job 1").unwrap();
-        assert!(FileLock::try_acquire(&path).unwrap().is_none());
-        let err = FileLock::acquire(&path, Duration::from_millis(50), "job 1").unwrap_err();
-        assert!(format!("{err:#}").contains("a.lock"), "{err:#}");
-        drop(held);
-        assert!(FileLock::try_acquire(&path).unwrap().is_some());
     }
 }

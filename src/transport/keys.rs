@@ -7,7 +7,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-use crate::state::EnvPaths;
+use crate::model::EnvPaths;
 
 /// Makes the key pair if it does not exist yet; returns the public key line.
 pub fn ensure_keypair(paths: &EnvPaths) -> Result<String> {

@@ -10,9 +10,9 @@ use async_trait::async_trait;
 
 use crate::context::Ctx;
 use crate::job::Job;
+use crate::model::EnvPaths;
 use crate::provider::Target;
 use crate::settings::Settings;
-use crate::state::EnvPaths;
 
 /// How a script ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use dormant::context::{Ctx, JobLog};
 use dormant::provider::ec2::Ec2Provider;
 use dormant::provider::{MachineSpec, MachineState, Provider, Refusal, Target};
 use dormant::settings::Settings;
-use dormant::state::{EnvironmentRecord, StateStore};
+use dormant::state::StateStore;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -1093,20 +1093,15 @@ async fn list_and_sweep_find_orphans_of_this_runner_manager_only() {
         .create_or_reclaim(&known_spec, &rig.ctx(120))
         .await
         .unwrap();
-    known_spec.paths.create().unwrap();
-    known_spec
-        .paths
-        .lock()
-        .unwrap()
-        .save(&EnvironmentRecord::new(
-            known_spec.env_id,
-            "ec2",
-            "7",
-            &rig.system_id,
-            42,
-            1,
-        ))
-        .unwrap();
+    dormant::state::testing::place(
+        &rig.store,
+        known_spec.env_id,
+        dormant::state::EnvStatus::Active,
+        None,
+        0,
+        Some(known.clone()),
+    )
+    .unwrap();
     // Orphan: launched, then the state was lost (no record).
     let orphan_spec = rig.spec();
     let orphan = p
@@ -1236,18 +1231,22 @@ async fn the_ttl_sweep_terminates_expired_suspended_instances_only() {
         let spec = rig.spec();
         let m = p.create_or_reclaim(&spec, &rig.ctx(120)).await.unwrap();
         p.stop(&m, &rig.ctx(60)).await.unwrap();
-        let mut rec = EnvironmentRecord::new(spec.env_id, "ec2", "7", &rig.system_id, 42, 1);
-        rec.machine = Some(m.clone());
-        rec.status = EnvStatus::Suspended;
-        rec.current_job = None;
-        rec.suspended_at = Some(dormant::state::now_unix() - age_days * 86400);
-        // A real record was created before it was suspended.
-        rec.created_at = rec.suspended_at.unwrap() - 60;
-        spec.paths.create().unwrap();
-        spec.paths.lock().unwrap().save(&rec).unwrap();
+        dormant::state::testing::place(
+            &rig.store,
+            spec.env_id,
+            EnvStatus::Suspended,
+            None,
+            age_days * 86400,
+            Some(m.clone()),
+        )
+        .unwrap();
         records.push((spec, m));
     }
-    let report = dormant::ops::sweep::expired(&rig.store, p.as_ref(), &rig.settings, &rig.ctx(120))
+    let world = dormant::lifecycle::World {
+        store: &rig.store,
+        provider: p.as_ref(),
+    };
+    let report = dormant::lifecycle::sweep::sweep(world, &rig.settings.suspend, &rig.ctx(120))
         .await
         .unwrap();
     assert!(report.errors.is_empty(), "{:?}", report.errors);

@@ -8,14 +8,15 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use aws_sdk_ec2::Client;
 use serde::{Deserialize, Serialize};
 
 use super::errors::{api_error, ErrorKind};
 use super::instance::{self, tag, tag_filter, LIVE_STATES};
 use crate::context::{Backoff, Ctx};
-use crate::state::store::{read_json, write_json, FileLock, FORMAT_VERSION};
+use crate::state::store::{read_json, write_json, FORMAT_VERSION};
+use crate::state::FileLock;
 use crate::state::{now_unix, StateStore};
 
 /// Capacity comes back in seconds (a slot freed by another job) to minutes
@@ -120,8 +121,9 @@ impl Capacity<'_> {
         let (ledger_path, lock_path) = self.paths();
         crate::state::store::ensure_private_dir(ledger_path.parent().expect("ec2 dir"))?;
         // Held from the count through RunInstances only; never while sleeping.
-        let _lock =
-            FileLock::acquire_async(&lock_path, ctx, "waiting for the capacity lock").await?;
+        let _lock = FileLock::acquire(&lock_path, ctx, "waiting for the capacity lock")
+            .await?
+            .with_context(|| format!("{} vanished", lock_path.display()))?;
         let mut ledger = read_json::<Ledger>(&ledger_path)?.unwrap_or_default();
         let now = now_unix();
         ledger

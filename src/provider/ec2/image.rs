@@ -98,12 +98,13 @@ impl ImageResolver<'_> {
     pub async fn resolve(&self, client: &Client, request: &str, ctx: &Ctx) -> Result<ImageInfo> {
         let (file, lock_path) = self.cache_paths(request);
         crate::state::store::ensure_private_dir(file.parent().expect("cache dir"))?;
-        let _lock = FileLock::acquire_async(
+        let _lock = FileLock::acquire(
             &lock_path,
             ctx,
             &format!("waiting for the lookup of image {request:?}"),
         )
-        .await?;
+        .await?
+        .with_context(|| format!("{} vanished", lock_path.display()))?;
         let ttl = self.settings.image_cache_ttl.as_secs();
         if let Some(entry) = read_json::<CacheEntry>(&file).ok().flatten() {
             if entry.request == request && now_unix().saturating_sub(entry.resolved_at) < ttl {

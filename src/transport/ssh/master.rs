@@ -24,10 +24,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use openssh::{ControlPersist, KnownHosts, Session, SessionBuilder};
 
 use crate::context::{Backoff, Ctx};
+use crate::model::EnvPaths;
 use crate::provider::SshTarget;
 use crate::settings::ssh::SshSettings;
 use crate::state::store::ensure_private_dir;
-use crate::state::EnvPaths;
 
 /// The prefix of the crate's per-master temp directory inside the control dir.
 const CONNECTION_DIR_PREFIX: &str = ".ssh-connection";

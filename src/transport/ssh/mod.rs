@@ -30,9 +30,9 @@ use self::master::{Master, Purpose};
 use self::remote::Report;
 use super::{Script, ScriptExit, Transport};
 use crate::context::Ctx;
+use crate::model::EnvPaths;
 use crate::provider::SshTarget;
 use crate::settings::ssh::SshSettings;
-use crate::state::EnvPaths;
 
 /// After SIGTERM to the script's group, how long it may take to exit before
 /// SIGKILL (the runner's scripts `trap 'exit 1' TERM`, so this is quick).

@@ -1,0 +1,64 @@
+//! Crash points for tests: `failpoint!("prepare:claimed")` marks a line where
+//! the crash tests SIGKILL the process, to prove the next process can finish
+//! or undo what it left. Compiled in only with the `testing` cargo feature
+//! (test builds; `scripts/test.sh` turns it on); otherwise the macro is empty.
+//!
+//! Armed by two variables in dormant's own environment (read once at start):
+//! `DORMANT_FAILPOINT=<name>` and, optionally, `DORMANT_FAILPOINT_ONCE=<file>`:
+//! fire only if that file does not exist yet, creating it — so the runner's
+//! retry of the same stage gets past the point.
+
+#[cfg(feature = "testing")]
+mod armed {
+    use std::sync::OnceLock;
+
+    static ARMED: OnceLock<Option<(String, Option<std::path::PathBuf>)>> = OnceLock::new();
+
+    pub fn init(name: Option<&str>, once: Option<&str>) {
+        let _ = ARMED.set(
+            name.filter(|n| !n.is_empty())
+                .map(|n| (n.to_string(), once.map(std::path::PathBuf::from))),
+        );
+    }
+
+    pub fn hit(name: &str) {
+        let Some(Some((armed, once))) = ARMED.get() else {
+            return;
+        };
+        if armed != name {
+            return;
+        }
+        if let Some(marker) = once {
+            let created = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(marker);
+            if created.is_err() {
+                return;
+            }
+        }
+        eprintln!("dormant: failpoint {name}: SIGKILL");
+        // SAFETY: kill(2) on our own pid has no memory-safety preconditions.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+}
+
+/// Arms the failpoint named in dormant's environment (no-op without the feature).
+pub fn init(_name: Option<&str>, _once: Option<&str>) {
+    #[cfg(feature = "testing")]
+    armed::init(_name, _once);
+}
+
+#[cfg(feature = "testing")]
+pub use armed::hit;
+
+/// `failpoint!("stage:step")`: SIGKILL here if armed (test builds only).
+#[macro_export]
+macro_rules! failpoint {
+    ($name:literal) => {
+        #[cfg(feature = "testing")]
+        $crate::failpoint::hit($name);
+    };
+}

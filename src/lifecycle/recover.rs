@@ -1,0 +1,111 @@
+//! Claims that can be proven stale, and their recovery. A claim's holder is
+//! alive while one of its processes holds its liveness file (see
+//! `state::registry::liveness`); one with no process left that has been idle
+//! past `suspend.claim_grace` is gone. Whoever meets such a claim — a resume of
+//! the environment, `dormant release`, `dormant sweep` — takes it over and
+//! settles it as `state::transitions::on_stale` says, saying so in its log:
+//! nothing stays blocked for the TTL, nothing is lost.
+
+use anyhow::Result;
+
+use super::World;
+use crate::context::Ctx;
+use crate::model::EnvPaths;
+use crate::settings::SuspendSettings;
+use crate::state::lock::LiveLock;
+use crate::state::registry::{self, Liveness};
+use crate::state::transitions::on_stale;
+use crate::state::{Holder, Settle};
+
+/// What a look at an environment's claim found (and did).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Found {
+    /// No such environment.
+    NoEnvironment,
+    /// Nobody holds it.
+    NotHeld,
+    /// Its holder has a process running.
+    Live(Holder),
+    /// Its holder has no process running but was active `idle` s ago, within the grace.
+    Idle { holder: Holder, idle: u64 },
+    /// It was held by `from`, gone; now settled (`Settle::Suspend`/`Resuspend`:
+    /// suspended; `Release`: deleted).
+    Recovered { from: Holder, settled: Settle },
+}
+
+/// `me`: who recovers (an operator command, a sweep, a job's prepare): while
+/// recovering, the environment is held by `me`, proven alive by the
+/// environment's `holder.live`. `force`: skip the grace (an operator's
+/// `release --force`) — never a live holder.
+pub async fn recover(
+    w: World<'_>,
+    paths: &EnvPaths,
+    me: &Holder,
+    policy: &SuspendSettings,
+    force: bool,
+    ctx: &Ctx,
+) -> Result<Found> {
+    let grace = policy.claim_grace.get();
+    let (old, status, idle, _alive) = {
+        let Some(env) = registry::lock(paths, ctx).await? else {
+            return Ok(Found::NoEnvironment);
+        };
+        let Some(rec) = env.load()? else {
+            return Ok(Found::NoEnvironment);
+        };
+        let Some(claim) = rec.claim().cloned() else {
+            return Ok(Found::NotHeld);
+        };
+        let idle = match registry::liveness(w.store, paths, &rec, grace)? {
+            Liveness::Live => return Ok(Found::Live(claim.holder)),
+            Liveness::Idle { idle } if !force => {
+                return Ok(Found::Idle {
+                    holder: claim.holder,
+                    idle,
+                })
+            }
+            Liveness::Idle { idle } | Liveness::Gone { idle } => idle,
+        };
+        // Proof we live, taken before the claim is ours.
+        let alive = LiveLock::hold(&paths.holder_live)?;
+        let why = format!(
+            "{} took over from {} (no process left, idle {} s) at {}",
+            me.describe(),
+            claim.holder.describe(),
+            idle,
+            crate::state::now_unix()
+        );
+        let (rec, old) =
+            registry::update_locked(&env, |r| r.take_over(me, why)).map_err(super::update_error)?;
+        (old, rec.status(), idle, alive)
+    };
+    let settled = on_stale(status, &old, policy.enabled);
+    let what = match settled {
+        Settle::Release => "releasing it",
+        Settle::Suspend => "suspending it, as its job asked for a failure",
+        Settle::Resuspend | Settle::Nothing => "putting it back to suspended",
+    };
+    ctx.log.info(format!(
+        "environment {} was {} by {}, which has no process left (idle {}): {what}",
+        paths.id,
+        status.as_str(),
+        old.describe(),
+        super::human_age(idle).trim_end_matches(" ago"),
+    ));
+    match settled {
+        Settle::Release => super::release(w, paths, me, None, ctx).await?,
+        Settle::Suspend | Settle::Resuspend => {
+            super::suspend(w, paths, me, settled == Settle::Suspend, ctx).await?;
+        }
+        Settle::Nothing => {}
+    }
+    Ok(Found::Recovered { from: old, settled })
+}
+
+/// The holder a process that is not a job's stage uses: `what` names it in messages.
+pub fn operator(what: &str) -> Holder {
+    Holder::Operator {
+        pid: std::process::id(),
+        what: what.to_string(),
+    }
+}

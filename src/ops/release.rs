@@ -1,0 +1,72 @@
+//! `dormant release KEY|ID [--force]`: deletes an environment now. A suspended
+//! one is released at once. One held by a job or a shell is refused while its
+//! holder lives; one whose holder is gone is recovered first (after the grace,
+//! or at once with `--force`), then released. A release that failed half-way
+//! is finished.
+
+use anyhow::{bail, Result};
+use tokio_util::sync::CancellationToken;
+
+use crate::context::{Ctx, JobLog};
+use crate::job::Job;
+use crate::lifecycle::recover::{self, Found};
+use crate::lifecycle::{self, World};
+use crate::settings::Settings;
+use crate::state::registry;
+
+use super::{env_id, open_store, OPERATOR_BUDGET};
+
+pub async fn release(
+    settings: &Settings,
+    job: &Job,
+    key: &str,
+    force: bool,
+    log: JobLog,
+    cancel: CancellationToken,
+) -> Result<()> {
+    let store = open_store(settings, job)?;
+    let id = env_id(key)?;
+    let paths = store.env_paths(id);
+    let provider = crate::provider::from_settings(settings, &store)?;
+    let w = World {
+        store: &store,
+        provider: provider.as_ref(),
+    };
+    let ctx = Ctx::new(log.clone(), cancel, OPERATOR_BUDGET);
+    let me = recover::operator("dormant release");
+    if registry::peek(&paths)?.is_none() {
+        if paths.exists() && registry::remove_recordless(&store, &paths)? {
+            log.info(format!(
+                "removed {} (a directory without a record)",
+                paths.dir.display()
+            ));
+            return Ok(());
+        }
+        bail!(
+            "environment {id} is not in the registry under {}: nothing to release",
+            store.environments_dir().display()
+        );
+    }
+    match recover::recover(w, &paths, &me, &settings.suspend, force, &ctx).await? {
+        Found::NoEnvironment => {
+            log.info(format!("environment {id} is already gone"));
+            return Ok(());
+        }
+        Found::NotHeld | Found::Recovered { .. } => {}
+        Found::Live(holder) => bail!(
+            "environment {id} is in use by {} (a process of it is running): it cannot be released \
+             under it; wait for it to finish, or cancel the job",
+            holder.describe()
+        ),
+        Found::Idle { holder, idle } => bail!(
+            "environment {id} is held by {}, which has no process running but was active {idle} s ago \
+             (within suspend.claim_grace, {}): it is recovered automatically after that; \
+             `dormant release --force {id}` releases it now",
+            holder.describe(),
+            settings.suspend.claim_grace
+        ),
+    }
+    lifecycle::release(w, &paths, &me, None, &ctx).await?;
+    log.info(format!("environment {id} released"));
+    Ok(())
+}
