@@ -120,12 +120,12 @@ pub enum Audience {
 /// Runs the hook, if one is set, and says a failure on `log`. Never fails:
 /// the job goes on whatever the hook does.
 pub async fn announce(
-    settings: &crate::settings::Settings,
+    settings: &crate::settings::SuspendSettings,
     n: &Notification,
     log: &crate::context::JobLog,
     audience: Audience,
 ) {
-    let Some(hook) = Notifier::from_settings(&settings.suspend) else {
+    let Some(hook) = Notifier::from_settings(settings) else {
         return;
     };
     if let Err(e) = hook.send(n).await {
