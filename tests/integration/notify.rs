@@ -136,3 +136,137 @@ async fn the_readme_hook_comments_the_key_on_the_merge_request() {
     assert!(body.contains("which schema?"), "{body}");
     assert!(body.contains("/-/jobs/77"), "{body}");
 }
+
+/// A hook that appends each document to `docs.jsonl` beside it.
+fn recorder(dir: &Path) -> (String, std::path::PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let out = dir.join("docs.jsonl");
+    let hook = dir.join("record.sh");
+    std::fs::write(&hook, format!("#!/bin/sh\ncat >> {}\n", out.display())).unwrap();
+    std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755)).unwrap();
+    (hook.display().to_string(), out)
+}
+
+fn documents(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_recording_hook_receives_suspend_resume_release_and_expire() {
+    use crate::harness::*;
+    let hooks = tempfile::tempdir().unwrap();
+    let (hook, out) = recorder(hooks.path());
+    let rig = Rig::new(
+        "96",
+        "s_96aa96aa96aa",
+        &format!("[suspend]\nnotify_command = [\"{hook}\"]\n"),
+    );
+    let first = job(31).suspend_on(true, false);
+    let r = rig.run(&first);
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    let docs = documents(&out);
+    assert_eq!(docs.len(), 1, "{docs:?}\n{}", r.cleanup_output());
+    let d = &docs[0];
+    assert_eq!(d["event"], "suspend");
+    assert_eq!(d["key"], key.as_str());
+    let env_id = dormant::envkey::EnvironmentKey::parse(&key).unwrap().env_id;
+    assert_eq!(d["environment_id"], env_id.to_string());
+    assert_eq!(d["project_id"], 31);
+    assert_eq!(d["project_path"], "group/project");
+    assert_eq!(d["job_id"], first.id);
+    assert_eq!(d["provider"], "local");
+    assert!(
+        d["machine"]["id"].as_str().unwrap().ends_with("/work"),
+        "{d}"
+    );
+    assert_eq!(d["reason"], "job succeeded");
+    assert!(d["time"].as_str().unwrap().ends_with('Z'));
+
+    // Resumed without a trigger: resume in prepare, release in cleanup.
+    let second = job(31).resume(&key);
+    let r = rig.run(&second);
+    assert_result(&r, JobResult::Success);
+    let docs = documents(&out);
+    let events: Vec<&str> = docs.iter().map(|d| d["event"].as_str().unwrap()).collect();
+    assert_eq!(events, ["suspend", "resume", "release"], "{docs:?}");
+    for d in &docs[1..] {
+        assert_eq!(d["key"], key.as_str());
+        assert_eq!(d["job_id"], second.id);
+    }
+    assert_eq!(docs[1]["reason"], format!("resumed by job {}", second.id));
+    assert_eq!(docs[2]["reason"], "job succeeded");
+
+    // An environment past the TTL: expired by `dormant sweep`.
+    let rig = Rig::new(
+        "97",
+        "s_97aa97aa97aa",
+        &format!("[suspend]\nttl = \"1s\"\nnotify_command = [\"{hook}\"]\n"),
+    );
+    let r = rig.run(&job(31).suspend_on(true, false));
+    let key = r.key.clone().unwrap();
+    std::thread::sleep(Duration::from_millis(2100));
+    let out_sweep = rig.dormant(&["sweep"]);
+    assert!(out_sweep.status.success(), "{out_sweep:?}");
+    let last = documents(&out).pop().unwrap();
+    assert_eq!(last["event"], "expire", "{last}");
+    assert_eq!(last["key"], key.as_str());
+    assert!(last["reason"].as_str().unwrap().contains("TTL"), "{last}");
+}
+
+#[test]
+fn a_hanging_or_failing_hook_is_cut_and_the_job_goes_on() {
+    use crate::harness::*;
+    use std::os::unix::fs::PermissionsExt;
+    let hooks = tempfile::tempdir().unwrap();
+    let hang = hooks.path().join("hang.sh");
+    std::fs::write(&hang, "#!/bin/sh\nsleep 300\n").unwrap();
+    std::fs::set_permissions(&hang, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let rig = Rig::new(
+        "98",
+        "s_98aa98aa98aa",
+        &format!(
+            "[suspend]\nnotify_command = [\"{}\"]\nnotify_timeout = \"1s\"\n",
+            hang.display()
+        ),
+    );
+    let r = rig.run(&job(32).suspend_on(true, false));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert!(
+        r.cleanup_output()
+            .contains("did not finish within 1 s: its process group was killed"),
+        "{}",
+        r.cleanup_output()
+    );
+
+    // A failing hook at a resume: one short line in the job log, without
+    // what the hook printed; the job runs.
+    let fail = hooks.path().join("fail.sh");
+    std::fs::write(&fail, "#!/bin/sh\necho hook-private-output >&2\nexit 4\n").unwrap();
+    std::fs::set_permissions(&fail, std::fs::Permissions::from_mode(0o755)).unwrap();
+    Rig::write_settings(
+        &rig.settings_path,
+        "s_98aa98aa98aa",
+        &format!("[suspend]\nnotify_command = [\"{}\"]\n", fail.display()),
+    );
+    let r = rig.run(&job(32).resume(&key));
+    assert_result(&r, JobResult::Success);
+    assert!(
+        r.log()
+            .contains("dormant: warning: the notify command exited with 4 (the job goes on)"),
+        "{}",
+        r.log()
+    );
+    assert!(!r.log().contains("hook-private-output"), "{}", r.log());
+    assert!(
+        r.cleanup_output().contains("hook-private-output"),
+        "the runner's log has it all: {}",
+        r.cleanup_output()
+    );
+}
