@@ -54,6 +54,18 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Open a shell in an environment (starting it if suspended); on exit it
+    /// is suspended again.
+    Shell {
+        /// The environment's key or id.
+        key: String,
+        /// Release the environment on exit instead of suspending it.
+        #[arg(long)]
+        release: bool,
+        /// Run this command line there without a terminal, and exit with its code.
+        #[arg(last = true, value_name = "COMMAND")]
+        command: Vec<String>,
+    },
     /// Delete suspended environments past the TTL; report machines with no record.
     Sweep {
         /// Also delete machines the provider manages that have no record (lost state).

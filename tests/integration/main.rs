@@ -12,6 +12,7 @@ mod job_request;
 #[cfg(feature = "ec2")]
 mod moto;
 mod notify;
+mod shell;
 mod ssh;
 mod sshd;
 
