@@ -7,6 +7,8 @@ mod core;
 mod ec2;
 #[cfg(feature = "ec2")]
 mod ec2_job;
+#[cfg(feature = "ec2")]
+mod ec2_shell;
 mod harness;
 mod job_request;
 #[cfg(feature = "ec2")]

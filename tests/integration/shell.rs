@@ -105,7 +105,7 @@ fn show(o: &Output) -> String {
     )
 }
 
-fn command_mode_passes_the_exit_code_and_suspends_again(rig: &Rig) {
+pub fn command_mode_passes_the_exit_code_and_suspends_again(rig: &Rig) {
     let key = suspended(rig);
     let out = rig.dormant(&["shell", &key, "--", "cat marker; pwd; exit 7"]);
     assert_eq!(out.status.code(), Some(7), "{}", show(&out));
@@ -127,7 +127,7 @@ fn command_mode_passes_the_exit_code_and_suspends_again(rig: &Rig) {
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
 }
 
-fn interactive_shell_runs_what_is_typed(rig: &Rig) {
+pub fn interactive_shell_runs_what_is_typed(rig: &Rig) {
     let key = suspended(rig);
     let s = in_pty(rig, "send", "cat marker; exit\n", &["shell", &key]);
     assert!(s.output.contains("MARKER-CONTENT-61"), "{}", s.output);
@@ -140,7 +140,7 @@ fn interactive_shell_runs_what_is_typed(rig: &Rig) {
     );
 }
 
-fn sighup_leaves_it_suspended_even_with_release(rig: &Rig) {
+pub fn sighup_leaves_it_suspended_even_with_release(rig: &Rig) {
     let key = suspended(rig);
     let s = in_pty(rig, "hangup", "1", &["shell", "--release", &key]);
     assert_ne!(s.code, 0, "{}", s.output);
@@ -155,14 +155,14 @@ fn sighup_leaves_it_suspended_even_with_release(rig: &Rig) {
     assert_result(&r, JobResult::Success);
 }
 
-fn release_releases(rig: &Rig) {
+pub fn release_releases(rig: &Rig) {
     let key = suspended(rig);
     let out = rig.dormant(&["shell", "--release", &key, "--", "true"]);
     assert!(out.status.success(), "{}", show(&out));
     assert_eq!(rig.status(&key), None, "released: {}", show(&out));
 }
 
-fn a_resume_is_refused_while_the_shell_holds_it(rig: &Rig) {
+pub fn a_resume_is_refused_while_the_shell_holds_it(rig: &Rig) {
     let key = suspended(rig);
     let flags = rig.dir.path().join("flags");
     std::fs::create_dir_all(&flags).unwrap();
