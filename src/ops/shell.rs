@@ -246,7 +246,20 @@ async fn run_shell(
     tokio::select! {
         status = child.wait() => {
             let status = status.context("waiting for the shell")?;
-            Ok((status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0)), false))
+            let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+            // A hang-up reaches the shell and dormant together, and the shell
+            // may exit (EOF, status 0) before dormant's signal is handled: a
+            // hung-up terminal, or a signal within a moment, still counts.
+            // SAFETY: tcgetpgrp only inspects the descriptor.
+            if tty && unsafe { libc::tcgetpgrp(0) } == -1 {
+                ctx.log.info("the terminal hung up: the environment is suspended, not released");
+                return Ok((128 + libc::SIGHUP, true));
+            }
+            if let Ok(s) = tokio::time::timeout(SIGNAL_SETTLE, signals.any(false)).await {
+                ctx.log.info(format!("{s}: the environment is suspended, not released"));
+                return Ok((128 + s.number(), true));
+            }
+            Ok((code, false))
         }
         s = signals.any(false) => {
             ctx.log.info(format!("{s}: ending the shell; the environment is suspended, not released"));
@@ -256,6 +269,10 @@ async fn run_shell(
         }
     }
 }
+
+/// How long after the shell exits a SIGTERM or SIGHUP that ended it may still
+/// arrive (the signal driver runs on the next poll; delivery is immediate).
+const SIGNAL_SETTLE: std::time::Duration = std::time::Duration::from_millis(150);
 
 /// The signals that end a shell session: SIGTERM, SIGHUP (the terminal went
 /// away) and, while the environment starts, SIGINT (Ctrl-C). Inside the shell

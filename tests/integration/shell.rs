@@ -43,6 +43,10 @@ while time.time() < deadline:
             time.sleep(float(arg))
             os.close(fd)
             break
+        elif mode == "send-hangup":
+            os.write(fd, arg.encode())
+            os.close(fd)
+            break
 else:
     os.kill(pid, signal.SIGKILL)
 _, status = os.waitpid(pid, 0)
@@ -155,6 +159,19 @@ pub fn sighup_leaves_it_suspended_even_with_release(rig: &Rig) {
     assert_result(&r, JobResult::Success);
 }
 
+/// The terminal closes as the shell exits by itself (status 0): the shell
+/// may be reaped before dormant's SIGHUP is handled; it is still a hang-up.
+pub fn a_hangup_racing_the_exit_still_suspends(rig: &Rig) {
+    let key = suspended(rig);
+    let s = in_pty(rig, "send-hangup", "exit\n", &["shell", "--release", &key]);
+    assert_eq!(
+        rig.status(&key).as_deref(),
+        Some("suspended"),
+        "a hang-up suspends, never releases: {}",
+        s.output
+    );
+}
+
 pub fn release_releases(rig: &Rig) {
     let key = suspended(rig);
     let out = rig.dormant(&["shell", "--release", &key, "--", "true"]);
@@ -263,6 +280,11 @@ fn local_interactive() {
 #[test]
 fn local_sighup() {
     sighup_leaves_it_suspended_even_with_release(&Rig::local("60", "s_60aa60aa60aa"));
+}
+
+#[test]
+fn local_hangup_racing_the_exit() {
+    a_hangup_racing_the_exit_still_suspends(&Rig::local("60", "s_60aa60aa60aa"));
 }
 
 #[test]
