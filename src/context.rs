@@ -75,14 +75,14 @@ impl Ctx {
         Ctx {
             log,
             cancel,
-            deadline: Instant::now() + budget,
+            deadline: deadline_after(budget),
         }
     }
 
     /// The same log and cancellation with a tighter deadline.
     pub fn within(&self, budget: Duration) -> Ctx {
         Ctx {
-            deadline: self.deadline.min(Instant::now() + budget),
+            deadline: self.deadline.min(deadline_after(budget)),
             ..self.clone()
         }
     }
@@ -123,6 +123,14 @@ impl Ctx {
     }
 }
 
+/// `now + budget`, saturating: settings bound every duration, but a budget no
+/// clock can hold must still mean "no deadline to speak of", never a panic.
+fn deadline_after(budget: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 86400);
+    let now = Instant::now();
+    now.checked_add(budget.min(CENTURY)).unwrap_or(now)
+}
+
 /// Polling intervals: first check quick, then growing to a cap, with jitter so
 /// a fleet of runners does not poll in lockstep.
 #[derive(Debug, Clone)]
@@ -155,6 +163,15 @@ mod tests {
         let d: Vec<_> = (0..8).map(|_| b.next_delay()).collect();
         assert!(d[0] >= Duration::from_millis(80) && d[0] <= Duration::from_millis(120));
         assert!(d[7] >= Duration::from_millis(800) && d[7] <= Duration::from_millis(1200));
+    }
+
+    #[test]
+    fn budgets_no_clock_can_hold_saturate() {
+        let ctx = Ctx::new(JobLog::capture().0, CancellationToken::new(), Duration::MAX);
+        assert!(ctx.remaining() > Duration::from_secs(365 * 86400));
+        let inner = ctx.within(Duration::MAX);
+        assert!(inner.remaining() > Duration::from_secs(365 * 86400));
+        assert!(ctx.within(Duration::from_secs(1)).remaining() <= Duration::from_secs(1));
     }
 
     #[tokio::test]

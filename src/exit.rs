@@ -5,9 +5,12 @@
 //! build failure from a script's exit code, and prepare refuses a job's own bad
 //! input (a malformed or foreign environment key, ...) as a build failure on
 //! purpose: the runner retries a system failure of prepare three times, which
-//! cannot help when the job asked for something this runner will never grant.
+//! cannot help when the job asked for something this runner will never grant
+//! (`docs/runner-contract.md`, "Exit codes" and "Prepare retries").
 
 use std::path::Path;
+
+use crate::contract::{self, var};
 
 /// Why a stage did not succeed.
 #[derive(Debug)]
@@ -44,8 +47,8 @@ impl Default for ExitCodes {
         // The values GitLab Runner has always passed; used only when dormant is
         // run by hand, outside the runner.
         ExitCodes {
-            build_failure: 1,
-            system_failure: 2,
+            build_failure: contract::DEFAULT_BUILD_FAILURE_EXIT_CODE,
+            system_failure: contract::DEFAULT_SYSTEM_FAILURE_EXIT_CODE,
         }
     }
 }
@@ -60,8 +63,8 @@ impl ExitCodes {
                 .unwrap_or(default)
         };
         ExitCodes {
-            build_failure: read("BUILD_FAILURE_EXIT_CODE", d.build_failure),
-            system_failure: read("SYSTEM_FAILURE_EXIT_CODE", d.system_failure),
+            build_failure: read(var::BUILD_FAILURE_EXIT_CODE, d.build_failure),
+            system_failure: read(var::SYSTEM_FAILURE_EXIT_CODE, d.system_failure),
         }
     }
 

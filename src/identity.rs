@@ -47,8 +47,9 @@ pub fn system_id(settings: &Settings, store: &StateStore) -> Result<String> {
             .to_string()[..12]
     );
     // Atomic (temp + rename): two first jobs on a fresh host may race here.
+    // 0600 like every state file.
     let tmp = kept.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, format!("{derived}\n"))
+    crate::transport::write_private(&tmp, format!("{derived}\n").as_bytes())
         .and_then(|()| std::fs::rename(&tmp, &kept))
         .with_context(|| format!("writing {}", kept.display()))?;
     Ok(derived)
@@ -85,6 +86,12 @@ mod tests {
             "{derived}"
         );
         assert_eq!(system_id(&s, &store).unwrap(), derived);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(store.root().join("system_id"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "system_id is for dormant's user only");
         std::fs::write(dir.path().join("rsid"), "s_0123456789ab\n").unwrap();
         s.runner_system_id_file = dir.path().join("rsid");
         assert_eq!(system_id(&s, &store).unwrap(), "s_0123456789ab");

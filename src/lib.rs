@@ -6,9 +6,12 @@
 
 pub mod cli;
 pub mod context;
+pub mod contract;
 pub mod envkey;
 pub mod exit;
 pub mod failpoint;
+#[cfg(test)]
+mod fuzz;
 pub mod identity;
 pub mod job;
 pub mod job_request;
@@ -75,7 +78,10 @@ pub fn main_entry() -> i32 {
 fn scrub_job_variables() {
     let names: Vec<_> = std::env::vars_os()
         .map(|(k, _)| k)
-        .filter(|k| k.to_str().is_some_and(|k| k.starts_with("CUSTOM_ENV_")))
+        .filter(|k| {
+            k.to_str()
+                .is_some_and(|k| k.starts_with(contract::var::CUSTOM_ENV_PREFIX))
+        })
         .collect();
     for name in names {
         std::env::remove_var(name);

@@ -1,22 +1,88 @@
-//! Untrusted text in messages: a key, a payload value or a job variable is
-//! shown as a short, printable excerpt, never echoed whole.
+//! Untrusted text in messages.
+//!
+//! Environment keys, job payload values, job variables and settings values can
+//! be anything a job (or a typo) puts there: 64 KiB of it, escape sequences
+//! that repaint the reader's terminal, or text that only looks like the end of
+//! a message. Every message that quotes such text goes through [`excerpt`], so
+//! it shows at most [`EXCERPT_MAX`] bytes, with control characters escaped and
+//! the full length said when it was cut.
 
-/// At most this many bytes of untrusted input reach a message.
-pub const EXCERPT_BYTES: usize = 200;
+use std::fmt::Write;
 
-/// `s` quoted, control characters escaped, cut to about [`EXCERPT_BYTES`] on a
-/// character boundary with its full length said: `"abc…" (65536 bytes)`.
+/// How many bytes of untrusted text a message quotes, before the suffix.
+pub const EXCERPT_MAX: usize = 200;
+
+/// `s` fit for a message: at most [`EXCERPT_MAX`] bytes (cut on a character
+/// boundary), control and bidirectional-override characters escaped as
+/// `\n`, `\u{1b}`, ..., and `… (N bytes)` appended when it was cut.
 pub fn excerpt(s: &str) -> String {
-    let mut out = String::from("\"");
-    for c in s.chars() {
-        if out.len() >= EXCERPT_BYTES {
-            out.push_str(&format!("…\" ({} bytes)", s.len()));
-            return out;
-        }
-        out.extend(c.escape_debug());
+    let (head, cut) = escaped_prefix(s.chars(), EXCERPT_MAX);
+    if cut {
+        format!("{head}… ({} bytes)", s.len())
+    } else {
+        head
     }
-    out.push('"');
-    out
+}
+
+/// Like [`excerpt`], but keeps the end as well: for a third party's message
+/// (serde's, toml's) that quotes a huge value and then says what was
+/// expected, e.g. ``unknown variant `xxx…`, expected one of `local`, `ssh` ``.
+pub fn excerpt_ends(s: &str) -> String {
+    const TAIL: usize = 120;
+    let (head, cut) = escaped_prefix(s.chars(), EXCERPT_MAX - TAIL);
+    if !cut || s.len() <= EXCERPT_MAX {
+        return excerpt(s);
+    }
+    // Where the last TAIL bytes (escaped) start.
+    let mut start = s.len();
+    let mut used = 0;
+    for (i, c) in s.char_indices().rev() {
+        used += escaped(c, &mut String::new()).len();
+        if used > TAIL {
+            break;
+        }
+        start = i;
+    }
+    let (tail, _) = escaped_prefix(s[start..].chars(), TAIL);
+    format!("{head}… ({} bytes) …{tail}", s.len())
+}
+
+/// The escaped characters of `chars` that fit in `max` bytes, and whether any were left out.
+fn escaped_prefix(chars: impl Iterator<Item = char>, max: usize) -> (String, bool) {
+    let mut out = String::new();
+    let mut buf = String::new();
+    for c in chars {
+        escaped(c, &mut buf);
+        if out.len() + buf.len() > max {
+            return (out, true);
+        }
+        out.push_str(&buf);
+    }
+    (out, false)
+}
+
+/// `c` as a message shows it, in `buf` (cleared first).
+fn escaped(c: char, buf: &mut String) -> &str {
+    buf.clear();
+    if needs_escape(c) {
+        // `escape_default` gives `\n`, `\t`, `\u{1b}`: readable and unambiguous.
+        let _ = write!(buf, "{}", c.escape_default());
+    } else {
+        buf.push(c);
+    }
+    buf
+}
+
+/// [`excerpt`] in double quotes, for values whose edges matter (empty, spaces).
+pub fn quoted(s: &str) -> String {
+    format!("\"{}\"", excerpt(s))
+}
+
+/// Characters a terminal acts on rather than shows: C0/C1 controls and the
+/// bidirectional overrides that make text display in another order than it reads.
+fn needs_escape(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
 #[cfg(test)]
@@ -24,11 +90,54 @@ mod tests {
     use super::*;
 
     #[test]
-    fn long_input_is_cut_and_short_input_kept() {
-        assert_eq!(excerpt("a\nb"), "\"a\\nb\"");
+    fn short_text_is_kept_as_is() {
+        assert_eq!(excerpt("12/s_x/env=abc"), "12/s_x/env=abc");
+        assert_eq!(excerpt(""), "");
+        assert_eq!(excerpt("日本語"), "日本語");
+    }
+
+    #[test]
+    fn long_text_is_cut_on_a_char_boundary_and_says_its_length() {
         let long = "é".repeat(40_000);
         let e = excerpt(&long);
-        assert!(e.len() < EXCERPT_BYTES + 40, "{}", e.len());
-        assert!(e.ends_with("(80000 bytes)"), "{e}");
+        assert!(e.ends_with("… (80000 bytes)"), "{e}");
+        let kept = e.trim_end_matches("… (80000 bytes)");
+        assert!(kept.len() <= EXCERPT_MAX && kept.len() >= EXCERPT_MAX - 1);
+        assert!(kept.chars().all(|c| c == 'é'));
+        // Exactly the limit is not cut.
+        let exact = "a".repeat(EXCERPT_MAX);
+        assert_eq!(excerpt(&exact), exact);
+        assert!(excerpt(&"a".repeat(EXCERPT_MAX + 1)).ends_with("(201 bytes)"));
+    }
+
+    #[test]
+    fn a_long_message_keeps_its_end() {
+        let msg = format!(
+            "unknown variant `{}`, expected one of `local`, `ssh`, `ec2`",
+            "x".repeat(70_000)
+        );
+        let e = excerpt_ends(&msg);
+        assert!(e.len() <= EXCERPT_MAX + 40, "{}", e.len());
+        assert!(e.starts_with("unknown variant `xxx"), "{e}");
+        assert!(
+            e.ends_with("xx`, expected one of `local`, `ssh`, `ec2`"),
+            "{e}"
+        );
+        assert!(e.contains(&format!("… ({} bytes) …", msg.len())), "{e}");
+        assert_eq!(excerpt_ends("short \n one"), "short \\n one");
+        // An escape at the cut stays whole in the tail.
+        let e = excerpt_ends(&format!("{}\u{1b}end", "y".repeat(500)));
+        assert!(e.ends_with("\\u{1b}end"), "{e}");
+    }
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(
+            excerpt("a\nb\t\u{1b}[2Jc\u{202e}d\0"),
+            "a\\nb\\t\\u{1b}[2Jc\\u{202e}d\\u{0}"
+        );
+        // Escapes count toward the limit: the result stays short.
+        let e = excerpt(&"\u{1b}".repeat(10_000));
+        assert!(e.len() < EXCERPT_MAX + 30, "{}", e.len());
     }
 }

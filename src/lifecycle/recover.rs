@@ -86,10 +86,10 @@ pub async fn recover(
         Settle::Resuspend | Settle::Nothing => "putting it back to suspended",
     };
     ctx.log.info(format!(
-        "environment {} was {} by {}, which has no process left (idle {}): {what}",
+        "environment {} was held by {} ({}), which has no process left (idle {}): {what}",
         paths.id,
-        status.as_str(),
         old.describe(),
+        status.as_str(),
         super::human_age(idle).trim_end_matches(" ago"),
     ));
     match settled {

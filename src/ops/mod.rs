@@ -32,7 +32,7 @@ pub fn env_id(text: &str) -> Result<Uuid> {
     EnvironmentKey::parse(text).map(|k| k.env_id).map_err(|e| {
         anyhow::anyhow!(
             "{} is neither an environment id nor a key: {e}; `dormant list` shows both",
-            crate::text::excerpt(text)
+            crate::text::quoted(text)
         )
     })
 }

@@ -47,6 +47,7 @@ pub fn try_job(
         .clone()
         .unwrap_or_else(|| "1".to_string());
     let mut runner = Runner::new(binary, tmp_root.clone(), &runner_id);
+    runner.keep_temp_dirs = keep;
     if let Some(c) = config {
         runner.args = vec!["--config".into(), c.display().to_string()];
     }

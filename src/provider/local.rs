@@ -2,6 +2,7 @@
 //! under the state dir (`environments/<id>/work`) and scripts run in a local
 //! bash. Suspend keeps the directory; release deletes it. Needs no setup.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
@@ -69,6 +70,9 @@ impl Provider for LocalProvider {
         let reclaimed = dir.exists();
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("creating environment directory {}", dir.display()))?;
+        // Private like the rest of the state dir: the job's checkout may hold secrets.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("setting 0700 on {}", dir.display()))?;
         ctx.log.info(format!(
             "{} local environment directory {}",
             if reclaimed { "reusing" } else { "created" },

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use super::HumanDuration;
 use crate::model::Dirs;
 use crate::model::EnvPaths;
+use crate::text::quoted;
 
 /// The job variable through which a job picks an instance type from `allowed_instance_types`.
 pub const INSTANCE_TYPE_VARIABLE: &str = "DORMANT_EC2_INSTANCE_TYPE";
@@ -161,8 +162,9 @@ impl Ec2Settings {
                 p(
                     "image_owners",
                     format!(
-                        "required when ec2.image is a name pattern ({image:?}): any AWS account can publish \
-                         an AMI under any name; say whose images to trust, e.g. [\"self\"] or an account id"
+                        "required when ec2.image is a name pattern ({}): any AWS account can publish \
+                         an AMI under any name; say whose images to trust, e.g. [\"self\"] or an account id",
+                        quoted(image)
                     ),
                 );
             }
@@ -181,7 +183,7 @@ impl Ec2Settings {
             if t.trim().is_empty() || t.contains(char::is_whitespace) {
                 p(
                     "allowed_instance_types",
-                    format!("{t:?} is not an instance type"),
+                    format!("{} is not an instance type", quoted(t)),
                 );
             }
         }
@@ -189,7 +191,10 @@ impl Ec2Settings {
             if !(e.starts_with("http://") || e.starts_with("https://")) {
                 p(
                     "endpoint_url",
-                    format!("{e:?} must be a URL starting with http:// or https://"),
+                    format!(
+                        "{} must be a URL starting with http:// or https://",
+                        quoted(e)
+                    ),
                 );
             }
         }
@@ -197,7 +202,7 @@ impl Ec2Settings {
             if parse_host_port(c).is_none() {
                 p(
                     "connect_address",
-                    format!("{c:?} must be host:port, e.g. \"127.0.0.1:2222\""),
+                    format!("{} must be host:port, e.g. \"127.0.0.1:2222\"", quoted(c)),
                 );
             }
         }
@@ -211,7 +216,7 @@ impl Ec2Settings {
             if !VOLUME_TYPES.contains(&t.as_str()) {
                 p(
                     "root_volume_type",
-                    format!("{t:?} is not one of {}", VOLUME_TYPES.join(", ")),
+                    format!("{} is not one of {}", quoted(t), VOLUME_TYPES.join(", ")),
                 );
             }
         }
@@ -243,7 +248,10 @@ impl Ec2Settings {
             if k.starts_with("dormant:") || k.starts_with("aws:") || k == "Name" {
                 p(
                     "tags",
-                    format!("{k:?} is reserved (dormant sets Name and dormant:* itself; aws:* is AWS's)"),
+                    format!(
+                        "{} is reserved (dormant sets Name and dormant:* itself; aws:* is AWS's)",
+                        quoted(k)
+                    ),
                 );
             }
         }
@@ -255,14 +263,9 @@ impl Ec2Settings {
                 if !d.starts_with('/') {
                     p(
                         key,
-                        format!("{d:?} must be an absolute path inside the instance"),
+                        format!("{} must be an absolute path inside the instance", quoted(d)),
                     );
                 }
-            }
-        }
-        if let Some(t) = &self.prepare_timeout {
-            if t.is_zero() {
-                p("prepare_timeout", "must be more than 0s".into());
             }
         }
     }

@@ -6,6 +6,7 @@
 //! (`ec2.instance_type: ...`). `examples/dormant.toml` documents every setting
 //! and a test parses it. Sections of a provider live in their own file.
 
+pub mod bounds;
 pub mod duration;
 pub mod ec2;
 pub mod ssh;
@@ -18,6 +19,7 @@ use serde::Deserialize;
 pub use duration::HumanDuration;
 
 use crate::job::Job;
+use crate::text::{excerpt, excerpt_ends};
 
 /// Where the settings file is when neither `--config` nor `DORMANT_CONFIG` says.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/dormant/config.toml";
@@ -106,10 +108,6 @@ pub struct SuspendSettings {
     pub claim_grace: HumanDuration,
 }
 
-/// `notify_timeout` may not exceed this: the hook runs inside a job's prepare
-/// and cleanup, which it must not hold up.
-pub const MAX_NOTIFY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
-
 impl Default for SuspendSettings {
     fn default() -> Self {
         SuspendSettings {
@@ -144,18 +142,11 @@ impl SuspendSettings {
         if let Some(program) = self.notify_command.first() {
             if !Path::new(program).is_absolute() {
                 problems.push(format!(
-                    "suspend.notify_command: the program {program:?} must be an absolute path \
-                     (the runner's PATH is not the operator's shell's)"
+                    "suspend.notify_command: the program {} must be an absolute path \
+                     (the runner's PATH is not the operator's shell's)",
+                    crate::text::quoted(program)
                 ));
             }
-        }
-        let t = self.notify_timeout.get();
-        if t.is_zero() || t > MAX_NOTIFY_TIMEOUT {
-            problems.push(format!(
-                "suspend.notify_timeout: must be more than 0s and at most {}s: the hook runs \
-                 inside a job's prepare and cleanup",
-                MAX_NOTIFY_TIMEOUT.as_secs()
-            ));
         }
     }
 }
@@ -196,8 +187,11 @@ impl Settings {
     /// Parses settings text, reporting every unknown key and bad value at once.
     pub fn parse_str(text: &str) -> Result<Settings> {
         let mut unknown = Vec::new();
-        let de = toml::Deserializer::parse(text)
-            .map_err(|e| anyhow::anyhow!("{}", e.to_string().trim_end()))?;
+        let de = toml::Deserializer::parse(text).map_err(|e| {
+            // toml quotes the offending line: keep each line of its message short.
+            let msg: Vec<String> = e.to_string().trim_end().lines().map(excerpt).collect();
+            anyhow::anyhow!("{}", msg.join("\n"))
+        })?;
         // serde_ignored collects every unknown key; serde_path_to_error names
         // the key of a value of the wrong type (`suspend.ttl: ...`).
         let mut record = |path: serde_ignored::Path<'_>| unknown.push(path.to_string());
@@ -205,13 +199,20 @@ impl Settings {
             serde_path_to_error::deserialize(serde_ignored::Deserializer::new(de, &mut record));
         let mut problems: Vec<String> = unknown
             .into_iter()
-            .map(|k| format!("{k}: unknown setting (see examples/dormant.toml for every setting)"))
+            .map(|k| {
+                format!(
+                    "{}: unknown setting (see examples/dormant.toml for every setting)",
+                    excerpt(&k)
+                )
+            })
             .collect();
         let settings = match parsed {
             Ok(s) => s,
             Err(e) => {
-                let path = e.path().to_string();
-                problems.push(format!("{path}: {}", e.into_inner().message().trim_end()));
+                // serde's message may quote the whole bad value.
+                let path = excerpt(&e.path().to_string());
+                let msg = excerpt_ends(e.into_inner().message().trim_end());
+                problems.push(format!("{path}: {msg}"));
                 bail!(
                     "{} problem(s):\n  {}",
                     problems.len(),
@@ -245,23 +246,21 @@ impl Settings {
         }
         if let Some(r) = &self.runner_id {
             if r.contains('/') {
-                problems.push(format!("runner_id: {r:?} must not contain '/'"));
+                problems.push(format!(
+                    "runner_id: \"{}\" must not contain '/'",
+                    excerpt(r)
+                ));
             }
         }
         if let Some(d) = &self.state_dir {
             if !d.is_absolute() {
                 problems.push(format!(
                     "state_dir: {} must be an absolute path",
-                    d.display()
+                    excerpt(&d.display().to_string())
                 ));
             }
         }
-        if self.prepare_timeout.is_zero() {
-            problems.push("prepare_timeout: must be more than 0s".into());
-        }
-        if self.suspend.ttl.is_zero() {
-            problems.push("suspend.ttl: must be more than 0s".into());
-        }
+        self.check_durations(problems);
         self.suspend.validate(problems);
         self.ssh
             .validate(self.provider == ProviderKind::Ssh, problems);
@@ -414,14 +413,35 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("suspend.notify_timeout: must be more than 0s and at most 60s"),
+            text.contains("suspend.notify_timeout: must be at most 1m"),
             "{text}"
         );
         let err = Settings::parse_str("[suspend]\nnotify_timeout = \"0s\"\n").unwrap_err();
         assert!(
-            format!("{err:#}").contains("suspend.notify_timeout"),
+            format!("{err:#}").contains("suspend.notify_timeout: must be at least 1s"),
             "{err:#}"
         );
+    }
+
+    #[test]
+    fn huge_values_are_quoted_briefly() {
+        let huge = "x/".repeat(32_768);
+        for text in [
+            format!("runner_id = \"{huge}\"\n"),
+            format!("state_dir = \"{huge}\"\n"),
+            format!("provider = \"{huge}\"\n"),
+            format!("[ssh]\nconnect_timeout = [\"{huge}\"]\n"),
+            format!("[suspend]\nttl = \"{huge}\"\n"),
+            format!("\"{huge}\" = 1\n"),
+            format!("colour = \"{huge}\n"),
+            format!("[ssh]\nworkspace_root = \"{huge}\"\n"),
+            format!("[ec2]\nendpoint_url = \"{huge}\"\n"),
+        ] {
+            let err = format!("{:#}", Settings::parse_str(&text).unwrap_err());
+            for line in err.lines() {
+                assert!(line.len() < 400, "{} bytes: {line}", line.len());
+            }
+        }
     }
 
     #[test]

@@ -10,6 +10,7 @@ use serde::Deserialize;
 use super::HumanDuration;
 use crate::model::Dirs;
 use crate::model::EnvPaths;
+use crate::text::quoted;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default)]
@@ -84,22 +85,13 @@ impl SshHost {
 impl SshSettings {
     /// `selected`: the `ssh` provider is the one in use, so its required settings must be there.
     pub fn validate(&self, selected: bool, problems: &mut Vec<String>) {
-        for (key, d) in [
-            ("connect_timeout", self.connect_timeout),
-            ("ready_timeout", self.ready_timeout),
-            ("control_persist", self.control_persist),
-            ("server_alive_interval", self.server_alive_interval),
-        ] {
-            if d.is_zero() {
-                problems.push(format!("ssh.{key}: must be at least 1s"));
-            }
-        }
+        // Durations are checked with every other section's (`super::bounds`).
         if !self.workspace_root.starts_with('/')
             || self.workspace_root.trim_end_matches('/').is_empty()
         {
             problems.push(format!(
-                "ssh.workspace_root: {:?} must be an absolute path other than /",
-                self.workspace_root
+                "ssh.workspace_root: {} must be an absolute path other than /",
+                quoted(&self.workspace_root)
             ));
         } else if self
             .workspace_root
@@ -107,8 +99,8 @@ impl SshSettings {
             .any(|c| c == ".." || c == ".")
         {
             problems.push(format!(
-                "ssh.workspace_root: {:?} must not contain . or .. components",
-                self.workspace_root
+                "ssh.workspace_root: {} must not contain . or .. components",
+                quoted(&self.workspace_root)
             ));
         }
         if !selected {
@@ -137,8 +129,8 @@ impl SshSettings {
             }
             if !h.identity_file.is_absolute() {
                 problems.push(format!(
-                    "{key}.identity_file: {:?} must be an absolute path to a private key",
-                    h.identity_file.display().to_string()
+                    "{key}.identity_file: {} must be an absolute path to a private key",
+                    quoted(&h.identity_file.display().to_string())
                 ));
             }
             let name = h.name();
@@ -148,12 +140,14 @@ impl SshSettings {
                     .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
             {
                 problems.push(format!(
-                    "{key}.name: {name:?} may only use letters, digits and - _ . :"
+                    "{key}.name: {} may only use letters, digits and - _ . :",
+                    quoted(name)
                 ));
             }
             if !names.insert(name.to_string()) {
                 problems.push(format!(
-                    "{key}.name: {name:?} is used twice (names must be unique)"
+                    "{key}.name: {} is used twice (names must be unique)",
+                    quoted(name)
                 ));
             }
         }

@@ -1,11 +1,12 @@
-//! `dormant config`: prints the one JSON object GitLab Runner reads. No cloud
-//! or network call, no state written: settings, the job payload, and a path.
+//! `dormant config`: prints the one JSON object GitLab Runner reads
+//! ([`ConfigOutput`], see `docs/runner-contract.md`). No cloud or network call,
+//! no state written: settings, the job payload, and a path.
 
 use std::io::Write;
 
 use anyhow::Result;
-use serde_json::json;
 
+use crate::contract::{ConfigOutput, DriverInfo};
 use crate::envkey::EnvironmentKey;
 use crate::exit::Failure;
 use crate::job::Job;
@@ -27,14 +28,19 @@ pub fn config(settings: &Settings, job: &Job, out: &mut dyn Write) -> Result<(),
         .unwrap_or_else(|| crate::identity::new_env_id(&runner_id, input.job_id));
     let paths = EnvPaths::new(&settings.state_dir(job)?, env_id);
     let dirs = crate::provider::dirs(settings, &paths)?;
-    let doc = json!({
-        "builds_dir": dirs.builds,
-        "cache_dir": dirs.cache,
-        "builds_dir_is_shared": false,
-        "hostname": format!("dormant-{}", &env_id.simple().to_string()[..12]),
-        "driver": { "name": "dormant", "version": env!("CARGO_PKG_VERSION") },
-    });
-    let text = serde_json::to_string(&doc).map_err(anyhow::Error::from)?;
-    writeln!(out, "{text}").map_err(anyhow::Error::from)?;
+    let doc = ConfigOutput {
+        builds_dir: Some(dirs.builds),
+        cache_dir: Some(dirs.cache),
+        // The project dir is `<builds_dir>/<namespace>/<project>`, the same for
+        // a resumed job as for the one that suspended its environment.
+        builds_dir_is_shared: Some(false),
+        hostname: Some(format!("dormant-{}", &env_id.simple().to_string()[..12])),
+        driver: Some(DriverInfo {
+            name: Some("dormant".into()),
+            version: Some(env!("CARGO_PKG_VERSION").into()),
+        }),
+        ..Default::default()
+    };
+    writeln!(out, "{}", doc.to_line()).map_err(anyhow::Error::from)?;
     Ok(())
 }

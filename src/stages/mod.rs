@@ -7,6 +7,7 @@ pub mod cleanup;
 pub mod config;
 pub mod outcome;
 pub mod prepare;
+mod resume;
 pub mod run;
 
 use std::sync::Arc;

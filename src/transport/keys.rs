@@ -31,8 +31,11 @@ pub fn ensure_keypair(paths: &EnvPaths) -> Result<String> {
             );
         }
     }
-    std::fs::set_permissions(private, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("setting 0600 on {}", private.display()))?;
+    // The public half too: every file in the state dir is dormant's user's alone.
+    for f in [private, &public] {
+        std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("setting 0600 on {}", f.display()))?;
+    }
     let key = std::fs::read_to_string(&public)
         .with_context(|| format!("reading {}", public.display()))?;
     Ok(key.trim().to_string())

@@ -5,7 +5,17 @@
 //! (PATH, HOME, ...) and `DORMANT_ENVIRONMENT_KEY`, never dormant's own
 //! `CUSTOM_ENV_*` (they hold the job token); the runner's script exports every
 //! job variable itself.
+//!
+//! The script never touches a disk: it goes into an anonymous memory file
+//! (`memfd_create`) that bash reads as `/dev/fd/3` — a file, so bash reads it
+//! in blocks and a command in the script that reads stdin cannot swallow the
+//! rest — and that vanishes with the last process holding it, whatever kills
+//! dormant. Its output is relayed through a pipe dormant owns (see
+//! [`super::relay`]), stderr merged into stdout in the order written. The
+//! script's shell is killed if dormant dies (`PR_SET_PDEATHSIG`).
 
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -15,7 +25,7 @@ use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 use tokio::process::Command;
 
-use super::{Script, ScriptExit, Transport};
+use super::{relay, Script, ScriptExit, Transport};
 use crate::context::Ctx;
 
 /// After SIGTERM to the script's group, how long it may take to exit before
@@ -26,6 +36,14 @@ const TERM_GRACE: Duration = Duration::from_secs(5);
 pub const INHERITED_VARS: &[&str] = &[
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TERM", "SHELL", "TZ",
 ];
+
+/// Where earlier versions kept the stage script, next to the work dir; removed
+/// when met, so an upgrade leaves no old script (and its job token) behind.
+const LEGACY_SCRIPT_FILE: &str = "stage-script.sh";
+
+/// The script's first line: its shell closes the memory file it reads the
+/// script from (bash has its own descriptor), so nothing the script starts inherits it.
+const PRELUDE: &[u8] = b"exec 3<&-\n";
 
 pub struct LocalTransport {
     workdir: PathBuf,
@@ -51,6 +69,10 @@ impl LocalTransport {
             .process_group(0)
             .kill_on_drop(true);
         cmd
+    }
+
+    fn remove_legacy_script(&self) {
+        let _ = std::fs::remove_file(self.workdir.with_file_name(LEGACY_SCRIPT_FILE));
     }
 }
 
@@ -93,41 +115,69 @@ impl Transport for LocalTransport {
     }
 
     async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<ScriptExit> {
-        // The script goes in a file next to the work dir rather than on stdin,
-        // so a command in it that reads stdin cannot swallow the rest.
-        let file = self.workdir.with_file_name("stage-script.sh");
-        tokio::fs::write(&file, script.body)
-            .await
-            .with_context(|| {
-                format!("writing the {} script to {}", script.stage, file.display())
-            })?;
-        let mut child = self
-            .command()
-            .arg(&file)
+        self.remove_legacy_script();
+        let file = memory_file(script.body)
+            .with_context(|| format!("holding the {} script in memory", script.stage))?;
+        let (out_read, out_write) = std::io::pipe().context("making the output pipe")?;
+        let mut cmd = self.command();
+        cmd.arg("/dev/fd/3")
             .envs(script.env.iter().map(|(k, v)| (k, v)))
-            .stdout(Stdio::inherit())
-            .stderr(Stdio::inherit())
-            .spawn()
+            .stdout(
+                out_write
+                    .try_clone()
+                    .context("duplicating the output pipe")?,
+            )
+            .stderr(out_write);
+        let fd = file.as_raw_fd();
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: between fork and exec this calls only async-signal-safe
+        // functions (dup2, fcntl, prctl, getppid) on descriptors it owns.
+        unsafe {
+            cmd.pre_exec(move || child_setup(fd, parent));
+        }
+        // The runtime's one thread spawns the shell and outlives it, so the
+        // parent-death signal fires only when dormant itself dies.
+        let spawned = cmd.spawn();
+        // Ours are closed now: the shell holds the only write end, so end of
+        // file means every process of the script closed it.
+        drop(cmd);
+        drop(file);
+        let mut child = spawned
             .with_context(|| format!("starting {} for {}", self.shell.display(), script.stage))?;
         let pgid = child
             .id()
             .context("the script's shell exited before it could be tracked")?
             as i32;
-        let status = tokio::select! {
-            status = child.wait() => status.context("waiting for the script")?,
-            _ = ctx.cancel.cancelled() => {
-                kill_group(pgid, libc::SIGTERM);
-                if tokio::time::timeout(TERM_GRACE, child.wait()).await.is_err() {
-                    kill_group(pgid, libc::SIGKILL);
-                    let _ = child.wait().await;
+        let out_read = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(out_read))
+            .context("reading the script's output")?;
+        let copy = relay::copy_to_stdout(out_read);
+        tokio::pin!(copy);
+        let mut copying = true;
+        let status = loop {
+            tokio::select! {
+                status = child.wait() => break Some(status.context("waiting for the script")?),
+                () = &mut copy, if copying => copying = false,
+                () = ctx.cancel.cancelled() => {
+                    kill_group(pgid, libc::SIGTERM);
+                    if tokio::time::timeout(TERM_GRACE, child.wait()).await.is_err() {
+                        kill_group(pgid, libc::SIGKILL);
+                        let _ = child.wait().await;
+                    }
+                    break None;
                 }
-                // Whatever the script left running in its group goes too.
-                kill_group(pgid, libc::SIGKILL);
-                return Ok(ScriptExit::Cancelled);
             }
         };
-        // Children the script left behind in its group do not outlive the stage.
+        // Whatever the script left running in its group goes too.
         kill_group(pgid, libc::SIGKILL);
+        if copying && !relay::drain(&mut copy).await {
+            tracing::debug!(
+                stage = script.stage,
+                "a process that left the script's group still holds its output"
+            );
+        }
+        let Some(status) = status else {
+            return Ok(ScriptExit::Cancelled);
+        };
         Ok(ScriptExit::Code(
             status
                 .code()
@@ -136,7 +186,7 @@ impl Transport for LocalTransport {
     }
 
     async fn close(&self, _ctx: &Ctx) -> Result<()> {
-        let _ = std::fs::remove_file(self.workdir.with_file_name("stage-script.sh"));
+        self.remove_legacy_script();
         Ok(())
     }
 
@@ -197,6 +247,44 @@ pub fn take_local_file(path: &std::path::Path, max: usize) -> Result<Option<Vec<
         Err(e) => return Err(e).with_context(|| format!("removing {}", path.display())),
     }
     Ok(Some(content))
+}
+
+/// An anonymous in-memory file holding the prelude and the script.
+fn memory_file(body: &[u8]) -> std::io::Result<OwnedFd> {
+    // SAFETY: a NUL-terminated name; the returned descriptor is checked and owned.
+    let fd = unsafe { libc::memfd_create(c"dormant-stage-script".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and is owned by nothing else.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut f = std::fs::File::from(owned);
+    f.write_all(PRELUDE)?;
+    f.write_all(body)?;
+    Ok(OwnedFd::from(f))
+}
+
+/// In the forked child: the script file as fd 3 (without close-on-exec), and
+/// death with dormant.
+fn child_setup(script_fd: i32, parent: libc::pid_t) -> std::io::Result<()> {
+    // SAFETY: plain syscalls on descriptors of this process.
+    unsafe {
+        if script_fd == 3 {
+            if libc::fcntl(3, libc::F_SETFD, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        } else if libc::dup2(script_fd, 3) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // dormant died before the signal was armed.
+        if libc::getppid() != parent {
+            return Err(std::io::Error::other("dormant exited"));
+        }
+    }
+    Ok(())
 }
 
 fn kill_group(pgid: i32, signal: i32) {

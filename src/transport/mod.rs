@@ -3,6 +3,7 @@
 
 pub mod keys;
 pub mod local;
+mod relay;
 pub mod ssh;
 
 use anyhow::Result;
@@ -11,7 +12,7 @@ use async_trait::async_trait;
 use crate::context::Ctx;
 use crate::job::Job;
 use crate::model::EnvPaths;
-use crate::provider::Target;
+use crate::model::Target;
 use crate::settings::Settings;
 
 /// How a script ended.
@@ -98,4 +99,19 @@ pub fn open(
             settings.ssh.clone(),
         ))),
     }
+}
+
+/// Writes `path` with mode 0600, also when it existed with a wider mode: state
+/// files are for dormant's user only.
+pub fn write_private(path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    f.write_all(data)
 }

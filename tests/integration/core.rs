@@ -3,7 +3,6 @@
 
 use std::time::{Duration, Instant};
 
-use dormant::runner_sim::SECRET_TOKEN;
 use serde_json::json;
 
 use crate::harness::*;
@@ -69,15 +68,17 @@ fn config_prints_one_json_object_with_a_stable_builds_dir() {
     let rig = rig();
     let r = rig.run(&job(5));
     let cfg = r.config.clone().unwrap();
-    assert_eq!(cfg["builds_dir_is_shared"], json!(false));
-    assert_eq!(cfg["driver"]["name"], json!("dormant"));
-    assert_eq!(cfg["driver"]["version"], json!(env!("CARGO_PKG_VERSION")));
-    assert!(cfg["builds_dir"]
-        .as_str()
+    assert_eq!(cfg.builds_dir_is_shared, Some(false));
+    let driver = cfg.driver.unwrap();
+    assert_eq!(driver.name.as_deref(), Some("dormant"));
+    assert_eq!(driver.version.as_deref(), Some(env!("CARGO_PKG_VERSION")));
+    assert!(cfg
+        .builds_dir
         .unwrap()
         .starts_with(rig.state_dir.to_str().unwrap()));
-    assert!(!cfg["cache_dir"].as_str().unwrap().is_empty());
-    // config wrote nothing to stderr and exactly one line to stdout (checked by runner_sim::parse_config).
+    assert!(!cfg.cache_dir.unwrap().is_empty());
+    // config wrote nothing to stderr and exactly one object to stdout (checked
+    // by contract::ConfigOutput::parse, with the runner's rules).
     assert_eq!(r.call("config#1").unwrap().output, "");
 }
 
@@ -130,8 +131,8 @@ fn suspend_on_success_then_resume_finds_the_files_and_skips_get_sources() {
         r.log()
     );
     assert_eq!(
-        first.config.as_ref().unwrap()["builds_dir"],
-        r.config.as_ref().unwrap()["builds_dir"],
+        first.config.as_ref().unwrap().builds_dir,
+        r.config.as_ref().unwrap().builds_dir,
         "a resumed job gets the same builds_dir, so the same CI_PROJECT_DIR"
     );
     assert_eq!(
@@ -502,7 +503,7 @@ fn secrets_never_reach_state_files_or_logs() {
     assert_result(&r, JobResult::Success);
     for call in &r.calls {
         assert!(
-            !call.output.contains(SECRET_TOKEN),
+            !call.output.contains(rig.secret_token()),
             "{} printed the job token",
             call.name
         );
@@ -515,7 +516,7 @@ fn secrets_never_reach_state_files_or_logs() {
                 stack.push(path);
             } else if let Ok(text) = std::fs::read_to_string(&path) {
                 assert!(
-                    !text.contains(SECRET_TOKEN),
+                    !text.contains(rig.secret_token()),
                     "{} holds the job token",
                     path.display()
                 );

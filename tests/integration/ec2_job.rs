@@ -132,8 +132,8 @@ fn a_job_suspends_its_instance_and_a_later_job_resumes_it_then_releases_it() {
     assert!(r2.log().contains("agent state"), "{}", r2.log());
     assert!(r2.log().contains("skipping get_sources"), "{}", r2.log());
     assert_eq!(
-        r1.config.as_ref().unwrap()["builds_dir"],
-        r2.config.as_ref().unwrap()["builds_dir"]
+        r1.config.as_ref().unwrap().builds_dir,
+        r2.config.as_ref().unwrap().builds_dir
     );
     assert_eq!(
         sshd.connections() - handshakes,

@@ -14,6 +14,12 @@ use dormant::runner_sim::{Runner, SimJob};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_dormant");
 
+/// The start of the job token a rig's payloads carry. Each rig's token is
+/// unique (this prefix, the test process, a counter), so a test looking for
+/// its token in files, logs or other processes' environments finds only its
+/// own job's, not another test's running at the same time on this host.
+pub const SECRET_TOKEN_PREFIX: &str = "glcbt-SIMULATED-SECRET-TOKEN";
+
 /// One runner manager: its own state dir, settings and identity.
 pub struct Rig {
     pub dir: tempfile::TempDir,
@@ -31,6 +37,7 @@ impl Rig {
         Rig::write_settings(&settings_path, system_id, extra);
         let mut runner = Runner::new(PathBuf::from(BIN), dir.path().join("tmp"), runner_id);
         runner.retry_pause = Duration::from_millis(50);
+        runner.job_token = format!("{SECRET_TOKEN_PREFIX}-{}-{}", std::process::id(), job_id());
         runner.env = [
             ("PATH", std::env::var("PATH").unwrap_or_default()),
             ("HOME", std::env::var("HOME").unwrap_or_default()),
@@ -60,8 +67,33 @@ impl Rig {
         .unwrap();
     }
 
+    /// The job token this rig's jobs carry; it must never leak.
+    pub fn secret_token(&self) -> &str {
+        &self.runner.job_token
+    }
+
     pub fn run(&self, job: &SimJob) -> JobReport {
         self.runner.run_job(job).unwrap()
+    }
+
+    /// Runs `job`, running the shell command `cmd` on this host just before
+    /// the runner calls `stage` (to kill a connection between two stages, or
+    /// look at every process at that moment).
+    pub fn run_with_command_before(&self, job: &SimJob, stage: &str, cmd: &str) -> JobReport {
+        let mut ran = false;
+        let report = self
+            .runner
+            .run_job_with(job, &mut |name| {
+                if name == stage {
+                    // Its exit status is the test's business (a `pkill` may
+                    // also signal this very shell, whose command line matches).
+                    Command::new("sh").arg("-c").arg(cmd).status().unwrap();
+                    ran = true;
+                }
+            })
+            .unwrap();
+        assert!(ran, "the job never reached {stage}: {}", report.log());
+        report
     }
 
     /// Runs `dormant <args>` as an operator would, with this rig's settings.

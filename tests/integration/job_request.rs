@@ -23,7 +23,7 @@ fn scripts_see_a_writable_suspend_file_beside_the_checkout() {
         .lines()
         .find_map(|l| l.strip_prefix("file="))
         .unwrap_or_else(|| panic!("no file= line: {log}"));
-    let builds = r.config.as_ref().unwrap()["builds_dir"].as_str().unwrap();
+    let builds = r.config.as_ref().unwrap().builds_dir.clone().unwrap();
     assert_eq!(line, format!("{builds}/.dormant-suspend-request"));
 }
 

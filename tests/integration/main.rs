@@ -3,20 +3,27 @@
 //! provider, a private sshd on loopback, or an EC2 emulator on loopback.
 
 mod core;
+#[cfg(feature = "testing")]
+mod crash;
 #[cfg(feature = "ec2")]
 mod ec2;
 #[cfg(feature = "ec2")]
 mod ec2_job;
 #[cfg(feature = "ec2")]
 mod ec2_shell;
+mod edge;
 mod harness;
+mod hygiene;
 mod job_request;
+#[cfg(feature = "testing")]
+mod lifecycle;
 #[cfg(feature = "ec2")]
 mod moto;
 mod notify;
 mod shell;
 mod ssh;
 mod sshd;
+mod stress;
 
 /// The EC2 scenarios need the `ec2` feature; without it, say so instead of
 /// passing with those tests silently missing.
@@ -24,4 +31,12 @@ mod sshd;
 #[test]
 fn ec2_tests_need_the_ec2_feature() {
     panic!("built without the `ec2` cargo feature: the EC2 provider's tests did not run; use --all-features");
+}
+
+/// The crash tests need dormant's failpoints (`testing` feature): say so
+/// instead of passing with them silently missing.
+#[cfg(not(feature = "testing"))]
+#[test]
+fn crash_tests_need_the_testing_feature() {
+    panic!("built without the `testing` cargo feature: the crash-point tests did not run; use --all-features");
 }

@@ -220,15 +220,11 @@ fn a_shell_refuses_an_environment_a_job_holds(rig: &Rig) {
         .iter()
         .map(|(k, v)| format!("{k}='{v}' "))
         .collect();
-    let mut j = j.suspend_on(true, false);
-    j.before_stage = vec![(
-        "build_script".into(),
-        format!(
-            "env -i {env} {BIN} shell {id} -- 'echo entered' > {o} 2>&1; echo \"rc=$?\" >> {o}",
-            o = out.display()
-        ),
-    )];
-    let r = rig.run(&j);
+    let cmd = format!(
+        "env -i {env} {BIN} shell {id} -- 'echo entered' > {o} 2>&1; echo \"rc=$?\" >> {o}",
+        o = out.display()
+    );
+    let r = rig.run_with_command_before(&j.suspend_on(true, false), "build_script", &cmd);
     assert_result(&r, JobResult::Success);
     let said = std::fs::read_to_string(&out).unwrap();
     assert!(!said.contains("entered"), "{said}");

@@ -9,10 +9,10 @@ use crate::sshd::{alive, Sshd};
 use dormant::runner_sim::SimJob;
 use dormant::state::EnvPaths;
 
-const RUNNER: &str = "77";
+pub const RUNNER: &str = "77";
 
 /// A runner whose provider is `ssh` with the test sshd as its one host.
-fn ssh_rig(sshd: &Sshd) -> (Rig, PathBuf) {
+pub fn ssh_rig(sshd: &Sshd) -> (Rig, PathBuf) {
     let ws_root = sshd.dir.path().join("ws");
     let rig = Rig::new(
         RUNNER,
@@ -171,13 +171,15 @@ fn a_changed_host_key_is_refused_on_resume_naming_both_fingerprints() {
 fn a_master_killed_between_stages_is_reconnected_and_the_job_succeeds() {
     let sshd = Sshd::start();
     let (rig, _ws) = ssh_rig(&sshd);
-    let mut j = job(43).script("echo build ran over a new master");
+    let j = job(43).script("echo build ran over a new master");
     let ctl = env_paths(&rig, &j).control_dir;
-    j.before_stage = vec![(
-        "build_script".into(),
-        format!("pkill -KILL -f '{}/.ssh-connection'", ctl.display()),
-    )];
-    let (r, handshakes) = run_counted(&rig, &sshd, &j);
+    let before = sshd.connections();
+    let r = rig.run_with_command_before(
+        &j,
+        "build_script",
+        &format!("pkill -KILL -f '{}/.ssh-connection'", ctl.display()),
+    );
+    let handshakes = sshd.connections() - before;
     assert_result(&r, JobResult::Success);
     assert!(r.log().contains("is gone"), "{}", r.log());
     assert!(r.log().contains("reconnecting"), "{}", r.log());
@@ -548,19 +550,15 @@ fn the_job_token_never_reaches_the_environment_of_the_ssh_master() {
     let sshd = Sshd::start();
     let (rig, _) = ssh_rig(&sshd);
     let found = rig.dir.path().join("token-holders");
-    let mut j = job(41);
-    j.before_stage = vec![(
-        "build_script".into(),
-        format!(
-            // dormant's own stage processes get the token from the runner by
-            // contract (and other tests' run at the same time): what must not
-            // hold it is what they start (the master, ssh channels).
-            "for f in /proc/[0-9]*/environ; do grep -qa -- '{}' \"$f\" 2>/dev/null && c=$(tr '\\0' ' ' < \"${{f%environ}}cmdline\") && case \"$c\" in */dormant\\ *) ;; *) echo \"$f $c\";; esac; done > {} || true",
-            dormant::runner_sim::SECRET_TOKEN,
+    let r = rig.run_with_command_before(
+        &job(41),
+        "build_script",
+        &format!(
+            "for f in /proc/[0-9]*/environ; do grep -qa -- '{}' \"$f\" 2>/dev/null && echo \"$f $(tr '\\0' ' ' < \"${{f%environ}}cmdline\")\"; done > {} || true",
+            rig.secret_token(),
             found.display()
         ),
-    )];
-    let r = rig.run(&j);
+    );
     assert_result(&r, JobResult::Success);
     let holders = std::fs::read_to_string(&found).unwrap();
     assert!(

@@ -42,6 +42,9 @@ impl Sshd {
         let _ = std::fs::create_dir_all("/run/sshd");
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("home")).unwrap();
+        // The sessions' TMPDIR, private to this server, so a test can see what
+        // anything left in the host's temp dir.
+        std::fs::create_dir(dir.path().join("tmp")).unwrap();
         keygen(&dir.path().join("host_ed25519"));
         let client_key = dir.path().join("client_ed25519");
         keygen(&client_key);
@@ -55,7 +58,7 @@ impl Sshd {
                 "Port {port}\nListenAddress 127.0.0.1\nHostKey {d}/host_ed25519\nPidFile {d}/sshd.pid\n\
                  AuthorizedKeysFile {d}/authorized_keys\nUsePAM no\nPasswordAuthentication no\n\
                  KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\nStrictModes no\n\
-                 MaxSessions 50\nMaxStartups 100\nLogLevel VERBOSE\nSetEnv HOME={d}/home\n"
+                 MaxSessions 50\nMaxStartups 100\nLogLevel VERBOSE\nSetEnv HOME={d}/home TMPDIR={d}/tmp\n"
             ),
         )
         .unwrap();
@@ -69,6 +72,11 @@ impl Sshd {
         };
         sshd.wait_listening(0);
         sshd
+    }
+
+    /// The TMPDIR of every session on this server.
+    pub fn tmp_dir(&self) -> PathBuf {
+        self.dir.path().join("tmp")
     }
 
     pub fn log_path(&self) -> PathBuf {

@@ -23,11 +23,13 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use openssh::{ControlPersist, KnownHosts, Session, SessionBuilder};
 
+use super::hostkey::{fingerprints, host_key_mismatch};
 use crate::context::{Backoff, Ctx};
 use crate::model::EnvPaths;
-use crate::provider::SshTarget;
+use crate::model::SshTarget;
 use crate::settings::ssh::SshSettings;
 use crate::state::store::ensure_private_dir;
+use crate::transport::write_private;
 
 /// The prefix of the crate's per-master temp directory inside the control dir.
 const CONNECTION_DIR_PREFIX: &str = ".ssh-connection";
@@ -100,7 +102,7 @@ impl Master {
         for dir in self.connection_dirs() {
             let socket = dir.join("master");
             if found.is_none() && socket.exists() {
-                let session = Session::resume(
+                let session = Session::resume_mux(
                     socket.into_boxed_path(),
                     Some(dir.join("log").into_boxed_path()),
                 );
@@ -120,7 +122,7 @@ impl Master {
         self.connection_dirs().into_iter().find_map(|dir| {
             let socket = dir.join("master");
             socket.exists().then(|| {
-                Session::resume(
+                Session::resume_mux(
                     socket.into_boxed_path(),
                     Some(dir.join("log").into_boxed_path()),
                 )
@@ -154,12 +156,12 @@ impl Master {
         for dir in self.connection_dirs() {
             let socket = dir.join("master");
             if socket.exists() {
-                let session = Session::resume(
+                let session = Session::resume_mux(
                     socket.into_boxed_path(),
                     Some(dir.join("log").into_boxed_path()),
                 );
-                // `close` on a resumed session reports an error when the master's
-                // log has content or it exited first; it is gone either way.
+                // Asks the master to stop taking sessions and exit once the
+                // last one is closed. A master that already died is gone anyway.
                 if let Err(e) = session.close().await {
                     tracing::debug!("closing the SSH master of {}: {e}", self.paths.id);
                 }
@@ -283,9 +285,17 @@ impl Master {
                 meta.permissions().mode() & 0o777
             );
         }
+        if let Some(parent) = control.parent() {
+            ensure_private_dir(parent)?;
+        }
         ensure_private_dir(control)?;
-        std::fs::write(self.config_file(), self.config_text())
+        write_private(&self.config_file(), self.config_text().as_bytes())
             .with_context(|| format!("writing the ssh config {}", self.config_file().display()))?;
+        // ssh appends to known_hosts keeping its mode, but creates it world-readable.
+        if !self.paths.known_hosts.exists() {
+            write_private(&self.paths.known_hosts, b"")
+                .with_context(|| format!("creating {}", self.paths.known_hosts.display()))?;
+        }
         Ok(())
     }
 
@@ -337,7 +347,7 @@ impl Master {
             .connect_timeout(self.settings.connect_timeout.get())
             .server_alive_interval(self.settings.server_alive_interval.get())
             .config_file(self.config_file());
-        let connect = b.connect(&self.target.host);
+        let connect = b.connect_mux(&self.target.host);
         // ConnectTimeout bounds the TCP connect only; a stuck handshake is cut here.
         let limit = (self.settings.connect_timeout.get() * 3).min(ctx.remaining());
         let result = tokio::select! {
@@ -351,7 +361,12 @@ impl Master {
                 // Detached: the master must outlive this process. A resumed
                 // handle does not close it on drop.
                 let (ctl, log) = session.detach();
-                Ok(Session::resume(ctl, log))
+                // The crate makes its directory with the umask's mode: make it
+                // private like the rest of the state dir.
+                if let Some(dir) = ctl.parent() {
+                    let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+                }
+                Ok(Session::resume_mux(ctl, log))
             }
             Ok(Err(e)) => {
                 let text = format!("{:#}", anyhow::Error::from(e));
@@ -401,75 +416,9 @@ fn has_content(path: &Path) -> bool {
     std::fs::metadata(path).is_ok_and(|m| m.len() > 0)
 }
 
-/// If ssh refused a changed host key, the fingerprint the host offered
-/// (`SHA256:...`, or "a different key" when ssh did not print it).
-pub fn host_key_mismatch(ssh_error: &str) -> Option<String> {
-    if !ssh_error.contains("REMOTE HOST IDENTIFICATION HAS CHANGED")
-        && !ssh_error.contains("Host key verification failed")
-    {
-        return None;
-    }
-    let after = ssh_error
-        .split_once("sent by the remote host is")
-        .map(|(_, rest)| rest)
-        .unwrap_or(ssh_error);
-    Some(
-        after
-            .split(|c: char| c.is_whitespace())
-            .find(|w| w.starts_with("SHA256:"))
-            .map(|w| w.trim_end_matches('.').to_string())
-            .unwrap_or_else(|| "a different key".to_string()),
-    )
-}
-
-/// The fingerprints pinned in a known_hosts file (`SHA256:... (ED25519)`).
-pub fn fingerprints(known_hosts: &Path) -> Vec<String> {
-    let Ok(out) = std::process::Command::new("ssh-keygen")
-        .arg("-l")
-        .arg("-f")
-        .arg(known_hosts)
-        .output()
-    else {
-        return Vec::new();
-    };
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| {
-            // "256 SHA256:abc dormant-<id> (ED25519)"
-            let mut parts = l.split_whitespace();
-            let _bits = parts.next()?;
-            let fp = parts.next()?;
-            let kind = l.rsplit_once(' ').map(|(_, k)| k).unwrap_or("");
-            Some(format!("{fp} {kind}").trim().to_string())
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_changed_host_key_is_recognised_with_the_offered_fingerprint() {
-        let err = "failed to connect to the remote host: @@@@@@@@@@@\n\
-            @    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\n\
-            The fingerprint for the ED25519 key sent by the remote host is\n\
-            SHA256:AbCdEf0123456789.\n\
-            Please contact your system administrator.\n\
-            Host key verification failed.";
-        assert_eq!(
-            host_key_mismatch(err).as_deref(),
-            Some("SHA256:AbCdEf0123456789")
-        );
-        assert_eq!(
-            host_key_mismatch("Host key verification failed.").as_deref(),
-            Some("a different key")
-        );
-        assert_eq!(
-            host_key_mismatch("root@h: Permission denied (publickey)."),
-            None
-        );
-    }
 
     #[test]
     fn the_config_pins_by_environment_not_by_address() {

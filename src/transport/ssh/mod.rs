@@ -1,45 +1,31 @@
 //! The SSH transport: every stage script of a job runs over the one
-//! ControlMaster prepare started (see [`master`]), as one multiplexed channel
-//! running a small wrapper (see [`remote`]).
+//! ControlMaster prepare started (see [`master`]), as one multiplexed session
+//! (see [`channel`]) running a small wrapper (see [`remote`]).
 //!
 //! Outcomes: the wrapper's `dormant-exit N` is the script's code (build
-//! failure when not 0, including a script's own 255). A channel that ends
-//! without it is the transport breaking, a system failure: the session check
+//! failure when not 0, including a script's own 255). A session that ends
+//! without it is the transport breaking, a system failure: the master check
 //! tells a dead master (lost connection) from anything else. On SIGTERM the
-//! script's whole remote process group is killed through a second channel —
-//! killing the local ssh client would leave it running on the host.
-//!
-//! The channel's `ssh` client runs in its own process group: the runner's
-//! SIGTERM goes to dormant's group, and dormant, not the signal, decides
-//! what happens to the channel.
+//! script's whole remote process group is signalled through the session's
+//! own stdin — closing the session alone would leave it running on the host.
 
+mod channel;
+pub mod hostkey;
 pub mod master;
 pub mod remote;
 
-use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
-use openssh::Session;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::process::Command;
 
+use self::channel::Once;
 use self::master::{Master, Purpose};
-use self::remote::Report;
 use super::{Script, ScriptExit, Transport};
 use crate::context::Ctx;
 use crate::model::EnvPaths;
-use crate::provider::SshTarget;
+use crate::model::SshTarget;
 use crate::settings::ssh::SshSettings;
-
-/// After SIGTERM to the script's group, how long it may take to exit before
-/// SIGKILL (the runner's scripts `trap 'exit 1' TERM`, so this is quick).
-const TERM_GRACE: Duration = Duration::from_secs(5);
-/// How long a cancelled stage waits for the wrapper to say which process
-/// group to kill, and for remote kill commands.
-const KILL_STEP: Duration = Duration::from_secs(5);
 
 pub struct SshTransport {
     master: Master,
@@ -51,219 +37,6 @@ impl SshTransport {
             master: Master::new(target, paths, settings),
         }
     }
-
-    fn channel(&self, session: &Session, remote: &str) -> Command {
-        let mut cmd = Command::new("ssh");
-        cmd.arg("-F")
-            .arg(self.master.config_file())
-            .arg("-S")
-            .arg(session.control_socket())
-            .args(["-o", "BatchMode=yes", "-o", "ControlMaster=no", "-T"])
-            // Without a master ssh would fall back to a new connection to
-            // "none": make that fail at once instead of resolving a name.
-            .args(["-o", "ProxyCommand=false"])
-            // Port 9 ("discard"): if the master is gone, ssh must fail rather
-            // than quietly open a second connection.
-            .args(["-p", "9", "none", "--"])
-            .arg(remote)
-            .process_group(0)
-            .kill_on_drop(true);
-        cmd
-    }
-
-    /// One attempt at running the script over `session`.
-    async fn run_once(
-        &self,
-        session: &Session,
-        body: &[u8],
-        script: &Script<'_>,
-        ctx: &Ctx,
-    ) -> Result<Once> {
-        let dest = self.master.destination();
-        let line = remote::command_line(body.len(), self.master.target.workdir.as_deref());
-        let mut child = self
-            .channel(session, &line)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::inherit())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("starting ssh for {} on {dest}", script.stage))?;
-
-        let mut stdin = child.stdin.take().context("ssh has no stdin")?;
-        let body = body.to_vec();
-        let writer = tokio::spawn(async move {
-            let r = stdin.write_all(&body).await;
-            drop(stdin);
-            r
-        });
-        let state = Arc::new(Mutex::new(ChannelState::default()));
-        let stderr = child.stderr.take().context("ssh has no stderr")?;
-        let reader = {
-            let state = state.clone();
-            tokio::spawn(async move {
-                let mut lines = BufReader::new(stderr).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    let mut st = state.lock().unwrap();
-                    match remote::parse_report(&line) {
-                        Report::Pgid(p) => {
-                            st.pgid = Some(p);
-                            // The script runs: what ssh said before is worth reading.
-                            for l in &st.other {
-                                eprintln!("{l}");
-                            }
-                        }
-                        Report::Exit(c) => st.exit = Some(c),
-                        Report::Error(e) => st.error = Some(e),
-                        Report::Other(l) => {
-                            // ssh itself or the wrapper's shell. Before the script
-                            // starts it is held back: a dead master's fallback noise
-                            // is retried away, any other failure quotes it.
-                            if st.pgid.is_some() {
-                                eprintln!("{l}");
-                            }
-                            st.other.push(l);
-                        }
-                    }
-                }
-            })
-        };
-
-        let status = tokio::select! {
-            status = child.wait() => status.context("waiting for ssh")?,
-            _ = ctx.cancel.cancelled() => {
-                let exit = self.cancel(session, &mut child, &state, script.stage, ctx).await;
-                reader.abort();
-                writer.abort();
-                return Ok(Once::Done(exit));
-            }
-        };
-        let _ = tokio::time::timeout(KILL_STEP, reader).await;
-        let _ = writer.await;
-        let st = std::mem::take(&mut *state.lock().unwrap());
-        if let Some(code) = st.exit {
-            return Ok(Once::Done(ScriptExit::Code(code)));
-        }
-        if let Some(e) = st.error {
-            bail!("{e} ({dest})");
-        }
-        if st.pgid.is_none() {
-            if let Some(l) = st.other.iter().find(|l| is_control_socket_failure(l)) {
-                // The local master is gone: nothing reached the host.
-                return Ok(Once::MasterUnreachable(l.clone()));
-            }
-        }
-        let said = if st.other.is_empty() {
-            String::new()
-        } else {
-            format!(": {}", st.other.join("; "))
-        };
-        if session.check().await.is_err() {
-            return Err(anyhow!(
-                "the SSH connection to {dest} was lost during {}{said}",
-                script.stage
-            ));
-        }
-        Err(anyhow!(
-            "the {} script on {dest} ended without reporting its exit status (ssh {status}){said}: \
-             its processes were killed on the host, or bash is missing there",
-            script.stage
-        ))
-    }
-
-    /// Kills the remote process group `pgid` with `signal` (best effort).
-    async fn kill_remote(&self, session: &Session, pgid: i64, signal: &str) -> Result<()> {
-        let mut cmd = self.channel(
-            session,
-            &format!("kill -{signal} -- -{pgid} 2>/dev/null; true"),
-        );
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        let status = tokio::time::timeout(KILL_STEP, cmd.status())
-            .await
-            .context("the remote kill command did not finish")??;
-        if !status.success() {
-            bail!("the remote kill command failed ({status})");
-        }
-        Ok(())
-    }
-
-    async fn cancel(
-        &self,
-        session: &Session,
-        child: &mut tokio::process::Child,
-        state: &Arc<Mutex<ChannelState>>,
-        stage: &str,
-        ctx: &Ctx,
-    ) -> ScriptExit {
-        let dest = self.master.destination();
-        let pgid = {
-            let deadline = tokio::time::Instant::now() + KILL_STEP;
-            loop {
-                if let Some(p) = state.lock().unwrap().pgid {
-                    break Some(p);
-                }
-                if tokio::time::Instant::now() >= deadline {
-                    break None;
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        };
-        let Some(pgid) = pgid else {
-            ctx.log.warn(format!(
-                "termination during {stage}: the script on {dest} never reported its process group; \
-                 it may still be running there"
-            ));
-            let _ = child.start_kill();
-            return ScriptExit::Cancelled;
-        };
-        ctx.log.info(format!(
-            "termination: stopping {stage} on {dest} (remote process group {pgid})"
-        ));
-        if let Err(e) = self.kill_remote(session, pgid, "TERM").await {
-            ctx.log
-                .warn(format!("sending SIGTERM to the script on {dest}: {e:#}"));
-        }
-        if tokio::time::timeout(TERM_GRACE, child.wait())
-            .await
-            .is_err()
-        {
-            ctx.log.info(format!(
-                "{stage} did not stop within {} s of SIGTERM: killing it",
-                TERM_GRACE.as_secs()
-            ));
-            if let Err(e) = self.kill_remote(session, pgid, "KILL").await {
-                ctx.log
-                    .warn(format!("sending SIGKILL to the script on {dest}: {e:#}"));
-            }
-            if tokio::time::timeout(KILL_STEP, child.wait()).await.is_err() {
-                let _ = child.start_kill();
-            }
-        }
-        ScriptExit::Cancelled
-    }
-}
-
-/// How one attempt at a channel ended.
-enum Once {
-    Done(ScriptExit),
-    /// The master's socket did not answer: the script never left this host.
-    MasterUnreachable(String),
-}
-
-/// ssh's message when the control socket has no master behind it.
-fn is_control_socket_failure(line: &str) -> bool {
-    line.contains("Control socket connect(")
-}
-
-/// What the wrapper reported so far.
-#[derive(Debug, Default)]
-struct ChannelState {
-    pgid: Option<i64>,
-    exit: Option<i32>,
-    error: Option<String>,
-    /// ssh's own messages, for the error when the channel breaks.
-    other: Vec<String>,
 }
 
 #[async_trait]
@@ -320,8 +93,10 @@ impl Transport for SshTransport {
             None => self.master.session(ctx, Purpose::Reconnect).await?,
         };
         let mut reconnected = false;
+        let dest = self.master.destination();
+        let workdir = self.master.target.workdir.as_deref();
         loop {
-            match self.run_once(&session, &body, script, ctx).await? {
+            match channel::run_once(&session, &dest, workdir, &body, script, ctx).await? {
                 Once::Done(exit) => return Ok(exit),
                 Once::MasterUnreachable(why) if !reconnected => {
                     tracing::debug!("master unreachable: {why}");
@@ -369,11 +144,11 @@ impl Transport for SshTransport {
         command: Option<&str>,
         tty: bool,
         ctx: &Ctx,
-    ) -> Result<Command> {
+    ) -> Result<tokio::process::Command> {
         // Through the master `connect` opened: the environment's own key and
         // pinned host key are in its config; no second handshake.
         let session = self.master.session(ctx, Purpose::Reconnect).await?;
-        let mut cmd = Command::new("ssh");
+        let mut cmd = tokio::process::Command::new("ssh");
         cmd.arg("-F")
             .arg(self.master.config_file())
             .arg("-S")

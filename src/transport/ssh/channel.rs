@@ -1,0 +1,216 @@
+//! One stage over the environment's master: a multiplexed session running the
+//! wrapper of [`super::remote`], opened by dormant itself on the master's
+//! control socket (the `openssh` crate's native mux client), so a stage starts
+//! no local `ssh` process at all.
+//!
+//! The session's three streams are pipes dormant owns: stdin carries the
+//! script and then the control lines (`TERM` / `KILL`); stdout is relayed to
+//! dormant's stdout ([`crate::transport::relay`]); stderr carries the
+//! wrapper's reports. The master, which outlives the stage, holds only these
+//! pipes, never the runner's: if dormant dies, the master sees its mux client
+//! go and closes the session, the wrapper sees its stdin end and terminates
+//! the script.
+
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Result};
+use openssh::{Session, Stdio};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::time::Instant;
+
+use super::remote::{self, Report};
+use crate::context::Ctx;
+use crate::transport::{relay, Script, ScriptExit};
+
+/// After SIGTERM to the script's group, how long it may take to exit before
+/// SIGKILL (the runner's scripts `trap 'exit 1' TERM`, so this is quick).
+const TERM_GRACE: Duration = Duration::from_secs(5);
+/// After SIGKILL, how long to wait for the wrapper's exit report.
+const KILL_STEP: Duration = Duration::from_secs(5);
+
+/// How one attempt at a channel ended.
+pub enum Once {
+    Done(ScriptExit),
+    /// The master's socket did not answer: the script never left this host.
+    MasterUnreachable(String),
+}
+
+/// What the wrapper reported so far.
+#[derive(Debug, Default)]
+struct Reports {
+    pgid: Option<i64>,
+    exit: Option<i32>,
+    error: Option<String>,
+    /// The remote shell's own messages, for the error when the channel breaks.
+    other: Vec<String>,
+}
+
+/// Runs the uploaded script `body` (see [`remote::script_with_env`]) once over `session`.
+pub async fn run_once(
+    session: &Session,
+    dest: &str,
+    workdir: Option<&str>,
+    body: &[u8],
+    script: &Script<'_>,
+    ctx: &Ctx,
+) -> Result<Once> {
+    let line = remote::command_line(body.len(), workdir);
+    let spawned = session
+        .raw_command(&line)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .await;
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            if session.check().await.is_err() {
+                return Ok(Once::MasterUnreachable(e.to_string()));
+            }
+            bail!("opening a session on {dest} for {}: {e}", script.stage);
+        }
+    };
+    let (Some(mut stdin), Some(stdout), Some(stderr)) = (
+        child.stdin().take(),
+        child.stdout().take(),
+        child.stderr().take(),
+    ) else {
+        bail!("the SSH session for {} has no pipes", script.stage);
+    };
+
+    // stdin: the script, then control lines until the stage is over.
+    let (control, mut control_rx) = tokio::sync::mpsc::unbounded_channel::<&'static str>();
+    let writer = async move {
+        let mut r = stdin.write_all(body).await;
+        while r.is_ok() {
+            match control_rx.recv().await {
+                Some(signal) => r = stdin.write_all(&remote::signal_line(signal)).await,
+                None => break,
+            }
+        }
+        r
+    };
+    let reader = async move {
+        let mut reports = Reports::default();
+        let mut lines = BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            reports.take(remote::parse_report(&line));
+        }
+        reports
+    };
+    let copy = relay::copy_to_stdout(stdout);
+    tokio::pin!(writer, reader, copy);
+
+    let mut writing = true;
+    let mut copying = true;
+    // Set once cancelled: the next escalation and when it is due.
+    let mut escalation: Option<(&'static str, Instant)> = None;
+    let reports = loop {
+        tokio::select! {
+            reports = &mut reader => break Some(reports),
+            r = &mut writer, if writing => {
+                writing = false;
+                if let Err(e) = r {
+                    tracing::debug!("writing to the {} session: {e}", script.stage);
+                }
+            }
+            () = &mut copy, if copying => copying = false,
+            () = ctx.cancel.cancelled(), if escalation.is_none() => {
+                ctx.log.info(format!("termination: stopping {} on {dest}", script.stage));
+                let _ = control.send("TERM");
+                escalation = Some(("KILL", Instant::now() + TERM_GRACE));
+            }
+            () = sleep_until(escalation.map(|e| e.1)), if escalation.is_some() => {
+                match escalation {
+                    Some(("KILL", _)) => {
+                        ctx.log.info(format!(
+                            "{} did not stop within {} s of SIGTERM: killing it",
+                            script.stage,
+                            TERM_GRACE.as_secs()
+                        ));
+                        let _ = control.send("KILL");
+                        escalation = Some(("give up", Instant::now() + KILL_STEP));
+                    }
+                    _ => break None,
+                }
+            }
+        }
+    };
+    // Output still in flight, unless something that escaped the script's
+    // group holds it open.
+    if copying && !relay::drain(&mut copy).await {
+        tracing::debug!(
+            stage = script.stage,
+            "a process that left the script's group still holds its output"
+        );
+    }
+    // Closing stdin and the mux connection: the master closes the session.
+    drop(control);
+    drop(child);
+
+    if escalation.is_some() {
+        if reports.as_ref().is_none_or(|r| r.exit.is_none()) {
+            ctx.log.warn(format!(
+                "termination during {}: the script on {dest} did not report its end; \
+                 it may still be running there",
+                script.stage
+            ));
+        }
+        return Ok(Once::Done(ScriptExit::Cancelled));
+    }
+    let reports = reports.unwrap_or_default();
+    if let Some(code) = reports.exit {
+        return Ok(Once::Done(ScriptExit::Code(code)));
+    }
+    if let Some(e) = reports.error {
+        bail!("{e} ({dest})");
+    }
+    let said = if reports.other.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", reports.other.join("; "))
+    };
+    if session.check().await.is_err() {
+        return Err(anyhow!(
+            "the SSH connection to {dest} was lost during {}{said}",
+            script.stage
+        ));
+    }
+    Err(anyhow!(
+        "the {} script on {dest} ended without reporting its exit status{said}: \
+         its processes were killed on the host, or bash is missing there",
+        script.stage
+    ))
+}
+
+impl Reports {
+    fn take(&mut self, report: Report) {
+        match report {
+            Report::Pgid(p) => {
+                self.pgid = Some(p);
+                // The script runs: what the shell said before is worth reading.
+                for l in &self.other {
+                    eprintln!("{l}");
+                }
+            }
+            Report::Exit(c) => self.exit = Some(c),
+            Report::Error(e) => self.error = Some(e),
+            Report::Other(l) => {
+                // The remote shell. Before the script starts it is held back
+                // and quoted in the error if the script never starts.
+                if self.pgid.is_some() {
+                    eprintln!("{l}");
+                }
+                self.other.push(l);
+            }
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,256 @@
+//! The wrapper run under a local `sh`, exactly as sshd would run it.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::*;
+
+#[test]
+fn reports_are_parsed_and_anything_else_passes_through() {
+    assert_eq!(parse_report("dormant-pgid 4242\n"), Report::Pgid(4242));
+    assert_eq!(parse_report("dormant-exit 255"), Report::Exit(255));
+    assert_eq!(
+        parse_report("dormant-error no dir"),
+        Report::Error("no dir".into())
+    );
+    assert_eq!(
+        parse_report("dormant-exit x"),
+        Report::Other("dormant-exit x".into())
+    );
+    assert_eq!(
+        parse_report("bash: command not found"),
+        Report::Other("bash: command not found".into())
+    );
+}
+
+#[test]
+fn env_is_exported_quoted_before_the_script() {
+    let s = script_with_env(b"echo hi\n", &[("K".into(), "a'b $x".into())]).unwrap();
+    assert_eq!(
+        String::from_utf8(s).unwrap(),
+        "exec 3<&-\nexport K='a'\\''b $x'\necho hi\n"
+    );
+    assert!(script_with_env(b"", &[("A-B".into(), "x".into())]).is_err());
+    assert!(script_with_env(b"echo \0", &[]).is_err());
+}
+
+/// One wrapper run: the reports on stderr, the script's output on stdout.
+struct Run {
+    child: Child,
+    reports: BufReader<std::process::ChildStderr>,
+    stdout: std::thread::JoinHandle<String>,
+}
+
+impl Run {
+    /// Starts the wrapper with `TMPDIR` = `tmp` and sends `script` (as dormant
+    /// uploads it); stdin stays open, as dormant keeps it.
+    fn start(script: &str, workdir: Option<&str>, tmp: &std::path::Path) -> Run {
+        let body = script_with_env(script.as_bytes(), &[]).unwrap();
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg(command_line(body.len(), workdir))
+            .env("TMPDIR", tmp)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.as_mut().unwrap().write_all(&body).unwrap();
+        let mut out = child.stdout.take().unwrap();
+        let stdout = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = out.read_to_string(&mut s);
+            s
+        });
+        let reports = BufReader::new(child.stderr.take().unwrap());
+        Run {
+            child,
+            reports,
+            stdout,
+        }
+    }
+
+    fn next_report(&mut self) -> Option<Report> {
+        let mut line = String::new();
+        (self.reports.read_line(&mut line).unwrap() > 0).then(|| parse_report(&line))
+    }
+
+    fn send(&mut self, line: &[u8]) {
+        self.child.stdin.as_mut().unwrap().write_all(line).unwrap();
+    }
+
+    /// Reads reports up to the exit report, then closes stdin.
+    fn finish(mut self) -> (Vec<Report>, String) {
+        let mut reports = Vec::new();
+        while let Some(r) = self.next_report() {
+            let done = matches!(r, Report::Exit(_) | Report::Error(_));
+            reports.push(r);
+            if done {
+                break;
+            }
+        }
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+        (reports, self.stdout.join().unwrap())
+    }
+}
+
+fn pgid(reports: &[Report]) -> i64 {
+    match reports.first() {
+        Some(Report::Pgid(p)) => *p,
+        other => panic!("no pgid report first: {other:?} in {reports:?}"),
+    }
+}
+
+#[test]
+fn the_wrapper_reports_pgid_and_exit_and_merges_streams_in_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = Run::start(
+        "echo one; echo two >&2; echo three; exit 255\n",
+        Some("/"),
+        tmp.path(),
+    );
+    let (reports, out) = run.finish();
+    assert_eq!(out, "one\ntwo\nthree\n");
+    assert!(pgid(&reports) > 1, "{reports:?}");
+    assert_eq!(reports.last(), Some(&Report::Exit(255)));
+}
+
+#[test]
+fn the_script_runs_as_its_own_process_group_leader_with_nothing_inherited() {
+    let tmp = tempfile::tempdir().unwrap();
+    // $$ is the script's own shell (so `kill $$` means the script), which
+    // leads the reported group; stdin is /dev/null (a `read` cannot eat the
+    // control line); the pipe the script came through is closed.
+    let run = Run::start(
+        "echo \"pid=$$ pgid=$(ps -o pgid= -p $$ | tr -d ' ')\"\n\
+         if read -r x; then echo \"read: $x\"; else echo stdin-empty; fi\n\
+         test -e /dev/fd/3 && echo fd3-open\n\
+         echo \"zero=$0 args=$#\"\n",
+        None,
+        tmp.path(),
+    );
+    let (reports, out) = run.finish();
+    let p = pgid(&reports);
+    assert!(out.contains(&format!("pid={p} pgid={p}\n")), "{out}");
+    assert!(out.contains("stdin-empty\n"), "{out}");
+    assert!(!out.contains("fd3-open"), "{out}");
+    assert!(out.contains("args=0\n"), "{out}");
+    assert_eq!(reports.last(), Some(&Report::Exit(0)));
+}
+
+#[test]
+fn a_truncated_script_is_not_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg(command_line(100, None))
+        .env("TMPDIR", tmp.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"echo ran\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "");
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .starts_with("dormant-error the stage script arrived incomplete"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn a_term_line_stops_the_script_and_its_children_and_nothing_touches_tmpdir() {
+    let tmp = tempfile::tempdir().unwrap();
+    let other = tempfile::tempdir().unwrap();
+    let ready = other.path().join("ready");
+    let mut run = Run::start(
+        &format!(
+            "trap 'echo trapped; exit 1' TERM\nsleep 300 & echo \"child $!\"\n\
+             ls -A \"$TMPDIR\" | sed 's/^/tmp: /'\ntouch '{}'\nwait\n",
+            ready.display()
+        ),
+        None,
+        tmp.path(),
+    );
+    let p = match run.next_report() {
+        Some(Report::Pgid(p)) => p,
+        other => panic!("{other:?}"),
+    };
+    wait_for(|| ready.exists(), "the script to start");
+    run.send(&signal_line("TERM"));
+    let (reports, out) = run.finish();
+    assert_eq!(reports.last(), Some(&Report::Exit(1)), "{reports:?} {out}");
+    assert!(out.contains("trapped"), "{out}");
+    assert!(!out.contains("tmp: "), "the wrapper wrote to TMPDIR: {out}");
+    let child: i32 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("child "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    wait_for(|| !alive(child), "the script's background child to die");
+    wait_for(|| !alive(p as i32), "the script to die");
+}
+
+#[test]
+fn end_of_stdin_terminates_the_script() {
+    // dormant died or the connection was lost: nobody would see the result.
+    let tmp = tempfile::tempdir().unwrap();
+    let other = tempfile::tempdir().unwrap();
+    let ready = other.path().join("ready");
+    let mut run = Run::start(
+        &format!(
+            "echo started\ntouch '{}'\nsleep 300\necho not reached\n",
+            ready.display()
+        ),
+        None,
+        tmp.path(),
+    );
+    assert!(matches!(run.next_report(), Some(Report::Pgid(_))));
+    wait_for(|| ready.exists(), "the script to start");
+    drop(run.child.stdin.take());
+    let (reports, out) = run.finish();
+    assert_eq!(reports.last(), Some(&Report::Exit(143)), "{reports:?}");
+    assert_eq!(out, "started\n");
+}
+
+#[test]
+fn leftovers_in_the_group_are_killed_when_the_script_exits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = Run::start("sleep 300 >/dev/null 2>&1 & echo $!\n", None, tmp.path());
+    let (reports, out) = run.finish();
+    assert_eq!(reports.last(), Some(&Report::Exit(0)));
+    let pid: i32 = out.trim().parse().unwrap();
+    wait_for(|| !alive(pid), "the leftover sleep to be killed");
+}
+
+/// Polls `done` for up to 10 s (a hang detector, not a speed check).
+#[track_caller]
+fn wait_for(done: impl Fn() -> bool, what: &str) {
+    let start = std::time::Instant::now();
+    while !done() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "waited 10 s for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Whether a process exists and is not a zombie.
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next())
+            .is_some_and(|s| s != 'Z' && s != 'X')
+    })
+}

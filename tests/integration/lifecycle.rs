@@ -1,0 +1,211 @@
+//! The lifecycle's promises through the binary, without killing anything:
+//! refused jobs leave no files; a claim whose holder is gone is recovered by
+//! `release` and `sweep`, a live one never; directories without a record are
+//! shown and removed. (Crash points: `crash.rs`.)
+
+use dormant::state::{EnvStatus, Holder, Mode, StateStore};
+
+use crate::harness::*;
+
+const GRACE: &str = "[suspend]\nclaim_grace = \"1s\"\n";
+
+fn text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn job_holder(job_id: u64) -> Holder {
+    Holder::Job {
+        runner_id: "41".into(),
+        job_id,
+        mode: Mode::New,
+        suspend_on_failure: false,
+    }
+}
+
+#[test]
+fn refused_and_finished_jobs_leave_no_lock_files() {
+    let rig = Rig::new("41", "s_0123456789ab", "");
+    for i in 0..40 {
+        let r = rig.run(&job(5).resume(&format!("not-a-key-{i}")));
+        assert!(
+            matches!(r.result, JobResult::BuildFailure(_)),
+            "{}",
+            r.log()
+        );
+    }
+    rig.run(&job(5));
+    let left: Vec<_> = std::fs::read_dir(rig.state_dir.join("jobs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn a_claim_whose_holder_is_gone_is_released_by_the_operator_and_a_live_one_never() {
+    let rig = Rig::new("41", "s_0123456789ab", GRACE);
+    let store = StateStore::open(&rig.state_dir).unwrap();
+    let stale = uuid::Uuid::new_v4();
+    let fresh = uuid::Uuid::new_v4();
+    let live = uuid::Uuid::new_v4();
+    dormant::state::testing::place(
+        &store,
+        stale,
+        EnvStatus::Active,
+        Some(job_holder(90)),
+        30,
+        None,
+    )
+    .unwrap();
+    dormant::state::testing::place(
+        &store,
+        fresh,
+        EnvStatus::Active,
+        Some(job_holder(91)),
+        0,
+        None,
+    )
+    .unwrap();
+    dormant::state::testing::place(
+        &store,
+        live,
+        EnvStatus::Active,
+        Some(job_holder(92)),
+        30,
+        None,
+    )
+    .unwrap();
+    let _alive = dormant::state::lock::LiveLock::hold(&store.job_live_file("41", 92)).unwrap();
+
+    let out = rig.dormant(&["release", &stale.to_string()]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("which has no process left"),
+        "{}",
+        text(&out)
+    );
+    assert!(!store.env_paths(stale).exists());
+
+    let out = rig.dormant(&["release", &fresh.to_string()]);
+    let t = text(&out);
+    assert!(!out.status.success(), "within the grace: {t}");
+    assert!(
+        t.contains("held by job 91") && t.contains("--force") && !t.contains("Some("),
+        "{t}"
+    );
+    let out = rig.dormant(&["release", "--force", &fresh.to_string()]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!store.env_paths(fresh).exists());
+
+    for args in [vec!["release", "--force"], vec!["release"]] {
+        let mut args = args.clone();
+        let id = live.to_string();
+        args.push(&id);
+        let out = rig.dormant(&args);
+        let t = text(&out);
+        assert!(!out.status.success(), "{t}");
+        assert!(t.contains("in use by job 92"), "{t}");
+    }
+    assert!(store.env_paths(live).exists());
+}
+
+#[test]
+fn a_resume_recovers_an_environment_whose_resuming_job_died() {
+    let rig = Rig::new("41", "s_0123456789ab", GRACE);
+    let r = rig.run(&job(5).suspend_on(true, false).script("echo kept > f"));
+    let key = r.key.clone().unwrap();
+    let id = dormant::envkey::EnvironmentKey::parse(&key).unwrap().env_id;
+    let store = StateStore::open(&rig.state_dir).unwrap();
+    // A runner killed during the resume's prepare: the record says resuming,
+    // held by a job that has no process left, a while ago.
+    dormant::state::testing::rewrite(&store, id, |status, claim, _| {
+        *status = EnvStatus::Resuming;
+        *claim = Some(dormant::state::Claim {
+            holder: Holder::Job {
+                runner_id: "41".into(),
+                job_id: 77,
+                mode: Mode::Resume,
+                suspend_on_failure: false,
+            },
+            since: 1,
+            last_activity: 1,
+        });
+    })
+    .unwrap();
+    let r = rig.run(&job(5).resume(&key).script("cat f"));
+    assert_result(&r, JobResult::Success);
+    assert!(
+        r.log()
+            .contains("was held by job 77 (resuming), which has no process left"),
+        "{}",
+        r.log()
+    );
+    assert!(r.log().contains("kept"), "{}", r.log());
+}
+
+#[test]
+fn list_shows_every_directory_and_sweep_removes_the_recordless_ones() {
+    let rig = Rig::new("41", "s_0123456789ab", GRACE);
+    let store = StateStore::open(&rig.state_dir).unwrap();
+    let orphan = store.env_paths(uuid::Uuid::new_v4());
+    std::fs::create_dir_all(&orphan.dir).unwrap();
+    std::fs::write(&orphan.lock, "").unwrap();
+    let corrupt = store.env_paths(uuid::Uuid::new_v4());
+    std::fs::create_dir_all(&corrupt.dir).unwrap();
+    std::fs::write(&corrupt.record, "{ not json").unwrap();
+
+    let out = rig.dormant(&["list", "--json"]);
+    let t = String::from_utf8_lossy(&out.stdout).to_string();
+    let lines: Vec<serde_json::Value> = t
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l}: {e}")))
+        .collect();
+    assert_eq!(lines.len(), 2, "{t}");
+    assert!(t.contains("no-record") && t.contains("unreadable"), "{t}");
+
+    let out = rig.dormant(&["sweep"]);
+    assert!(
+        !out.status.success(),
+        "the corrupt record is an error: {}",
+        text(&out)
+    );
+    assert!(!orphan.dir.exists(), "removed: {}", text(&out));
+    assert_eq!(
+        std::fs::read_to_string(&corrupt.record).unwrap(),
+        "{ not json",
+        "never touched"
+    );
+}
+
+#[test]
+fn a_resume_within_the_grace_of_a_dead_holder_is_refused_saying_when_it_recovers() {
+    let rig = Rig::new("41", "s_0123456789ab", "[suspend]\nclaim_grace = \"10m\"\n");
+    let r = rig.run(&job(5).suspend_on(true, false));
+    let key = r.key.clone().unwrap();
+    let id = dormant::envkey::EnvironmentKey::parse(&key).unwrap().env_id;
+    let store = StateStore::open(&rig.state_dir).unwrap();
+    dormant::state::testing::rewrite(&store, id, |status, claim, _| {
+        *status = EnvStatus::Active;
+        *claim = Some(dormant::state::Claim::new(job_holder(78)));
+    })
+    .unwrap();
+    let r = rig.run(&job(5).resume(&key));
+    assert!(
+        matches!(r.result, JobResult::BuildFailure(_)),
+        "{}",
+        r.log()
+    );
+    let log = r.log();
+    assert!(
+        log.contains("held by job 78, which has no process running")
+            && log.contains("suspend.claim_grace (10m)")
+            && !log.contains("Some("),
+        "{log}"
+    );
+    assert_eq!(rig.status(&key).as_deref(), Some("active"), "untouched");
+}
