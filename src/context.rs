@@ -1,5 +1,6 @@
 //! What every long operation gets: where to say what it is doing (the job log),
 //! the cancellation that SIGTERM fires, and the deadline it must finish by.
+//! Waiting itself (polling, backoff, progress lines) is `crate::wait`.
 
 use std::fmt::Display;
 use std::io::Write;
@@ -131,39 +132,9 @@ fn deadline_after(budget: Duration) -> Instant {
     now.checked_add(budget.min(CENTURY)).unwrap_or(now)
 }
 
-/// Polling intervals: first check quick, then growing to a cap, with jitter so
-/// a fleet of runners does not poll in lockstep.
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    next: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    pub fn new(first: Duration, max: Duration) -> Self {
-        Backoff { next: first, max }
-    }
-
-    pub fn next_delay(&mut self) -> Duration {
-        let base = self.next;
-        self.next = (self.next * 2).min(self.max);
-        // ±20 % jitter.
-        let jitter = 0.8 + fastrand::f64() * 0.4;
-        base.mul_f64(jitter)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn backoff_grows_to_its_cap_with_jitter() {
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
-        let d: Vec<_> = (0..8).map(|_| b.next_delay()).collect();
-        assert!(d[0] >= Duration::from_millis(80) && d[0] <= Duration::from_millis(120));
-        assert!(d[7] >= Duration::from_millis(800) && d[7] <= Duration::from_millis(1200));
-    }
 
     #[test]
     fn budgets_no_clock_can_hold_saturate() {

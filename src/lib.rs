@@ -26,6 +26,7 @@ pub mod stages;
 pub mod state;
 pub mod text;
 pub mod transport;
+pub mod wait;
 
 use std::io::Write;
 use std::panic::AssertUnwindSafe;

@@ -15,7 +15,7 @@ use crate::settings::SuspendSettings;
 use crate::state::lock::LiveLock;
 use crate::state::registry::{self, Liveness};
 use crate::state::transitions::on_stale;
-use crate::state::{Holder, Settle};
+use crate::state::{EnvStatus, Holder, Settle};
 
 /// What a look at an environment's claim found (and did).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,9 +25,14 @@ pub enum Found {
     /// Nobody holds it.
     NotHeld,
     /// Its holder has a process running.
-    Live(Holder),
-    /// Its holder has no process running but was active `idle` s ago, within the grace.
-    Idle { holder: Holder, idle: u64 },
+    Live { holder: Holder, status: EnvStatus },
+    /// Its holder has no process running but was active `idle` s ago, within
+    /// the grace (a job between two stages, or one that just died).
+    Idle {
+        holder: Holder,
+        status: EnvStatus,
+        idle: u64,
+    },
     /// It was held by `from`, gone; now settled (`Settle::Suspend`/`Resuspend`:
     /// suspended; `Release`: deleted).
     Recovered { from: Holder, settled: Settle },
@@ -57,10 +62,16 @@ pub async fn recover(
             return Ok(Found::NotHeld);
         };
         let idle = match registry::liveness(w.store, paths, &rec, grace)? {
-            Liveness::Live => return Ok(Found::Live(claim.holder)),
+            Liveness::Live => {
+                return Ok(Found::Live {
+                    holder: claim.holder,
+                    status: rec.status(),
+                })
+            }
             Liveness::Idle { idle } if !force => {
                 return Ok(Found::Idle {
                     holder: claim.holder,
+                    status: rec.status(),
                     idle,
                 })
             }

@@ -54,12 +54,12 @@ pub async fn release(
             return Ok(());
         }
         Found::NotHeld | Found::Recovered { .. } => {}
-        Found::Live(holder) => bail!(
+        Found::Live { holder, .. } => bail!(
             "environment {id} is in use by {} (a process of it is running): it cannot be released \
              under it; wait for it to finish, or cancel the job",
             holder.describe()
         ),
-        Found::Idle { holder, idle } => bail!(
+        Found::Idle { holder, idle, .. } => bail!(
             "environment {id} is held by {}, which has no process running but was active {idle} s ago \
              (within suspend.claim_grace, {}): it is recovered automatically after that; \
              `dormant release --force {id}` releases it now",

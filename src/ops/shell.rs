@@ -144,16 +144,12 @@ async fn claim(
         match recover::recover(w, paths, &operator, &settings.suspend, false, ctx).await? {
             Found::NoEnvironment => bail!("environment {id} is gone"),
             Found::NotHeld | Found::Recovered { .. } => {}
-            Found::Live(holder) | Found::Idle { holder, .. } => {
-                let status = registry::peek(paths)?
-                    .map(|r| r.status().as_str())
-                    .unwrap_or("gone");
-                bail!(
-                    "environment {id} is {status} and held by {}: `dormant shell` opens only an \
-                     environment nobody holds (a suspended one); retry after it is suspended",
-                    holder.describe()
-                )
-            }
+            Found::Live { holder, status } | Found::Idle { holder, status, .. } => bail!(
+                "environment {id} is {} and held by {}: `dormant shell` opens only an \
+                 environment nobody holds (a suspended one); retry after it is suspended",
+                status.as_str(),
+                holder.describe()
+            ),
         }
     }
     bail!("environment {id} was claimed by someone else while it was recovered; retry")

@@ -213,27 +213,62 @@ async fn held_elsewhere(s: &Session, paths: &EnvPaths, ctx: &Ctx) -> Result<(), 
         .map_err(|e| Failure::System(e.context(format!("recovering environment {id}"))))?;
     match found {
         Found::NoEnvironment | Found::NotHeld | Found::Recovered { .. } => Ok(()),
-        Found::Live(holder) => Err(Failure::refused(match holder {
-            Holder::Shell { .. } => format!(
-                "environment {id} is in use by a shell ({}) on the runner host: retry after it exits",
-                holder.describe()
-            ),
-            Holder::Operator { .. } => format!(
-                "environment {id} is being changed by {}: retry in a moment",
-                holder.describe()
-            ),
-            Holder::Job { .. } => format!(
-                "environment {id} is in use by {}: one environment runs one job at a time; \
-                 retry after that job has finished",
-                holder.describe()
-            ),
-        })),
-        Found::Idle { holder, idle } => Err(Failure::refused(format!(
-            "environment {id} is held by {}, which has no process running (idle {idle} s): if it is \
-             gone, the environment is recovered automatically once it has been idle for \
-             suspend.claim_grace ({}); retry then",
-            holder.describe(),
-            s.settings.suspend.claim_grace
+        Found::Live { holder, status } => {
+            Err(Failure::refused(held_message(id, &holder, status, None, s)))
+        }
+        Found::Idle {
+            holder,
+            status,
+            idle,
+        } => Err(Failure::refused(held_message(
+            id,
+            &holder,
+            status,
+            Some(idle),
+            s,
         ))),
+    }
+}
+
+/// Why a job cannot have an environment someone else holds, and what to do.
+/// `idle`: the holder has no process running and was last active this long
+/// ago (within the grace: most likely a job between two of its stages).
+fn held_message(
+    id: uuid::Uuid,
+    holder: &Holder,
+    status: EnvStatus,
+    idle: Option<u64>,
+    s: &Session,
+) -> String {
+    let recovery = |idle: u64| {
+        format!(
+            " (none of its processes has run for {idle} s: if it is gone, the environment is \
+             recovered automatically once it has been idle for suspend.claim_grace, {})",
+            s.settings.suspend.claim_grace
+        )
+    };
+    if status == EnvStatus::Releasing {
+        return format!(
+            "environment {id} is being released (by {}): it cannot be resumed; run the job \
+             without the key to start a new environment",
+            holder.describe()
+        );
+    }
+    match holder {
+        Holder::Shell { .. } => format!(
+            "environment {id} is in use by a shell ({}) on the runner host: retry after it exits",
+            holder.describe()
+        ),
+        Holder::Operator { .. } => format!(
+            "environment {id} is {}, held for a moment by {}: retry shortly",
+            status.as_str(),
+            holder.describe()
+        ),
+        Holder::Job { .. } => format!(
+            "environment {id} is in use by {}{}: one environment runs one job at a time; \
+             retry after that job has finished",
+            holder.describe(),
+            idle.map(recovery).unwrap_or_default()
+        ),
     }
 }

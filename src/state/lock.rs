@@ -18,10 +18,13 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 
 use crate::context::Ctx;
+use crate::wait::{Poll, Schedule, Wait};
 
 /// How often a waiter tries a held lock again. Record locks are held for
 /// milliseconds; a job's lock for one stage's bookkeeping.
 const LOCK_POLL: Duration = Duration::from_millis(20);
+/// A lock wait says nothing in the job log unless it lasts this long.
+const LOCK_QUIET: Duration = Duration::from_secs(5);
 
 /// An exclusive lock on a lock file kept beside the data it guards. Dropping
 /// the guard unlocks; the kernel also unlocks when the process dies.
@@ -45,19 +48,18 @@ impl FileLock {
     /// `Ok(None)`: the lock file's directory does not exist (e.g. an
     /// environment that was released while we waited).
     pub async fn acquire(path: &Path, ctx: &Ctx, what: &str) -> Result<Option<FileLock>> {
-        loop {
-            match Self::attempt(path)? {
-                Attempt::Locked(lock) => return Ok(Some(lock)),
-                Attempt::NoDir => return Ok(None),
-                Attempt::Busy => {}
-            }
-            ctx.sleep(LOCK_POLL, what).await.with_context(|| {
-                format!(
-                    "lock file {} is held by another dormant process",
-                    path.display()
-                )
-            })?;
-        }
+        // `what` reads "waiting for X"; the wait helper says "waiting for" itself.
+        let waited_for = what.strip_prefix("waiting for ").unwrap_or(what);
+        let mut wait = Wait::new(ctx, waited_for, Schedule::fixed(LOCK_POLL)).quiet_for(LOCK_QUIET);
+        wait.until(|| async {
+            Ok(match Self::attempt(path)? {
+                Attempt::Locked(lock) => Poll::Ready(Some(lock)),
+                Attempt::NoDir => Poll::Ready(None),
+                Attempt::Busy => Poll::Pending("held by another dormant process".into()),
+            })
+        })
+        .await
+        .with_context(|| format!("lock file {}", path.display()))
     }
 
     /// Takes the lock only if it is free now. `Ok(None)` if it is held, or if

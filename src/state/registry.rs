@@ -222,7 +222,10 @@ pub fn liveness(
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let last = rec.last_activity().max(job_activity);
+    // The holder's own activity: its claim's, or its job's last stage. (Not
+    // the record's other times: a suspension moments ago says nothing about
+    // whether the job that claimed it since is alive.)
+    let last = claim.last_activity.max(job_activity);
     let idle = super::now_unix().saturating_sub(last);
     Ok(if idle >= grace.as_secs() {
         Liveness::Gone { idle }

@@ -202,8 +202,8 @@ fn a_resume_within_the_grace_of_a_dead_holder_is_refused_saying_when_it_recovers
     );
     let log = r.log();
     assert!(
-        log.contains("held by job 78, which has no process running")
-            && log.contains("suspend.claim_grace (10m)")
+        log.contains("in use by job 78 (none of its processes has run for")
+            && log.contains("suspend.claim_grace, 10m")
             && !log.contains("Some("),
         "{log}"
     );

@@ -10,6 +10,8 @@ mod ec2;
 #[cfg(feature = "ec2")]
 mod ec2_job;
 #[cfg(feature = "ec2")]
+mod ec2_resume;
+#[cfg(feature = "ec2")]
 mod ec2_shell;
 mod edge;
 mod harness;

@@ -3,7 +3,9 @@
 //! every EC2 action (to count API calls) and injects what moto cannot produce:
 //! error responses (capacity, throttling, NotFound right after a launch,
 //! UnauthorizedOperation) and slow state transitions (a `running` instance
-//! shown as `pending` for a while).
+//! shown as `pending` for a while; `hold_transitions` holds every start and
+//! stop for a fixed time from its call, for the resume benchmark and the
+//! tests that count polls during a transition).
 //!
 //! Network rule: only loopback. moto hands out 10.x / 54.x addresses for its
 //! instances; nothing here connects to them.
@@ -116,11 +118,26 @@ struct Slow {
     until: Option<Instant>,
 }
 
+/// An instance's transition as the proxy shows it: after StartInstances
+/// (StopInstances) DescribeInstances says `pending` (`stopping`) until `until`.
+#[derive(Debug, Clone)]
+struct Transition {
+    id: String,
+    real: (u8, &'static str),
+    shown: (u8, &'static str),
+    until: Instant,
+}
+
 #[derive(Default)]
 struct State {
     calls: Vec<Call>,
     faults: Vec<Fault>,
     slow: Vec<Slow>,
+    /// `hold_transitions`: how long every start and stop is held.
+    hold: Option<(Duration, Duration)>,
+    transitions: Vec<Transition>,
+    /// `public_ip`: the address DescribeInstances reports as every instance's public IP.
+    public_ip: Option<String>,
 }
 
 /// The recording, fault-injecting proxy. Stops on drop.
@@ -193,6 +210,45 @@ impl Proxy {
             .slow
             .push(Slow { real, shown, until });
         until
+    }
+
+    /// From now on, every StartInstances (StopInstances) is followed by
+    /// `start` (`stop`) during which DescribeInstances shows that instance
+    /// `pending` (`stopping`), as a real instance is for seconds to minutes.
+    pub fn hold_transitions(&self, start: Duration, stop: Duration) {
+        self.state.lock().unwrap().hold = Some((start, stop));
+    }
+
+    /// DescribeInstances reports `ip` as every instance's public IP (e.g.
+    /// 127.0.0.1, so `ec2.address = "public"` reaches a loopback sshd).
+    pub fn public_ip(&self, ip: &str) {
+        self.state.lock().unwrap().public_ip = Some(ip.to_string());
+    }
+
+    /// When the proxy received the first `action` after `since`, waiting for it up to `timeout`.
+    pub fn await_call(&self, action: &str, since: Instant, timeout: Duration) -> Option<Instant> {
+        let end = Instant::now() + timeout;
+        loop {
+            let seen = self
+                .calls()
+                .into_iter()
+                .find(|c| c.action == action && c.at >= since)
+                .map(|c| c.at);
+            if seen.is_some() || Instant::now() >= end {
+                return seen;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// When DescribeInstances was asked about instance `id` by id.
+    pub fn describes_of(&self, id: &str) -> Vec<Instant> {
+        let needle = format!("InstanceId.1={id}");
+        self.calls()
+            .into_iter()
+            .filter(|c| c.action == "DescribeInstances" && c.body.contains(&needle))
+            .map(|c| c.at)
+            .collect()
     }
 
     pub fn calls(&self) -> Vec<Call> {
@@ -284,11 +340,27 @@ fn serve(mut conn: TcpStream, upstream: u16, state: &Mutex<State>) -> std::io::R
     let action = form_value(&text, "Action").unwrap_or_else(|| "?".into());
     let fault = {
         let mut st = state.lock().unwrap();
+        let now = Instant::now();
         st.calls.push(Call {
-            at: Instant::now(),
+            at: now,
             action: action.clone(),
             body: text.clone(),
         });
+        let kind = match (action.as_str(), st.hold) {
+            ("StartInstances", Some((h, _))) => Some(((16, "running"), (0, "pending"), h)),
+            ("StopInstances", Some((_, h))) => Some(((80, "stopped"), (64, "stopping"), h)),
+            _ => None,
+        };
+        if let Some((real, shown, hold)) = kind {
+            if let Some(id) = form_value(&text, "InstanceId.1") {
+                st.transitions.push(Transition {
+                    id,
+                    real,
+                    shown,
+                    until: now + hold,
+                });
+            }
+        }
         let mut hit = None;
         for f in st.faults.iter_mut().filter(|f| f.action == action) {
             if f.skip > 0 {
@@ -343,6 +415,13 @@ fn serve(mut conn: TcpStream, upstream: u16, state: &Mutex<State>) -> std::io::R
                 );
             }
         }
+        let st = state.lock().unwrap();
+        for t in st.transitions.iter().filter(|t| now < t.until) {
+            xml = show_state(&xml, &t.id, t.real, t.shown);
+        }
+        if let Some(ip) = &st.public_ip {
+            xml = replace_elements(&xml, "ipAddress", ip);
+        }
         resp_body = xml.into_bytes();
     }
     let mut out = String::new();
@@ -359,6 +438,51 @@ fn serve(mut conn: TcpStream, upstream: u16, state: &Mutex<State>) -> std::io::R
     conn.flush()?;
     let _ = conn.shutdown(Shutdown::Both);
     Ok(())
+}
+
+/// Shows instance `id` in state `shown` where moto says `real`: the
+/// `instanceState` after its `<instanceId>` (moto writes it right after).
+fn show_state(xml: &str, id: &str, real: (u8, &str), shown: (u8, &str)) -> String {
+    let open = format!("<instanceId>{id}</instanceId>");
+    let from = format!(
+        "<instanceState><code>{}</code><name>{}</name></instanceState>",
+        real.0, real.1
+    );
+    let to = format!(
+        "<instanceState><code>{}</code><name>{}</name></instanceState>",
+        shown.0, shown.1
+    );
+    let mut out = String::new();
+    let mut rest = xml;
+    while let Some(i) = rest.find(&open) {
+        let (before, after) = rest.split_at(i + open.len());
+        out.push_str(before);
+        // Only up to the next instance's id.
+        let end = after.find("<instanceId>").unwrap_or(after.len());
+        let (item, tail) = after.split_at(end);
+        out.push_str(&item.replacen(&from, &to, 1));
+        rest = tail;
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Replaces the text of every `<tag>...</tag>` with `value`.
+fn replace_elements(xml: &str, tag: &str, value: &str) -> String {
+    let (open, close) = (format!("<{tag}>"), format!("</{tag}>"));
+    let mut out = String::new();
+    let mut rest = xml;
+    while let Some(i) = rest.find(&open) {
+        let Some(j) = rest[i..].find(&close) else {
+            break;
+        };
+        out.push_str(&rest[..i + open.len()]);
+        out.push_str(value);
+        out.push_str(&close);
+        rest = &rest[i + j + close.len()..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Plays cloud-init for a loopback test sshd: reads the user-data of the

@@ -1,11 +1,12 @@
 //! Capacity: `ec2.max_environments` (running plus suspended instances of this
 //! runner, counted under a lock so two prepares cannot both take the last
 //! slot) and EC2's own capacity errors (InsufficientInstanceCapacity,
-//! InstanceLimitExceeded, ...) are waited out with backoff inside the prepare
-//! timeout, one progress line per wait.
+//! InstanceLimitExceeded, ...) are waited out inside the prepare timeout
+//! through `crate::wait`; a release on this runner manager wakes the waiters.
 
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -14,14 +15,19 @@ use serde::{Deserialize, Serialize};
 
 use super::errors::{api_error, ErrorKind};
 use super::instance::{self, tag, tag_filter, LIVE_STATES};
-use crate::context::{Backoff, Ctx};
+use crate::context::Ctx;
 use crate::state::store::{read_json, write_json, FORMAT_VERSION};
 use crate::state::FileLock;
 use crate::state::{now_unix, StateStore};
+use crate::wait::{Poll, Schedule, Wait};
 
-/// Capacity comes back in seconds (a slot freed by another job) to minutes
-/// (EC2 capacity in a zone): check after 2 s, then back off to every 15 s
-/// (a freed slot is noticed within ~18 s; one DescribeInstances per waiting prepare).
+/// A slot freed by this runner manager (a release, a failed prepare's
+/// clean-up) is noticed within this: the release marker is a local file.
+pub const CAPACITY_TICK: Duration = Duration::from_millis(250);
+/// Capacity freed elsewhere (EC2 capacity in a zone, an operator terminating
+/// an instance) comes back in seconds to minutes: ask EC2 again after 2 s,
+/// backing off to every 15 s (one DescribeInstances or RunInstances per
+/// waiting prepare and attempt).
 pub const CAPACITY_FIRST: Duration = Duration::from_secs(2);
 pub const CAPACITY_MAX: Duration = Duration::from_secs(15);
 /// DescribeInstances may not list an instance for a while after its launch
@@ -86,30 +92,19 @@ impl Capacity<'_> {
     }
 
     /// Calls `launch` once a slot is free and EC2 has capacity; returns its result.
-    pub async fn launch_when_free<F, Fut>(&self, ctx: &Ctx, mut launch: F) -> Result<String>
+    pub async fn launch_when_free<F, Fut>(&self, ctx: &Ctx, launch: F) -> Result<String>
     where
-        F: FnMut() -> Fut,
+        F: Fn() -> Fut,
         Fut: Future<Output = Result<String>>,
     {
-        let mut wait = CapacityWait::new();
-        loop {
-            let attempt = async {
-                wait.pause(ctx).await?;
-                self.try_launch(ctx, &mut launch).await
-            }
-            .await;
-            match attempt {
-                Ok(Ok(id)) => return Ok(id),
-                Ok(Err(reason)) => wait.no_capacity(ctx, reason),
-                Err(e) => return Err(wait.failed(e)),
-            }
-        }
+        let marker = released_marker(self.store, self.runner_id);
+        wait_for_capacity(ctx, Some(&marker), || self.try_launch(ctx, &launch)).await
     }
 
     /// One attempt: `Ok(Err(reason))` when there is no capacity now.
-    async fn try_launch<F, Fut>(&self, ctx: &Ctx, launch: &mut F) -> Result<Result<String, String>>
+    async fn try_launch<F, Fut>(&self, ctx: &Ctx, launch: &F) -> Result<Result<String, String>>
     where
-        F: FnMut() -> Fut,
+        F: Fn() -> Fut,
         Fut: Future<Output = Result<String>>,
     {
         if self.max == 0 {
@@ -146,75 +141,127 @@ impl Capacity<'_> {
 }
 
 /// Retries `op` (a StartInstances) while EC2 reports no capacity.
-pub async fn retry_capacity<F, Fut>(ctx: &Ctx, mut op: F) -> Result<()>
+pub async fn retry_capacity<F, Fut>(ctx: &Ctx, op: F) -> Result<()>
 where
-    F: FnMut() -> Fut,
+    F: Fn() -> Fut,
     Fut: Future<Output = Result<()>>,
 {
-    let mut wait = CapacityWait::new();
-    loop {
-        let attempt = async {
-            wait.pause(ctx).await?;
-            match op().await {
-                Ok(()) => Ok(None),
-                Err(e) => capacity_reason(e).map(Some),
-            }
+    wait_for_capacity(ctx, None, || async {
+        match op().await {
+            Ok(()) => Ok(Ok(())),
+            Err(e) => capacity_reason(e).map(Err),
         }
-        .await;
-        match attempt {
-            Ok(None) => return Ok(()),
-            Ok(Some(reason)) => wait.no_capacity(ctx, reason),
-            Err(e) => return Err(wait.failed(e)),
-        }
-    }
+    })
+    .await
 }
 
-/// The bookkeeping of one capacity wait: backoff between attempts, a progress
-/// line per refusal, and the last reason attached to the final error.
-struct CapacityWait {
-    started: Instant,
-    backoff: Backoff,
+/// When the next attempt of a capacity wait is due, and what the last one said.
+struct Gate {
+    attempts: u32,
+    next_attempt: Instant,
+    /// The release marker's content when the last attempt found no slot.
+    marker_seen: Option<String>,
     last_reason: Option<String>,
 }
 
-impl CapacityWait {
-    fn new() -> Self {
-        CapacityWait {
-            started: Instant::now(),
-            backoff: Backoff::new(CAPACITY_FIRST, CAPACITY_MAX),
-            last_reason: None,
-        }
-    }
+/// Repeats `attempt` (`Ok(Err(reason))`: no capacity now) until it succeeds.
+/// The local release marker is looked at every [`CAPACITY_TICK`] and an
+/// attempt made as soon as it changes (a slot was freed on this runner);
+/// without a release, attempts back off from [`CAPACITY_FIRST`] to
+/// [`CAPACITY_MAX`] (capacity freed elsewhere: an operator, EC2 itself).
+async fn wait_for_capacity<T, F, Fut>(ctx: &Ctx, marker: Option<&Path>, attempt: F) -> Result<T>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<Result<T, String>>>,
+{
+    let schedule = Schedule::backoff(CAPACITY_FIRST, CAPACITY_MAX);
+    let gate = Mutex::new(Gate {
+        attempts: 0,
+        next_attempt: Instant::now(),
+        marker_seen: None,
+        last_reason: None,
+    });
+    let mut wait = Wait::new(ctx, "capacity", Schedule::fixed(CAPACITY_TICK));
+    let result = wait
+        .until(|| async {
+            {
+                let g = gate.lock().unwrap();
+                if let Some(reason) = &g.last_reason {
+                    let released = marker.is_some_and(|m| read_marker(m) != g.marker_seen);
+                    if !released && Instant::now() < g.next_attempt {
+                        return Ok(Poll::Pending(reason.clone()));
+                    }
+                    if released {
+                        ctx.log.info(
+                            "an instance of this runner manager was terminated: looking again for capacity",
+                        );
+                    }
+                }
+            }
+            // Read before the attempt: a release during it is not missed.
+            let marker_now = marker.and_then(read_marker);
+            match attempt().await? {
+                Ok(v) => Ok(Poll::Ready(v)),
+                Err(reason) => {
+                    let mut g = gate.lock().unwrap();
+                    g.next_attempt = Instant::now() + schedule.delay(g.attempts);
+                    g.attempts += 1;
+                    g.marker_seen = marker_now;
+                    g.last_reason = Some(reason.clone());
+                    Ok(Poll::Pending(reason))
+                }
+            }
+        })
+        .await;
+    let last_reason = gate.into_inner().unwrap().last_reason;
+    result.map_err(|e| match last_reason {
+        // An error after capacity waits (usually the deadline) says what was waited for.
+        Some(reason) => e.context(format!(
+            "no capacity after {} s: {reason}; raise ec2.max_environments, release suspended environments \
+             (`dormant list`, `dormant release KEY`), pick another instance type or subnet, or raise \
+             prepare_timeout",
+            wait.elapsed().as_secs()
+        )),
+        None => e,
+    })
+}
 
-    /// Sleeps before every attempt but the first.
-    async fn pause(&mut self, ctx: &Ctx) -> Result<()> {
-        if self.last_reason.is_some() {
-            ctx.sleep(self.backoff.next_delay(), "waiting for capacity")
-                .await?;
-        }
-        Ok(())
-    }
+/// `<state>/ec2/capacity-<runner>.released`: rewritten whenever this runner
+/// manager terminates an instance, so a prepare waiting for a slot under
+/// `max_environments` looks again at once instead of at its next backoff.
+pub fn released_marker(store: &StateStore, runner_id: &str) -> PathBuf {
+    let safe: String = runner_id
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    store
+        .root()
+        .join("ec2")
+        .join(format!("capacity-{safe}.released"))
+}
 
-    fn no_capacity(&mut self, ctx: &Ctx, reason: String) {
-        ctx.log.info(format!(
-            "waiting for capacity: {reason}, {} s",
-            self.started.elapsed().as_secs()
-        ));
-        self.last_reason = Some(reason);
+/// Says "a slot may be free now" to waiting prepares (best effort: without
+/// it they notice at their next backoff).
+pub fn note_release(store: &StateStore, runner_id: &str) {
+    let path = released_marker(store, runner_id);
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let written = crate::state::store::ensure_private_dir(path.parent().expect("ec2 dir"))
+        .and_then(|()| {
+            Ok(std::fs::write(
+                &path,
+                format!("{stamp} {}\n", std::process::id()),
+            )?)
+        });
+    if let Err(e) = written {
+        tracing::debug!("noting a release in {}: {e:#}", path.display());
     }
+}
 
-    /// An error after capacity waits (usually the deadline) says what was waited for.
-    fn failed(&self, e: anyhow::Error) -> anyhow::Error {
-        match &self.last_reason {
-            Some(reason) => e.context(format!(
-                "no capacity after {} s: {reason}; raise ec2.max_environments, release suspended environments \
-                 (`dormant list`, `dormant release KEY`), pick another instance type or subnet, or raise \
-                 prepare_timeout",
-                self.started.elapsed().as_secs()
-            )),
-            None => e,
-        }
-    }
+fn read_marker(path: &Path) -> Option<String> {
+    std::fs::read_to_string(path).ok()
 }
 
 /// The capacity error as a line for the job log; any other error is passed on.

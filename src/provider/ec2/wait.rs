@@ -1,6 +1,6 @@
-//! Waiting for an instance to be running or stopped: DescribeInstances polled
-//! with bounded, jittered backoff, inside the caller's deadline, with progress
-//! in the job log. EC2's describe calls are eventually consistent:
+//! Waiting for an instance to be running or stopped: DescribeInstances through
+//! the one wait helper (`crate::wait`), inside the caller's deadline, with
+//! progress in the job log. EC2's describe calls are eventually consistent:
 //! `InvalidInstanceID.NotFound` shortly after a launch means "not visible yet".
 
 use std::time::{Duration, Instant};
@@ -9,19 +9,19 @@ use anyhow::{bail, Context, Result};
 use aws_sdk_ec2::Client;
 
 use super::instance::{self, InstanceInfo};
-use crate::context::{Backoff, Ctx};
+use crate::context::Ctx;
 use crate::provider::MachineState;
+use crate::wait::{Poll, Schedule, Wait};
 
-/// Poll intervals: the first check 1 s after the state change was asked for,
-/// then doubling to a 5 s cap (±20 % jitter). A launch takes 10–30 s, a stop
-/// 20–60 s; a 5 s cap keeps the detection lag under ~6 s while a fleet of
-/// runners stays well inside DescribeInstances' rate limit.
-pub const POLL_FIRST: Duration = Duration::from_secs(1);
-pub const POLL_MAX: Duration = Duration::from_secs(5);
+/// During a transition the instance is described once a second, the first
+/// time right after the call that started it: a state change is noticed at
+/// most 1 s (plus one API round trip) late, and each instance in transition
+/// costs one DescribeInstances a second (the arithmetic against EC2's request
+/// rate limits is in docs/ec2.md). Throttled calls back off inside
+/// `call::call`, so a throttled account is asked less often, not more.
+pub const POLL_EVERY: Duration = Duration::from_secs(1);
 /// How long a just-launched instance may be invisible to DescribeInstances.
 const NOT_VISIBLE_GRACE: Duration = Duration::from_secs(120);
-/// A progress line at most this often while waiting.
-const PROGRESS_EVERY: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Want {
@@ -30,7 +30,7 @@ pub enum Want {
 }
 
 impl Want {
-    fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Want::Running => "running",
             Want::Stopped => "stopped",
@@ -41,77 +41,67 @@ impl Want {
 /// Polls until the instance is in the wanted state; returns what the last
 /// describe saw (with fresh addresses).
 pub async fn wait_for(client: &Client, id: &str, want: Want, ctx: &Ctx) -> Result<InstanceInfo> {
+    let mut wait = Wait::new(
+        ctx,
+        format!("instance {id} to be {}", want.as_str()),
+        Schedule::fixed(POLL_EVERY),
+    );
     let started = Instant::now();
-    let mut backoff = Backoff::new(POLL_FIRST, POLL_MAX);
-    let mut last_progress = Instant::now();
-    let what = format!("waiting for instance {id} to be {}", want.as_str());
-    let mut polls = 0u32;
-    let mut last = "not polled yet".to_string();
-    loop {
-        let seen = async {
-            ctx.sleep(backoff.next_delay(), &what).await?;
-            instance::describe(client, id, ctx).await
+    let info = wait
+        .until(|| async {
+            let seen = instance::describe(client, id, ctx)
+                .await
+                .with_context(|| format!("waiting for instance {id} to be {}", want.as_str()))?;
+            check(id, want, seen, started.elapsed())
+        })
+        .await?;
+    ctx.log.info(format!(
+        "instance {id} {} after {:.1} s",
+        want.as_str(),
+        wait.elapsed().as_secs_f64()
+    ));
+    Ok(info)
+}
+
+/// What one describe means for a wait for `want`.
+pub fn check(
+    id: &str,
+    want: Want,
+    seen: Option<InstanceInfo>,
+    elapsed: Duration,
+) -> Result<Poll<InstanceInfo>> {
+    let Some(i) = seen else {
+        if elapsed < NOT_VISIBLE_GRACE {
+            return Ok(Poll::Pending("not visible yet".into()));
         }
-        .await
-        .with_context(|| {
-            format!(
-                "{what}: it was {last} after {} s",
-                started.elapsed().as_secs()
-            )
-        })?;
-        polls += 1;
-        let state_name = match &seen {
-            None => "not visible yet".to_string(),
-            Some(i) => i.state_name.clone(),
-        };
-        tracing::debug!(id, state = %state_name, polls, "polled instance state");
-        last.clone_from(&state_name);
-        match (&seen, want) {
-            (None, _) if started.elapsed() < NOT_VISIBLE_GRACE => {}
-            (None, _) => bail!(
-                "instance {id} is not known to EC2 {} s after it was asked to be {}: it was deleted",
-                started.elapsed().as_secs(),
-                want.as_str()
-            ),
-            (Some(i), _) if i.state == MachineState::Gone => bail!(
-                "instance {id} is {} while dormant waited for it to be {}{}",
-                i.state_name,
-                want.as_str(),
-                i.state_reason
-                    .as_deref()
-                    .map(|r| format!(" (EC2 says: {r})"))
-                    .unwrap_or_default()
-            ),
-            (Some(i), Want::Running) if i.state == MachineState::Running => {
-                ctx.log.info(format!(
-                    "instance {id} running after {} s",
-                    started.elapsed().as_secs()
-                ));
-                return Ok(i.clone());
-            }
-            (Some(i), Want::Stopped) if i.state == MachineState::Stopped => {
-                ctx.log.info(format!(
-                    "instance {id} stopped after {} s",
-                    started.elapsed().as_secs()
-                ));
-                return Ok(i.clone());
-            }
-            (Some(i), Want::Running) if i.state == MachineState::Stopped => bail!(
+        bail!(
+            "instance {id} is not known to EC2 {} s after it was asked to be {}: it was deleted",
+            elapsed.as_secs(),
+            want.as_str()
+        );
+    };
+    let reason = || {
+        i.state_reason
+            .as_deref()
+            .map(|r| format!(" (EC2 says: {r})"))
+            .unwrap_or_default()
+    };
+    match (&i.state, want) {
+        (MachineState::Gone, _) => bail!(
+            "instance {id} is {} while dormant waited for it to be {}{}",
+            i.state_name,
+            want.as_str(),
+            reason()
+        ),
+        (MachineState::Running, Want::Running) | (MachineState::Stopped, Want::Stopped) => {
+            Ok(Poll::Ready(i))
+        }
+        (MachineState::Stopped, Want::Running) => {
+            bail!(
                 "instance {id} stopped while dormant waited for it to run{}",
-                i.state_reason
-                    .as_deref()
-                    .map(|r| format!(" (EC2 says: {r})"))
-                    .unwrap_or_default()
-            ),
-            _ => {}
+                reason()
+            )
         }
-        if last_progress.elapsed() >= PROGRESS_EVERY {
-            last_progress = Instant::now();
-            ctx.log.info(format!(
-                "waiting for instance {id} to be {}: {state_name}, {} s",
-                want.as_str(),
-                started.elapsed().as_secs()
-            ));
-        }
+        _ => Ok(Poll::Pending(i.state_name.clone())),
     }
 }

@@ -24,25 +24,25 @@ use anyhow::{anyhow, bail, Context, Result};
 use openssh::{ControlPersist, KnownHosts, Session, SessionBuilder};
 
 use super::hostkey::{fingerprints, host_key_mismatch};
-use crate::context::{Backoff, Ctx};
+use super::ready::{self, BANNER_WAIT, READY_POLL};
+use crate::context::Ctx;
 use crate::model::EnvPaths;
 use crate::model::SshTarget;
 use crate::settings::ssh::SshSettings;
 use crate::state::store::ensure_private_dir;
 use crate::transport::write_private;
+use crate::wait::{Poll, Schedule, Wait};
 
 /// The prefix of the crate's per-master temp directory inside the control dir.
 const CONNECTION_DIR_PREFIX: &str = ".ssh-connection";
 /// `<control dir>/.ssh-connectionXXXXXX/master` plus ssh's own temporary
 /// suffix (`.` + 16 chars) must fit in a Unix socket path (108 bytes with NUL).
 const MAX_CONTROL_DIR_LEN: usize = 61;
-/// Readiness progress lines: at most one per this interval, so a slow boot
-/// says it is still waiting without flooding the job log.
-const PROGRESS_EVERY: Duration = Duration::from_secs(10);
-/// Readiness polling: the first retry is quick (a host that is just up), then
-/// it backs off to a few seconds.
-const FIRST_RETRY: Duration = Duration::from_millis(250);
-const MAX_RETRY: Duration = Duration::from_secs(5);
+/// Logins to a host whose sshd answers but refuses us (cloud-init has not
+/// installed the key yet) are retried from this, doubling to the cap: each
+/// costs the host a full handshake.
+const LOGIN_RETRY_FIRST: Duration = Duration::from_millis(500);
+const LOGIN_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// Why a master is being started: the first connection of a prepare, or a
 /// reconnect because the one prepare made is gone.
@@ -197,65 +197,57 @@ impl Master {
         dirs
     }
 
-    /// Starts a master, waiting for the host with bounded backoff.
+    /// Starts a master once the host answers SSH: its banner is probed every
+    /// [`READY_POLL`] (a TCP accept proves nothing behind a tunnel), and a
+    /// login made as soon as it answers. A failed login to a host that
+    /// answers (sshd up, the key not installed yet) is retried with backoff.
     async fn start(&self, ctx: &Ctx) -> Result<Session> {
         self.preflight()?;
         let dest = self.destination();
         let first_pin = !has_content(&self.paths.known_hosts);
-        let started = Instant::now();
-        let mut backoff = Backoff::new(FIRST_RETRY, MAX_RETRY);
-        let mut last_note: Option<Instant> = None;
-        let mut attempt = 0u32;
-        loop {
-            attempt += 1;
-            // The first attempt goes straight to ssh: a ready host costs one
-            // connection. Later ones wait for TCP first, which is cheap.
-            let result = if attempt == 1 {
-                self.launch(ctx).await
-            } else {
-                match self.tcp_ready(ctx).await {
-                    Ok(()) => self.launch(ctx).await,
-                    Err(e) => Err(Attempt::Retry(e)),
+        let logins = Schedule::backoff(LOGIN_RETRY_FIRST, LOGIN_RETRY_MAX);
+        // (failed logins so far, earliest next login); shared with the probes.
+        let gate = std::sync::Mutex::new((0u32, Instant::now()));
+        let mut wait = Wait::new(ctx, format!("SSH on {dest}"), Schedule::fixed(READY_POLL));
+        let session = wait
+            .until(|| async {
+                let limit = BANNER_WAIT.min(ctx.remaining());
+                if let Err(why) = ready::banner(&self.target.host, self.target.port, limit).await {
+                    return Ok(Poll::Pending(why));
                 }
-            };
-            let reason = match result {
-                Ok(session) => {
-                    let secs = started.elapsed().as_secs_f64();
-                    if first_pin {
-                        ctx.log.info(format!(
-                            "SSH to {dest} ready after {secs:.1} s; host key {} pinned for environment {}",
-                            fingerprints(&self.paths.known_hosts).join(", "),
-                            self.paths.id
-                        ));
-                    } else {
-                        ctx.log.info(format!(
-                            "SSH to {dest} ready after {secs:.1} s (host key matches the one pinned for environment {})",
-                            self.paths.id
-                        ));
+                let (failed, next) = *gate.lock().unwrap();
+                if Instant::now() < next {
+                    return Ok(Poll::Pending(format!(
+                        "sshd answers; login attempt {} not due yet",
+                        failed + 1
+                    )));
+                }
+                match self.launch(ctx).await {
+                    Ok(session) => Ok(Poll::Ready(session)),
+                    Err(Attempt::Fatal(e)) => Err(e),
+                    Err(Attempt::Retry(why)) => {
+                        *gate.lock().unwrap() = (failed + 1, Instant::now() + logins.delay(failed));
+                        Ok(Poll::Pending(format!(
+                            "sshd answers, but the login failed: {why}"
+                        )))
                     }
-                    return Ok(session);
                 }
-                Err(Attempt::Fatal(e)) => return Err(e),
-                Err(Attempt::Retry(reason)) => reason,
-            };
-            if last_note.is_none_or(|t| t.elapsed() >= PROGRESS_EVERY) {
-                last_note = Some(Instant::now());
-                ctx.log.info(format!(
-                    "waiting for SSH on {dest} ({:.0} s so far, up to {} s): {reason}",
-                    started.elapsed().as_secs_f64(),
-                    ctx.remaining().as_secs() + started.elapsed().as_secs()
-                ));
-            }
-            if let Err(e) = ctx
-                .sleep(backoff.next_delay(), &format!("waiting for SSH on {dest}"))
-                .await
-            {
-                return Err(anyhow!(
-                    "{e:#} after {:.0} s and {attempt} attempt(s); last error: {reason}",
-                    started.elapsed().as_secs_f64()
-                ));
-            }
+            })
+            .await?;
+        let secs = wait.elapsed().as_secs_f64();
+        if first_pin {
+            ctx.log.info(format!(
+                "SSH to {dest} ready after {secs:.1} s; host key {} pinned for environment {}",
+                fingerprints(&self.paths.known_hosts).join(", "),
+                self.paths.id
+            ));
+        } else {
+            ctx.log.info(format!(
+                "SSH to {dest} ready after {secs:.1} s (host key matches the one pinned for environment {})",
+                self.paths.id
+            ));
         }
+        Ok(session)
     }
 
     /// Local problems no amount of waiting fixes.
@@ -317,19 +309,6 @@ impl Master {
             id = self.paths.id,
             alias = self.host_alias(),
         )
-    }
-
-    async fn tcp_ready(&self, ctx: &Ctx) -> Result<(), String> {
-        let limit = self.settings.connect_timeout.get().min(ctx.remaining());
-        let connect = tokio::net::TcpStream::connect((self.target.host.as_str(), self.target.port));
-        tokio::select! {
-            r = tokio::time::timeout(limit, connect) => match r {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err(e)) => Err(format!("TCP port {} not open yet: {e}", self.target.port)),
-                Err(_) => Err(format!("no TCP answer from port {} within {} s", self.target.port, limit.as_secs())),
-            },
-            _ = ctx.cancel.cancelled() => Err("cancelled".into()),
-        }
     }
 
     async fn launch(&self, ctx: &Ctx) -> Result<Session, Attempt> {

@@ -12,6 +12,7 @@
 mod channel;
 pub mod hostkey;
 pub mod master;
+pub mod ready;
 pub mod remote;
 
 use std::time::Duration;

@@ -13,42 +13,25 @@
 //! transport uses), so creating, resuming and releasing cost no extra SSH
 //! handshake within a job.
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::time::{Duration, Instant};
+mod slots;
+
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use async_trait::async_trait;
-use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::{
     Machine, MachineGone, MachineSpec, MachineState, ManagedMachine, Provider, SshTarget, Target,
 };
-use crate::context::{Backoff, Ctx};
+use crate::context::Ctx;
 use crate::settings::ssh::{SshHost, SshSettings};
-use crate::state::store::{self, FORMAT_VERSION};
-use crate::state::{registry, FileLock};
 use crate::state::{EnvPaths, EnvStatus, StateStore};
 use crate::transport::ssh::master::{Master, Purpose};
 use crate::transport::ssh::remote::shell_quote;
 
-/// The slot file's lock is held for a read-modify-write only.
-const SLOT_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 /// Remote housekeeping commands (mkdir, test, rm) finish in well under this.
 const REMOTE_CALL_TIMEOUT: Duration = Duration::from_secs(120);
-/// Slot polling: quick first, then every few seconds.
-const SLOT_POLL_FIRST: Duration = Duration::from_millis(500);
-const SLOT_POLL_MAX: Duration = Duration::from_secs(5);
-const SLOT_PROGRESS_EVERY: Duration = Duration::from_secs(30);
-
-/// `<state>/ssh-slots.json`: which environments hold a slot on which host.
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct Slots {
-    version: u32,
-    #[serde(default)]
-    hosts: BTreeMap<String, Vec<Uuid>>,
-}
 
 pub struct SshHostsProvider {
     settings: SshSettings,
@@ -70,110 +53,6 @@ impl SshHostsProvider {
                     "SSH host {name:?} is no longer in the [[ssh.hosts]] settings; add it back to reach its workspaces"
                 )
             })
-    }
-
-    fn slots_path(&self) -> PathBuf {
-        self.store.root().join("ssh-slots.json")
-    }
-
-    async fn with_slots<T>(&self, ctx: &Ctx, change: impl FnOnce(&mut Slots) -> T) -> Result<T> {
-        let path = self.store.root().join("ssh-slots.lock");
-        let _lock = FileLock::acquire(
-            &path,
-            &ctx.uncancellable().within(SLOT_LOCK_TIMEOUT),
-            "waiting for the SSH host slots' lock",
-        )
-        .await?
-        .with_context(|| format!("the state dir of {} is missing", path.display()))?;
-        let mut slots: Slots = store::read_json(&self.slots_path())?.unwrap_or_default();
-        slots.version = FORMAT_VERSION;
-        // A slot whose environment was released, or is suspended, is free.
-        for ids in slots.hosts.values_mut() {
-            ids.retain(|id| {
-                matches!(registry::peek(&self.store.env_paths(*id)), Ok(Some(rec)) if rec.status() != EnvStatus::Suspended)
-            });
-        }
-        let out = change(&mut slots);
-        store::write_json(&self.slots_path(), &slots)?;
-        Ok(out)
-    }
-
-    /// Takes a slot for `env` on `only` (resume) or on the least busy host.
-    /// Waits, bounded and with progress, while every candidate is full.
-    async fn acquire_slot(&self, env: Uuid, only: Option<&str>, ctx: &Ctx) -> Result<SshHost> {
-        let ctx = ctx.within(self.settings.slot_wait.get());
-        let started = Instant::now();
-        let mut backoff = Backoff::new(SLOT_POLL_FIRST, SLOT_POLL_MAX);
-        let mut last_note: Option<Instant> = None;
-        loop {
-            let candidates: Vec<&SshHost> = match only {
-                Some(name) => vec![self.host(name)?],
-                None => self.settings.hosts.iter().collect(),
-            };
-            let (picked, busy) = self
-                .with_slots(&ctx, |slots| {
-                    if let Some((name, _)) = slots.hosts.iter().find(|(_, ids)| ids.contains(&env))
-                    {
-                        if let Some(h) = candidates.iter().find(|h| h.name() == name) {
-                            return (Some((*h).clone()), String::new());
-                        }
-                    }
-                    let used = |h: &SshHost| slots.hosts.get(h.name()).map_or(0, Vec::len) as u32;
-                    let best = candidates
-                        .iter()
-                        .filter(|h| used(h) < h.slots)
-                        .min_by_key(|h| used(h) * 1000 / h.slots);
-                    match best {
-                        Some(h) => {
-                            slots
-                                .hosts
-                                .entry(h.name().to_string())
-                                .or_default()
-                                .push(env);
-                            (Some((*h).clone()), String::new())
-                        }
-                        None => (
-                            None,
-                            candidates
-                                .iter()
-                                .map(|h| format!("{} {}/{}", h.name(), used(h), h.slots))
-                                .collect::<Vec<_>>()
-                                .join(", "),
-                        ),
-                    }
-                })
-                .await?;
-            if let Some(h) = picked {
-                if last_note.is_some() {
-                    ctx.log.info(format!(
-                        "got a slot on SSH host {} after {:.0} s",
-                        h.name(),
-                        started.elapsed().as_secs_f64()
-                    ));
-                }
-                return Ok(h);
-            }
-            if last_note.is_none_or(|t| t.elapsed() >= SLOT_PROGRESS_EVERY) {
-                last_note = Some(Instant::now());
-                ctx.log.info(format!(
-                    "every SSH host slot is busy ({busy}): waiting for one to free up ({:.0} s so far, up to {})",
-                    started.elapsed().as_secs_f64(),
-                    self.settings.slot_wait
-                ));
-            }
-            ctx.sleep(backoff.next_delay(), "waiting for a free SSH host slot")
-                .await
-                .with_context(|| format!("every SSH host slot stayed busy ({busy})"))?;
-        }
-    }
-
-    async fn release_slot(&self, env: Uuid, ctx: &Ctx) -> Result<()> {
-        self.with_slots(ctx, |slots| {
-            for ids in slots.hosts.values_mut() {
-                ids.retain(|id| *id != env);
-            }
-        })
-        .await
     }
 
     fn env_of(machine: &Machine) -> Result<Uuid> {
@@ -349,7 +228,7 @@ impl Provider for SshHostsProvider {
         let mut out = Vec::new();
         for id in self.store.environment_ids()? {
             let paths = self.store.env_paths(id);
-            if let Ok(Some(rec)) = registry::peek(&paths) {
+            if let Ok(Some(rec)) = crate::state::registry::peek(&paths) {
                 let status = rec.status();
                 if let Some(m) = rec.machine.filter(|m| m.field("workspace").is_some()) {
                     let state = if status == EnvStatus::Suspended {
@@ -389,10 +268,8 @@ impl Provider for SshHostsProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::context::JobLog;
-    use tokio_util::sync::CancellationToken;
 
-    fn provider(slots: u32) -> (tempfile::TempDir, SshHostsProvider) {
+    pub(super) fn provider(slots: u32) -> (tempfile::TempDir, SshHostsProvider) {
         let dir = tempfile::tempdir().unwrap();
         let store = StateStore::open(dir.path()).unwrap();
         let mut settings = SshSettings::default();
@@ -409,65 +286,10 @@ mod tests {
         (dir, SshHostsProvider::new(settings, store))
     }
 
-    fn active_env(p: &SshHostsProvider) -> Uuid {
+    pub(super) fn active_env(p: &SshHostsProvider) -> Uuid {
         let id = Uuid::new_v4();
         crate::state::testing::place(&p.store, id, EnvStatus::Active, None, 0, None).unwrap();
         id
-    }
-
-    fn ctx(budget: Duration) -> Ctx {
-        Ctx::new(JobLog::capture().0, CancellationToken::new(), budget)
-    }
-
-    #[tokio::test]
-    async fn slots_spread_over_hosts_and_a_full_fleet_waits_bounded() {
-        let (_d, p) = provider(1);
-        let (e1, e2, e3) = (active_env(&p), active_env(&p), active_env(&p));
-        let h1 = p
-            .acquire_slot(e1, None, &ctx(Duration::from_secs(5)))
-            .await
-            .unwrap();
-        let h2 = p
-            .acquire_slot(e2, None, &ctx(Duration::from_secs(5)))
-            .await
-            .unwrap();
-        assert_ne!(h1.name(), h2.name(), "the least busy host is picked");
-        // A retried prepare gets the slot it already holds.
-        let again = p
-            .acquire_slot(e1, None, &ctx(Duration::from_secs(5)))
-            .await
-            .unwrap();
-        assert_eq!(again.name(), h1.name());
-        let err = p
-            .acquire_slot(e3, None, &ctx(Duration::from_millis(700)))
-            .await
-            .unwrap_err();
-        assert!(format!("{err:#}").contains("a 1/1, b 1/1"), "{err:#}");
-        // Suspending e1 frees its slot for e3.
-        p.release_slot(e1, &ctx(Duration::from_secs(5)))
-            .await
-            .unwrap();
-        let h3 = p
-            .acquire_slot(e3, None, &ctx(Duration::from_secs(5)))
-            .await
-            .unwrap();
-        assert_eq!(h3.name(), h1.name());
-    }
-
-    #[tokio::test]
-    async fn slots_of_released_environments_are_reclaimed() {
-        let (_d, p) = provider(1);
-        let e1 = active_env(&p);
-        p.acquire_slot(e1, Some("a"), &ctx(Duration::from_secs(5)))
-            .await
-            .unwrap();
-        crate::state::store::remove_tree(&p.store.env_paths(e1).dir).unwrap();
-        let e2 = active_env(&p);
-        let h = p
-            .acquire_slot(e2, Some("a"), &ctx(Duration::from_secs(2)))
-            .await
-            .unwrap();
-        assert_eq!(h.name(), "a");
     }
 
     #[test]

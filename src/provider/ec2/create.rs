@@ -1,0 +1,193 @@
+//! A new environment's instance: adopt what an earlier attempt of the same
+//! prepare launched (found by tags), else launch one within capacity; a
+//! failed create terminates what it launched.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use aws_sdk_ec2::Client;
+
+use super::capacity::{self, Capacity};
+use super::image::{self, ImageResolver};
+use super::instance::{self, tag, tag_filter, InstanceInfo};
+use super::launch::{self, LaunchRequest};
+use super::lifecycle::terminate;
+use super::wait::{wait_for, Want};
+use super::Ec2Provider;
+use crate::context::Ctx;
+use crate::provider::{Machine, MachineSpec, MachineState};
+
+/// Terminating what a failed prepare launched gets at most this long.
+const ABANDON_BUDGET: Duration = Duration::from_secs(60);
+
+impl Ec2Provider {
+    pub(super) async fn create(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine> {
+        let ctx = self.bounded(ctx);
+        // Allow-lists first: a refusal does not depend on what exists in EC2.
+        let instance_type = self.instance_type(spec)?;
+        let (image_request, note) = image::choose(&self.settings, spec.image.as_deref())?;
+        if let Some(note) = note {
+            ctx.log.warn(note);
+        }
+        let region = self.clients.default_region().await?;
+        let client = self.clients.client(&region).await;
+        let result = self
+            .reclaim_or_launch(&client, &region, spec, &instance_type, &image_request, &ctx)
+            .await;
+        if result.is_err() {
+            self.abandon(&client, spec, &ctx).await;
+        }
+        result
+    }
+
+    /// Brings an adopted or resumed instance to running, whatever its state.
+    pub(super) async fn bring_up(
+        &self,
+        client: &Client,
+        info: InstanceInfo,
+        ctx: &Ctx,
+    ) -> Result<InstanceInfo> {
+        match info.state {
+            MachineState::Running => Ok(info),
+            MachineState::Pending => wait_for(client, &info.id, Want::Running, ctx).await,
+            MachineState::Stopped => {
+                self.start_call(client, &info.id, ctx).await?;
+                wait_for(client, &info.id, Want::Running, ctx).await
+            }
+            MachineState::Stopping => {
+                wait_for(client, &info.id, Want::Stopped, ctx).await?;
+                {
+                    self.start_call(client, &info.id, ctx).await?;
+                    wait_for(client, &info.id, Want::Running, ctx).await
+                }
+            }
+            MachineState::Gone => bail!("instance {} is {}", info.id, info.state_name),
+            MachineState::Other(_) => wait_for(client, &info.id, Want::Running, ctx).await,
+        }
+    }
+
+    async fn reclaim_or_launch(
+        &self,
+        client: &Client,
+        region: &str,
+        spec: &MachineSpec,
+        instance_type: &str,
+        image_request: &str,
+        ctx: &Ctx,
+    ) -> Result<Machine> {
+        let mut found = instance::find(
+            client,
+            vec![
+                tag_filter(tag::ENV, &spec.env_id.to_string()),
+                tag_filter(tag::SYSTEM, &spec.system_id),
+            ],
+            ctx,
+        )
+        .await
+        .context("looking for an instance an earlier attempt of this prepare made")?;
+        found.sort_by_key(|i| (i.launched_at, i.id.clone()));
+        let generation = found
+            .iter()
+            .filter(|i| i.state == MachineState::Gone)
+            .count();
+        let mut live = found.into_iter().filter(|i| i.state != MachineState::Gone);
+        if let Some(first) = live.next() {
+            ctx.log.info(format!(
+                "adopting instance {} ({}) that an earlier attempt of this prepare launched",
+                first.id, first.state_name
+            ));
+            for extra in live {
+                ctx.log.warn(format!(
+                    "terminating instance {}: a duplicate launch for environment {}",
+                    extra.id, spec.env_id
+                ));
+                terminate(client, &extra.id, ctx).await?;
+            }
+            let info = self.bring_up(client, first, ctx).await?;
+            return self.machine(region, &info);
+        }
+
+        let image = ImageResolver {
+            store: &self.store,
+            settings: &self.settings,
+            region,
+        }
+        .resolve(client, image_request, ctx)
+        .await?;
+        let req = LaunchRequest {
+            spec,
+            settings: &self.settings,
+            image: &image,
+            instance_type,
+            client_token: launch::client_token(spec, generation),
+            user_data: launch::user_data(spec, &self.settings)?,
+        };
+        let cap = Capacity {
+            client,
+            store: &self.store,
+            runner_id: &spec.runner_id,
+            system_id: &spec.system_id,
+            max: self.settings.max_environments,
+        };
+        let id = cap
+            .launch_when_free(ctx, || launch::run_instance(client, &req, ctx))
+            .await
+            .with_context(|| {
+                format!(
+                    "launching a {instance_type} instance from {} in {} (subnet {})",
+                    image.image_id,
+                    region,
+                    self.settings.subnet_id.as_deref().unwrap_or("?")
+                )
+            })?;
+        ctx.log.info(format!(
+            "launched instance {id} ({instance_type}, image {}{}) in {region}",
+            image.image_id,
+            image
+                .name
+                .as_deref()
+                .map(|n| format!(" {n}"))
+                .unwrap_or_default()
+        ));
+        let info = wait_for(client, &id, Want::Running, ctx).await?;
+        self.machine(region, &info)
+    }
+
+    /// After a failed create: terminate whatever this environment launched (it
+    /// is new, never suspended), so a failed prepare leaks no instance.
+    async fn abandon(&self, client: &Client, spec: &MachineSpec, ctx: &Ctx) {
+        // A fresh budget: the prepare's own deadline may be what just ran out, and
+        // a termination signal must not stop the clean-up of what it launched.
+        let ctx = Ctx::new(ctx.log.clone(), Default::default(), ABANDON_BUDGET);
+        let found = instance::find(
+            client,
+            vec![
+                tag_filter(tag::ENV, &spec.env_id.to_string()),
+                tag_filter(tag::SYSTEM, &spec.system_id),
+            ],
+            &ctx,
+        )
+        .await;
+        match found {
+            Ok(list) => {
+                for i in list.into_iter().filter(|i| i.state != MachineState::Gone) {
+                    ctx.log.info(format!(
+                        "terminating instance {} launched by this failed prepare",
+                        i.id
+                    ));
+                    let done = terminate(client, &i.id, &ctx).await;
+                    if done.is_ok() {
+                        capacity::note_release(&self.store, &spec.runner_id);
+                    }
+                    if let Err(e) = done {
+                        ctx.log.warn(format!(
+                            "could not terminate instance {}: {e:#}; `dormant sweep` lists it as an orphan",
+                            i.id
+                        ));
+                    }
+                }
+            }
+            Err(e) => tracing::debug!("looking for instances to abandon: {e:#}"),
+        }
+    }
+}

@@ -1,0 +1,212 @@
+//! Resume (start), suspend (stop or hibernate) and release (terminate) of
+//! an environment's instance, each after checking the instance's tags.
+//!
+//! Resume is tuned for a person waiting: right after StartInstances two
+//! waits run side by side, the instance's state (DescribeInstances once a
+//! second, the first at once) and, where the address is known before the
+//! instance runs (private IP, `connect_address`), sshd's banner every 200 ms.
+//! Whichever says "log in now" first ends the resume; a public address is
+//! re-read once EC2 reports the instance running.
+
+use anyhow::{bail, Context, Result};
+use aws_sdk_ec2::Client;
+
+use super::call::call;
+use super::capacity::{self, retry_capacity};
+use super::errors::{api_error, is_not_found};
+use super::instance;
+use super::wait::{wait_for, Want};
+use super::{field, Ec2Provider};
+use crate::context::Ctx;
+use crate::provider::{Machine, MachineGone, MachineState};
+use crate::settings::ec2::SuspendMode;
+use crate::transport::ssh::ready;
+
+impl Ec2Provider {
+    /// StartInstances, waiting out capacity errors.
+    pub(super) async fn start_call(&self, client: &Client, id: &str, ctx: &Ctx) -> Result<()> {
+        retry_capacity(ctx, || async {
+            call("StartInstances", ctx, || {
+                client.start_instances().instance_ids(id).send()
+            })
+            .await
+            .map(|_| ())
+        })
+        .await
+        .with_context(|| format!("starting instance {id}"))
+    }
+
+    pub(super) async fn resume(&self, machine: &Machine, ctx: &Ctx) -> Result<Machine> {
+        let ctx = self.bounded(ctx);
+        let ctx = &ctx;
+        let (client, region) = self.client_for(machine).await?;
+        let id = &machine.id;
+        let Some(info) = instance::describe(&client, id, ctx).await? else {
+            return Err(MachineGone(format!(
+                "instance {id} no longer exists in {region}: the environment's disk is gone"
+            ))
+            .into());
+        };
+        self.verify_tags(machine, &info, "start")?;
+        ctx.log
+            .info(format!("starting instance {id} ({})", info.state_name));
+        match info.state {
+            MachineState::Gone => {
+                return Err(MachineGone(format!(
+                    "instance {id} is {}: the environment's disk is gone",
+                    info.state_name
+                ))
+                .into())
+            }
+            MachineState::Running => return self.refreshed(machine, &region, &info),
+            MachineState::Stopped => self.start_call(&client, id, ctx).await?,
+            MachineState::Stopping => {
+                wait_for(&client, id, Want::Stopped, ctx).await?;
+                self.start_call(&client, id, ctx).await?;
+            }
+            MachineState::Pending | MachineState::Other(_) => {}
+        }
+        self.until_reachable(&client, &region, machine, ctx).await
+    }
+
+    /// After a start: the machine once SSH may log in to it.
+    async fn until_reachable(
+        &self,
+        client: &Client,
+        region: &str,
+        machine: &Machine,
+        ctx: &Ctx,
+    ) -> Result<Machine> {
+        let id = &machine.id;
+        let running = wait_for(client, id, Want::Running, ctx);
+        if !self.address_is_stable() {
+            let info = running.await?;
+            return self.refreshed(machine, region, &info);
+        }
+        let target = self.ssh_target(machine)?;
+        let dest = format!("{}:{} (instance {id})", target.host, target.port);
+        let answers = ready::wait_for_banner(ctx, &dest, &target.host, target.port);
+        tokio::select! {
+            info = running => self.refreshed(machine, region, &info?),
+            answered = answers => {
+                answered?;
+                ctx.log.info(format!(
+                    "instance {id} answers SSH on {dest} before EC2 reports it running: logging in now"
+                ));
+                Ok(machine.clone())
+            }
+        }
+    }
+
+    /// The machine with what the instance says now (a new public address),
+    /// keeping what the record knew that the instance does not say.
+    fn refreshed(
+        &self,
+        machine: &Machine,
+        region: &str,
+        info: &super::instance::InstanceInfo,
+    ) -> Result<Machine> {
+        let mut fresh = self.machine(region, info)?;
+        for (k, v) in &machine.fields {
+            fresh.fields.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+        Ok(fresh)
+    }
+
+    pub(super) async fn suspend(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
+        let (client, region) = self.client_for(machine).await?;
+        let id = &machine.id;
+        let Some(info) = instance::describe(&client, id, ctx).await? else {
+            bail!("instance {id} no longer exists in {region}: nothing to suspend");
+        };
+        self.verify_tags(machine, &info, "stop")?;
+        match info.state {
+            MachineState::Stopped => return Ok(()),
+            MachineState::Stopping => {
+                wait_for(&client, id, Want::Stopped, ctx).await?;
+                return Ok(());
+            }
+            MachineState::Gone => bail!("instance {id} is {}: nothing to suspend", info.state_name),
+            MachineState::Pending => {
+                wait_for(&client, id, Want::Running, ctx).await?;
+            }
+            _ => {}
+        }
+        let hibernate = self.settings.suspend_mode == SuspendMode::Hibernate;
+        ctx.log.info(format!(
+            "{} instance {id}",
+            if hibernate { "hibernating" } else { "stopping" }
+        ));
+        let stop = |hibernate: bool| {
+            let client = &client;
+            call("StopInstances", ctx, move || {
+                client
+                    .stop_instances()
+                    .instance_ids(id)
+                    .hibernate(hibernate)
+                    .send()
+            })
+        };
+        match stop(hibernate).await {
+            Ok(_) => {}
+            Err(e)
+                if hibernate
+                    && api_error(&e)
+                        .and_then(|a| a.code.as_deref())
+                        .is_some_and(|c| {
+                            c == "UnsupportedHibernationConfiguration"
+                                || c == "UnsupportedOperation"
+                        }) =>
+            {
+                // The disk is what a suspended job needs; losing RAM is acceptable.
+                ctx.log.warn(format!(
+                    "instance {id} cannot hibernate ({e:#}); stopping it instead (disk kept, memory lost)"
+                ));
+                stop(false)
+                    .await
+                    .with_context(|| format!("stopping instance {id}"))?;
+            }
+            Err(e)
+                if api_error(&e).and_then(|a| a.code.as_deref())
+                    == Some("IncorrectInstanceState") =>
+            {
+                tracing::debug!("StopInstances on {id}: {e:#}; waiting for it to stop anyway");
+            }
+            Err(e) => return Err(e).with_context(|| format!("stopping instance {id}")),
+        }
+        wait_for(&client, id, Want::Stopped, ctx).await?;
+        Ok(())
+    }
+
+    pub(super) async fn release(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
+        let (client, region) = self.client_for(machine).await?;
+        let id = &machine.id;
+        let Some(info) = instance::describe(&client, id, ctx).await? else {
+            ctx.log
+                .info(format!("instance {id} is already gone from {region}"));
+            return Ok(());
+        };
+        if info.state == MachineState::Gone {
+            return Ok(());
+        }
+        self.verify_tags(machine, &info, "terminate")?;
+        ctx.log.info(format!("terminating instance {id}"));
+        terminate(&client, id, ctx).await?;
+        if let Some(runner) = machine.field(field::RUNNER) {
+            capacity::note_release(&self.store, runner);
+        }
+        Ok(())
+    }
+}
+
+pub(super) async fn terminate(client: &Client, id: &str, ctx: &Ctx) -> Result<()> {
+    match call("TerminateInstances", ctx, || {
+        client.terminate_instances().instance_ids(id).send()
+    })
+    .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("terminating instance {id}")),
+    }
+}

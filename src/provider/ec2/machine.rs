@@ -1,0 +1,144 @@
+//! What dormant records about an instance (the `Machine` fields), the checks
+//! before it acts on one (its `dormant:*` tags), where SSH connects, and the
+//! job's pick of instance type through the allow-list.
+
+use anyhow::{bail, Context, Result};
+
+use super::instance::{tag, InstanceInfo};
+use super::{field, Ec2Provider};
+use crate::provider::{Machine, MachineSpec, Refusal, SshTarget};
+use crate::settings::ec2::{parse_host_port, AddressKind, INSTANCE_TYPE_VARIABLE};
+
+impl Ec2Provider {
+    /// The instance type: the job's pick through the allow-list, else the default.
+    pub fn instance_type(&self, spec: &MachineSpec) -> Result<String, Refusal> {
+        let asked = spec
+            .variables
+            .get(INSTANCE_TYPE_VARIABLE)
+            .map(|s| s.trim())
+            .filter(|s| !s.is_empty());
+        let Some(asked) = asked else {
+            return Ok(self.settings.instance_type.clone());
+        };
+        if self
+            .settings
+            .allowed_instance_types
+            .iter()
+            .any(|t| t == asked)
+        {
+            return Ok(asked.to_string());
+        }
+        if self.settings.allowed_instance_types.is_empty() {
+            return Err(Refusal(format!(
+                "the job asks for instance type {asked:?} ({INSTANCE_TYPE_VARIABLE}), but this runner's allow-list \
+                 ec2.allowed_instance_types is empty: jobs run on {}; drop the variable or ask the runner's operator",
+                self.settings.instance_type
+            )));
+        }
+        Err(Refusal(format!(
+            "the job asks for instance type {asked:?} ({INSTANCE_TYPE_VARIABLE}), which is not in this runner's \
+             allow-list ec2.allowed_instance_types ({})",
+            self.settings.allowed_instance_types.join(", ")
+        )))
+    }
+
+    pub(super) fn machine(&self, region: &str, info: &InstanceInfo) -> Result<Machine> {
+        let address = match self.settings.address {
+            AddressKind::Private => info.private_ip.clone(),
+            AddressKind::Public => info.public_ip.clone(),
+        };
+        if address.is_none() && self.settings.connect_address.is_none() {
+            bail!(
+                "instance {} has no {} address: {}",
+                info.id,
+                match self.settings.address {
+                    AddressKind::Private => "private",
+                    AddressKind::Public => "public",
+                },
+                match self.settings.address {
+                    AddressKind::Public =>
+                        "the subnet in ec2.subnet_id does not assign public IPs; use a subnet \
+                                            that does, or ec2.address = \"private\"",
+                    AddressKind::Private => "check ec2.subnet_id",
+                }
+            );
+        }
+        let mut m = Machine::new(&info.id).with(field::REGION, region);
+        for (k, v) in [
+            (field::ADDRESS, address),
+            (field::PRIVATE_IP, info.private_ip.clone()),
+            (field::PUBLIC_IP, info.public_ip.clone()),
+            (field::ENV, info.tag(tag::ENV).map(str::to_string)),
+            (field::RUNNER, info.tag(tag::RUNNER).map(str::to_string)),
+            (field::SYSTEM, info.tag(tag::SYSTEM).map(str::to_string)),
+        ] {
+            if let Some(v) = v {
+                m = m.with(k, v);
+            }
+        }
+        Ok(m)
+    }
+
+    /// Never act on an instance that is not this environment's: its `dormant:*`
+    /// tags must match what the environment record says.
+    pub(super) fn verify_tags(
+        &self,
+        machine: &Machine,
+        info: &InstanceInfo,
+        doing: &str,
+    ) -> Result<()> {
+        let Some(env) = machine.field(field::ENV) else {
+            bail!(
+                "refusing to {doing} instance {}: the environment record names no environment for it",
+                info.id
+            );
+        };
+        for (tag_name, want) in [
+            (tag::MANAGED_BY, Some(tag::MANAGED_BY_VALUE)),
+            (tag::ENV, Some(env)),
+            (tag::RUNNER, machine.field(field::RUNNER)),
+            (tag::SYSTEM, machine.field(field::SYSTEM)),
+        ] {
+            let Some(want) = want else { continue };
+            let have = info.tag(tag_name);
+            if have != Some(want) {
+                bail!(
+                    "refusing to {doing} instance {}: its tag {tag_name} is {:?} but the environment record says {want:?}; \
+                     the instance is not this environment's (was the instance id in the record changed?)",
+                    info.id,
+                    have.unwrap_or("(missing)")
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the address SSH connects to is known before the instance
+    /// runs: `connect_address` (a tunnel) and the private IP survive a
+    /// stop/start; a public IP is assigned anew on every start.
+    pub(super) fn address_is_stable(&self) -> bool {
+        self.settings.connect_address.is_some() || self.settings.address == AddressKind::Private
+    }
+
+    /// Where SSH connects for this machine.
+    pub(super) fn ssh_target(&self, machine: &Machine) -> Result<SshTarget> {
+        let (host, port) = match &self.settings.connect_address {
+            Some(c) => parse_host_port(c)
+                .with_context(|| format!("ec2.connect_address {c:?} is not host:port"))?,
+            None => (
+                machine
+                    .field(field::ADDRESS)
+                    .with_context(|| format!("instance {} has no recorded address", machine.id))?
+                    .to_string(),
+                self.settings.ssh_port,
+            ),
+        };
+        Ok(SshTarget {
+            host,
+            port,
+            user: self.settings.ssh_user.clone(),
+            identity_file: None,
+            workdir: None,
+        })
+    }
+}
