@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs, if it is missing:
 #   - OpenSSH server and client (tests start a private sshd on 127.0.0.1),
-#   - moto's EC2 emulator in .venv (tests start it on 127.0.0.1).
+#   - moto's EC2 emulator in .venv (tests start it on 127.0.0.1),
+#   - cargo-deb (the package check builds the .deb) and systemd-analyze
+#     (it verifies the package's units).
 # Idempotent and quick when everything is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,5 +30,16 @@ if [ ! -x .venv/bin/moto_server ]; then
   echo "install-test-deps: installing moto (EC2 emulator) into .venv"
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check 'moto[ec2]' flask flask-cors
+fi
+# Pinned: the package check reads cargo-deb's output and metadata keys.
+CARGO_DEB_VERSION=3.8.0
+if [ "$(cargo deb --version 2>/dev/null)" != "cargo-deb $CARGO_DEB_VERSION" ]; then
+  echo "install-test-deps: installing cargo-deb $CARGO_DEB_VERSION (about 2 minutes, once)"
+  cargo install cargo-deb --locked --version "$CARGO_DEB_VERSION" --quiet
+fi
+if ! command -v systemd-analyze >/dev/null 2>&1 || ! command -v dpkg-deb >/dev/null 2>&1; then
+  echo "install-test-deps: installing systemd (for systemd-analyze) and dpkg"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq systemd dpkg >/dev/null
 fi
 echo "install-test-deps: sshd $(/usr/sbin/sshd -V 2>&1 | head -1 || true); moto $(.venv/bin/python -c 'import moto; print(moto.__version__)')"

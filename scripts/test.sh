@@ -9,3 +9,5 @@ export DORMANT_TEST_SSHD=/usr/sbin/sshd
 cargo fmt --all -- --check
 cargo clippy --all-targets --all-features -- -D warnings
 cargo test --all-features
+# Builds the .deb from the binary the tests just built and checks it (see the script).
+scripts/package.sh --check

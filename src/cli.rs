@@ -1,4 +1,7 @@
 //! Command line: the four stages GitLab Runner calls, and the operator commands.
+//!
+//! `build.rs` includes this file to generate the man pages and shell
+//! completions: it may use only `std` and `clap`.
 
 use std::path::PathBuf;
 
@@ -50,6 +53,18 @@ pub enum Command {
         /// left (a live holder is never overridden).
         #[arg(long)]
         force: bool,
+    },
+    /// Open a shell in an environment (starting it if suspended); on exit it
+    /// is suspended again.
+    Shell {
+        /// The environment's key or id.
+        key: String,
+        /// Release the environment on exit instead of suspending it.
+        #[arg(long)]
+        release: bool,
+        /// Run this command line there without a terminal, and exit with its code.
+        #[arg(last = true, value_name = "COMMAND")]
+        command: Vec<String>,
     },
     /// Delete suspended environments past the TTL; report machines with no record.
     Sweep {

@@ -14,8 +14,10 @@ pub mod failpoint;
 mod fuzz;
 pub mod identity;
 pub mod job;
+pub mod job_request;
 pub mod lifecycle;
 pub mod model;
+pub mod notify;
 pub mod ops;
 pub mod provider;
 pub mod runner_sim;
@@ -151,6 +153,24 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
         )?),
         Command::Release { key, force } => {
             Ok(ops::release::release(&settings, &job, &key, force, log, cancel).await?)
+        }
+        Command::Shell {
+            key,
+            release,
+            command,
+        } => {
+            let req = ops::shell::ShellRequest {
+                key,
+                release,
+                command,
+            };
+            let code = ops::shell::shell(&settings, &job, &req, log).await?;
+            if code != 0 {
+                // The shell's or the command's exit code is dormant's (as with
+                // ssh); the environment is settled by now.
+                std::process::exit(code);
+            }
+            Ok(())
         }
         Command::Sweep { delete_orphans } => {
             Ok(ops::sweep::sweep(&settings, &job, delete_orphans, log, cancel).await?)

@@ -28,6 +28,8 @@ pub struct JobInput {
     /// The job's `image:`, if any.
     pub image: Option<String>,
     pub suspend: SuspendRequest,
+    /// `CI_JOB_URL` (for the notify hook): from the payload's variables, else the job's.
+    pub job_url: Option<String>,
 }
 
 /// What the job asks for: suspension triggers and a key to resume.
@@ -181,7 +183,12 @@ impl JobInput {
             Some(i) => i.string("project_full_path")?,
             None => None,
         };
-        let payload_runner_id = runner_id_variable(root.array("variables")?)?;
+        let (payload_runner_id, job_url) = known_variables(root.array("variables")?)?;
+        let job_url = job_url.or_else(|| {
+            job.var("CI_JOB_URL")
+                .filter(|v| !v.is_empty())
+                .map(String::from)
+        });
         let image = match &image {
             Some(i) => i.string("name")?,
             None => None,
@@ -213,14 +220,16 @@ impl JobInput {
             payload_runner_id,
             image: image.filter(|n| !n.trim().is_empty()).map(str::to_string),
             suspend,
+            job_url,
         })
     }
 }
 
-/// `CI_RUNNER_ID` from the payload's `variables`, each checked to be the
-/// `{key, value, ...}` object GitLab Runner writes.
-fn runner_id_variable(variables: &[Value]) -> Result<Option<String>> {
+/// `CI_RUNNER_ID` and `CI_JOB_URL` from the payload's `variables`, each
+/// checked to be the `{key, value, ...}` object GitLab Runner writes.
+fn known_variables(variables: &[Value]) -> Result<(Option<String>, Option<String>)> {
     let mut found = None;
+    let mut url = None;
     for (i, v) in variables.iter().enumerate() {
         let path = format!("variables[{i}]");
         let Value::Object(map) = v else {
@@ -232,11 +241,14 @@ fn runner_id_variable(variables: &[Value]) -> Result<Option<String>> {
         let var = Obj { path: &path, map };
         let key = var.string("key")?;
         let value = var.string("value")?;
-        if found.is_none() && key == Some("CI_RUNNER_ID") {
-            found = value.filter(|v| !v.is_empty()).map(str::to_string);
+        let value = value.filter(|v| !v.is_empty()).map(str::to_string);
+        match key {
+            Some("CI_RUNNER_ID") if found.is_none() => found = value,
+            Some("CI_JOB_URL") if url.is_none() => url = value,
+            _ => {}
         }
     }
-    Ok(found)
+    Ok((found, url))
 }
 
 fn parse_id(value: Option<&str>, name: &str) -> Result<Option<u64>> {

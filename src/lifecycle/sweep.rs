@@ -14,6 +14,7 @@ use uuid::Uuid;
 use super::recover::{self, Found};
 use super::World;
 use crate::context::Ctx;
+use crate::notify::{self, Audience, Event, Notification};
 use crate::settings::SuspendSettings;
 use crate::state::registry;
 use crate::state::{now_unix, store, EnvStatus, JobState};
@@ -99,7 +100,18 @@ pub async fn sweep(w: World<'_>, policy: &SuspendSettings, ctx: &Ctx) -> Result<
             continue;
         }
         match super::release(w, &paths, &me, None, ctx).await {
-            Ok(()) => report.released.push(*id),
+            Ok(()) => {
+                report.released.push(*id);
+                let (event, reason) = if expired {
+                    let ttl = format!("suspended longer than the TTL ({})", policy.ttl);
+                    (Event::Expire, ttl)
+                } else {
+                    let retried = "a release that had failed, finished by the sweep";
+                    (Event::Release, retried.to_string())
+                };
+                let n = Notification::for_record(event, &rec).reason(reason);
+                notify::announce(policy, &n, &ctx.log, Audience::Operator).await;
+            }
             Err(e) => report.errors.push(e),
         }
     }

@@ -1,10 +1,11 @@
 //! Operator commands beside the four stages: `list`, `inspect`, `release`,
-//! `sweep`, `metrics`, and `try`, which drives a whole job like GitLab Runner
+//! `sweep`, `metrics`, `shell`, and `try`, which drives a whole job like GitLab Runner
 //! would. They use the lifecycle (`crate::lifecycle`), never a stage.
 
 pub mod list;
 pub mod metrics;
 pub mod release;
+pub mod shell;
 pub mod sweep;
 pub mod try_job;
 

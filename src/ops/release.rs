@@ -11,6 +11,7 @@ use crate::context::{Ctx, JobLog};
 use crate::job::Job;
 use crate::lifecycle::recover::{self, Found};
 use crate::lifecycle::{self, World};
+use crate::notify::{self, Audience, Event, Notification};
 use crate::settings::Settings;
 use crate::state::registry;
 
@@ -66,7 +67,12 @@ pub async fn release(
             settings.suspend.claim_grace
         ),
     }
+    let before = registry::peek(&paths)?;
     lifecycle::release(w, &paths, &me, None, &ctx).await?;
     log.info(format!("environment {id} released"));
+    if let Some(rec) = before {
+        let n = Notification::for_record(Event::Release, &rec).reason("dormant release");
+        notify::announce(&settings.suspend, &n, &log, Audience::Operator).await;
+    }
     Ok(())
 }

@@ -34,6 +34,8 @@ const fn bound(key: &'static str, zero_ok: bool, max: HumanDuration) -> Duration
 ///   of a job no process runs for a moment, and that must not look gone.
 /// - `suspend.ttl`: 365 d. A suspended environment costs disk (or an EBS
 ///   volume) while it waits; a year is the longest any pipeline pauses.
+/// - `suspend.notify_timeout`: 1 min; the hook runs inside a job's prepare
+///   and cleanup, which it must not hold up.
 /// - `ssh.connect_timeout` (one connect attempt): 10 min; a handshake that has
 ///   not finished by then never will.
 /// - `ssh.control_persist` (an idle master's lifetime): 24 h; the gap between
@@ -47,6 +49,11 @@ pub const DURATION_BOUNDS: &[DurationBound] = &[
     bound("suspend.ttl", false, days(365)),
     bound("suspend.cleanup_sweep_budget", true, hours(1)),
     bound("suspend.claim_grace", false, days(7)),
+    bound(
+        "suspend.notify_timeout",
+        false,
+        HumanDuration::from_secs(60),
+    ),
     bound("ssh.connect_timeout", false, HumanDuration::from_secs(600)),
     bound("ssh.ready_timeout", false, hours(24)),
     bound("ssh.control_persist", false, hours(24)),
@@ -67,6 +74,7 @@ impl Settings {
                 Some(self.suspend.cleanup_sweep_budget),
             ),
             ("suspend.claim_grace", Some(self.suspend.claim_grace)),
+            ("suspend.notify_timeout", Some(self.suspend.notify_timeout)),
             ("ssh.connect_timeout", Some(self.ssh.connect_timeout)),
             ("ssh.ready_timeout", Some(self.ssh.ready_timeout)),
             ("ssh.control_persist", Some(self.ssh.control_persist)),

@@ -93,6 +93,13 @@ pub struct SuspendSettings {
     pub ttl: HumanDuration,
     /// How long the TTL sweep at the end of every cleanup may take.
     pub cleanup_sweep_budget: HumanDuration,
+    /// Runs on every suspend, resume, release and expiry with a JSON document
+    /// on stdin (`crate::notify`). Empty: no hook.
+    pub notify_command: Vec<String>,
+    /// Bound on one run of `notify_command`; then its process group is killed.
+    pub notify_timeout: HumanDuration,
+    /// Whether a job may ask for its own suspension through `DORMANT_SUSPEND_FILE`.
+    pub allow_job_request: bool,
     /// How long an environment whose holder has no process running still
     /// counts as held. The gap between two stages of a job is milliseconds
     /// and a running stage is a live process, so past this the holder is gone:
@@ -106,6 +113,9 @@ impl Default for SuspendSettings {
             enabled: true,
             ttl: HumanDuration::from_secs(7 * 24 * 3600),
             cleanup_sweep_budget: HumanDuration::from_secs(10),
+            notify_command: Vec::new(),
+            notify_timeout: HumanDuration::from_secs(5),
+            allow_job_request: true,
             claim_grace: HumanDuration::from_secs(5 * 60),
         }
     }
@@ -132,6 +142,20 @@ impl Default for LocalSettings {
 /// not depend on it.
 pub trait DriverEnv {
     fn driver_var(&self, name: &str) -> Option<&str>;
+}
+
+impl SuspendSettings {
+    fn validate(&self, problems: &mut Vec<String>) {
+        if let Some(program) = self.notify_command.first() {
+            if !Path::new(program).is_absolute() {
+                problems.push(format!(
+                    "suspend.notify_command: the program {} must be an absolute path \
+                     (the runner's PATH is not the operator's shell's)",
+                    crate::text::quoted(program)
+                ));
+            }
+        }
+    }
 }
 
 impl Settings {
@@ -247,6 +271,7 @@ impl Settings {
             }
         }
         self.check_durations(problems);
+        self.suspend.validate(problems);
         self.ssh
             .validate(self.provider == ProviderKind::Ssh, problems);
         self.ec2
@@ -332,6 +357,9 @@ mod tests {
             "enabled",
             "ttl",
             "cleanup_sweep_budget",
+            "notify_command",
+            "notify_timeout",
+            "allow_job_request",
             "[local]",
             "shell",
             "[ssh]",
@@ -377,6 +405,37 @@ mod tests {
         );
         let err = Settings::parse_str("runner_id = \"a/b\"\n").unwrap_err();
         assert!(format!("{err:#}").contains("runner_id"), "{err:#}");
+    }
+
+    #[test]
+    fn notify_and_job_request_settings_are_read_and_bounded() {
+        let s = Settings::parse_str(
+            "[suspend]\nnotify_command = [\"/usr/local/bin/hook\", \"--mr\"]\nnotify_timeout = \"3s\"\nallow_job_request = false\n",
+        )
+        .unwrap();
+        assert_eq!(s.suspend.notify_command, ["/usr/local/bin/hook", "--mr"]);
+        assert_eq!(s.suspend.notify_timeout.as_secs(), 3);
+        assert!(!s.suspend.allow_job_request);
+        let d = Settings::parse_str("").unwrap();
+        assert!(d.suspend.notify_command.is_empty() && d.suspend.allow_job_request);
+        let err = Settings::parse_str(
+            "[suspend]\nnotify_command = [\"hook\"]\nnotify_timeout = \"10m\"\n",
+        )
+        .unwrap_err();
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("suspend.notify_command: the program \"hook\" must be an absolute path"),
+            "{text}"
+        );
+        assert!(
+            text.contains("suspend.notify_timeout: must be at most 1m"),
+            "{text}"
+        );
+        let err = Settings::parse_str("[suspend]\nnotify_timeout = \"0s\"\n").unwrap_err();
+        assert!(
+            format!("{err:#}").contains("suspend.notify_timeout: must be at least 1s"),
+            "{err:#}"
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ use crate::context::Ctx;
 use crate::exit::Failure;
 use crate::lifecycle::{self, sweep};
 use crate::model::EnvPaths;
+use crate::notify::{self, Audience, Event, Notification};
 use crate::state::job::{hold_job_alive, LockedJob};
 use crate::state::transitions::{at_cleanup, same_holder};
 use crate::state::{registry, EnvironmentRecord, Holder, JobState, Settle};
@@ -74,20 +75,76 @@ async fn cleanup_job(s: &Session, ctx: &Ctx) -> Result<()> {
         registry::peek(&paths)?.filter(|rec| rec.holder().is_some_and(|h| same_holder(h, &holder)));
     if let Some(rec) = ours {
         let outcome = Outcome::of(&state, s.job.job_status());
+        let request = honoured_request(s, &state, outcome);
+        // A job's own request suspends on any outcome but a cancel or timeout.
+        let suspends = outcome.suspends(state.suspend_on_success, state.suspend_on_failure)
+            || (request.is_some() && outcome.suspends(true, true));
         let settle = at_cleanup(
             rec.status(),
             state.mode,
             state.phase.reached(),
             state.terminated,
-            outcome.suspends(state.suspend_on_success, state.suspend_on_failure),
+            suspends,
             s.settings.suspend.enabled,
         );
         crate::failpoint!("cleanup:decided");
-        settle_environment(s, &state, &paths, &rec, &holder, outcome, settle, ctx).await?;
+        let why = Why { outcome, request };
+        settle_environment(s, &state, &paths, &rec, &holder, why, settle, ctx).await?;
     }
     crate::failpoint!("cleanup:settled");
     // Job state goes last: if anything above failed, a retried cleanup finds it.
     locked.remove()
+}
+
+/// Why cleanup does what it does: the job's outcome, and its own request.
+struct Why {
+    outcome: Outcome,
+    /// The reason of a request the settings honour (`crate::job_request`).
+    request: Option<String>,
+}
+
+impl Why {
+    fn suspend_reason(&self) -> String {
+        match &self.request {
+            Some(r) => format!("requested by the job: {r}"),
+            None => format!("job {}", self.outcome.as_str()),
+        }
+    }
+}
+
+/// The job's request, if it made one the settings honour; says in the
+/// runner's log when they do not.
+fn honoured_request(s: &Session, state: &JobState, outcome: Outcome) -> Option<String> {
+    use crate::job_request::{verdict, Verdict};
+    let reason = state.job_request.clone()?;
+    match verdict(&s.settings) {
+        Verdict::Honoured => {
+            if !outcome.suspends(true, true) {
+                s.log.info(format!(
+                    "job {} asked to be suspended ({reason}) but was {}: its environment is released",
+                    state.job_id,
+                    outcome.as_str()
+                ));
+            }
+            Some(reason)
+        }
+        Verdict::NotAllowed => {
+            s.log.warn(format!(
+                "job {} asked to be suspended ({reason}); ignored: suspend.allow_job_request = false",
+                state.job_id
+            ));
+            None
+        }
+        Verdict::SuspendDisabled => None,
+    }
+}
+
+/// Runs the notify hook (if set) for what happened to `rec`.
+async fn announce(s: &Session, event: Event, rec: &EnvironmentRecord, reason: String) {
+    let n = Notification::for_record(event, rec)
+        .job(&s.input)
+        .reason(reason);
+    notify::announce(&s.settings.suspend, &n, &s.log, Audience::Operator).await;
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -97,11 +154,12 @@ async fn settle_environment(
     paths: &EnvPaths,
     rec: &EnvironmentRecord,
     holder: &Holder,
-    outcome: Outcome,
+    why: Why,
     settle: Settle,
     ctx: &Ctx,
 ) -> Result<()> {
     let id = state.env_id;
+    let outcome = why.outcome;
     // The connection is closed after the provider's stop or delete, not
     // before: the `ssh` provider removes a released workspace over it, so a
     // job costs one SSH handshake. Closing a master whose machine is already
@@ -121,11 +179,14 @@ async fn settle_environment(
                 rec.status().as_str(),
                 state.job_id
             ));
-            lifecycle::suspend(w, paths, holder, false, ctx)
-                .await
-                .map(drop)
+            let done = lifecycle::suspend(w, paths, holder, false, ctx).await;
+            if done.is_ok() {
+                let reason = format!("resume by job {} did not reach a stage", state.job_id);
+                announce(s, Event::Suspend, rec, reason).await;
+            }
+            done.map(drop)
         }
-        Settle::Suspend => suspend(s, state, paths, holder, outcome, transport, ctx).await,
+        Settle::Suspend => suspend(s, state, paths, holder, &why, rec, transport, ctx).await,
         Settle::Release => {
             let why = if state.terminated {
                 "was terminated".to_string()
@@ -138,7 +199,11 @@ async fn settle_environment(
                 "job {} {why}: releasing environment {id}",
                 state.job_id
             ));
-            lifecycle::release(w, paths, holder, transport, ctx).await
+            let done = lifecycle::release(w, paths, holder, transport, ctx).await;
+            if done.is_ok() {
+                announce(s, Event::Release, rec, format!("job {why}")).await;
+            }
+            done
         }
     };
     // Idempotent: a release already closed it before removing the files.
@@ -146,34 +211,49 @@ async fn settle_environment(
     result
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn suspend(
     s: &Session,
     state: &JobState,
     paths: &EnvPaths,
     holder: &Holder,
-    outcome: Outcome,
+    why: &Why,
+    before: &EnvironmentRecord,
     transport: Option<&dyn Transport>,
     ctx: &Ctx,
 ) -> Result<()> {
     let id = state.env_id;
-    s.log.info(format!(
-        "job {} {}: suspending environment {id}",
-        state.job_id,
-        outcome.as_str()
-    ));
+    match &why.request {
+        Some(r) => s.log.info(format!(
+            "job {} {}: suspending: requested by the job: {r}",
+            state.job_id,
+            why.outcome.as_str()
+        )),
+        None => s.log.info(format!(
+            "job {} {}: suspending environment {id}",
+            state.job_id,
+            why.outcome.as_str()
+        )),
+    }
     // A suspension in progress finishes even if SIGTERM arrives.
     let suspended = lifecycle::suspend(s.world(), paths, holder, true, ctx).await;
     if s.cancel.is_cancelled() {
         s.log.info(format!(
             "termination arrived during the suspension of {id}: releasing it now"
         ));
-        return lifecycle::release(s.world(), paths, holder, transport, ctx).await;
+        let done = lifecycle::release(s.world(), paths, holder, transport, ctx).await;
+        if done.is_ok() {
+            let reason = "terminated during its suspension".to_string();
+            announce(s, Event::Release, before, reason).await;
+        }
+        return done;
     }
     let rec = suspended?;
     s.log.info(format!(
         "environment {id} suspended; key: {}",
         rec.key.as_deref().unwrap_or("(none recorded)")
     ));
+    announce(s, Event::Suspend, &rec, why.suspend_reason()).await;
     Ok(())
 }
 

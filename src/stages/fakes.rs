@@ -204,6 +204,7 @@ pub fn session(
         payload_runner_id: Some("1".into()),
         image: None,
         suspend,
+        job_url: Some(format!("https://gitlab.example.com/g/p/-/jobs/{job_id}")),
     };
     let s = Session {
         settings,

@@ -10,6 +10,7 @@ use crate::envkey::EnvironmentKey;
 use crate::exit::Failure;
 use crate::lifecycle::recover::{self, Found};
 use crate::lifecycle::{human_age, update_error, World};
+use crate::notify::{self, Audience, Event, Notification};
 use crate::provider::{Machine, MachineGone};
 use crate::state::job::LockedJob;
 use crate::state::registry::{self, UpdateError};
@@ -142,6 +143,11 @@ pub(super) async fn prepare_resume(
         rec.job_count
     ));
     announce(s, &key, env_id, true);
+    // Its failure is one short line here: prepare's output is the job log.
+    let n = Notification::for_record(Event::Resume, &rec)
+        .job(&s.input)
+        .reason(format!("resumed by job {}", s.job_id()));
+    notify::announce(&s.settings.suspend, &n, &s.log, Audience::Job).await;
     Ok(())
 }
 

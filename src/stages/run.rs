@@ -70,7 +70,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
             "skipping {stage}: environment {} was resumed and keeps the working tree the suspended job left",
             state.env_id
         ));
-        record_stage(s, stage, StageResult::Skipped, &ctx).await?;
+        record_stage(s, stage, StageResult::Skipped, None, &ctx).await?;
         return Ok(());
     }
     let body = std::fs::read(script_path)
@@ -81,10 +81,16 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         .with_context(|| format!("environment {} has no machine", state.env_id))?;
     let paths = s.store.env_paths(state.env_id);
     let transport = s.transports.open(&s.provider.target(&machine)?, &paths)?;
-    let env = vec![(
-        "DORMANT_ENVIRONMENT_KEY".to_string(),
-        record.key.clone().unwrap_or_default(),
-    )];
+    let env = vec![
+        (
+            "DORMANT_ENVIRONMENT_KEY".to_string(),
+            record.key.clone().unwrap_or_default(),
+        ),
+        (
+            crate::job_request::VAR.to_string(),
+            crate::job_request::path_for(&s.settings, &paths)?,
+        ),
+    ];
     let started = Instant::now();
     let result = transport
         .run_script(
@@ -97,8 +103,16 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         )
         .await;
     tracing::debug!(stage, elapsed = ?started.elapsed(), "stage finished");
+    // The job may have asked for its own suspension (`crate::job_request`).
+    let request = match &result {
+        Ok(ScriptExit::Code(_)) if crate::job_request::runs_job_code(stage) => {
+            let file = crate::job_request::path_for(&s.settings, &paths)?;
+            crate::job_request::after_stage(&s.settings, transport.as_ref(), &file, &ctx).await
+        }
+        _ => None,
+    };
     let (recorded, outcome) = classify(s, &state, stage, result)?;
-    record_stage(s, stage, recorded, &ctx).await?;
+    record_stage(s, stage, recorded, request, &ctx).await?;
     outcome
 }
 
@@ -130,7 +144,13 @@ fn classify(
     })
 }
 
-async fn record_stage(s: &Session, stage: &str, result: StageResult, ctx: &Ctx) -> Result<()> {
+async fn record_stage(
+    s: &Session,
+    stage: &str,
+    result: StageResult,
+    request: Option<String>,
+    ctx: &Ctx,
+) -> Result<()> {
     // Deaf to SIGTERM: a termination must still be recorded, so cleanup releases.
     let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id(), &ctx.uncancellable()).await?;
     let Some(mut state) = locked.load()? else {
@@ -144,5 +164,8 @@ async fn record_stage(s: &Session, stage: &str, result: StageResult, ctx: &Ctx) 
         name: stage.to_string(),
         result,
     });
+    if request.is_some() {
+        state.job_request = request;
+    }
     locked.save(&state)
 }

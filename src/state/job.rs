@@ -87,6 +87,10 @@ pub struct JobState {
     pub terminated: bool,
     #[serde(default)]
     pub stages: Vec<StageRecord>,
+    /// The reason the job's script wrote to `DORMANT_SUSPEND_FILE`, if it
+    /// asked for its own suspension (`crate::job_request`).
+    #[serde(default)]
+    pub job_request: Option<String>,
     pub created_at: u64,
     /// Format 1's booleans, read to derive `phase`.
     #[serde(default, skip_serializing)]
@@ -114,6 +118,7 @@ impl JobState {
             phase: Phase::Claiming,
             terminated: false,
             stages: Vec::new(),
+            job_request: None,
             created_at: super::now_unix(),
             claimed: false,
             prepare_completed: false,

@@ -189,6 +189,64 @@ impl Transport for LocalTransport {
         self.remove_legacy_script();
         Ok(())
     }
+
+    async fn take_file(&self, path: &str, max: usize, _ctx: &Ctx) -> Result<Option<Vec<u8>>> {
+        take_local_file(std::path::Path::new(path), max)
+    }
+
+    async fn shell_command(
+        &self,
+        dir: &str,
+        command: Option<&str>,
+        _tty: bool,
+        _ctx: &Ctx,
+    ) -> Result<Command> {
+        // The operator's own environment (their terminal, TERM, ...), unlike
+        // a job's scripts: this is a person at a shell, not the job.
+        let mut cmd = Command::new(&self.shell);
+        let dir = std::path::Path::new(dir);
+        cmd.current_dir(if dir.is_dir() { dir } else { &self.workdir });
+        match command {
+            Some(line) => cmd.arg("-c").arg(line),
+            None => cmd.arg("-l"),
+        };
+        Ok(cmd)
+    }
+}
+
+/// [`Transport::take_file`] on this host. The file is the job's to write: a
+/// symlink is not followed (O_NOFOLLOW), only removed.
+pub fn take_local_file(path: &std::path::Path, max: usize) -> Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path);
+    let mut file = match file {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        // ELOOP: a symlink. Not ours to read; remove it so it asks nothing.
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            let _ = std::fs::remove_file(path);
+            return Ok(None);
+        }
+        Err(e) => return Err(e).with_context(|| format!("opening {}", path.display())),
+    };
+    if !file.metadata()?.is_file() {
+        return Ok(None);
+    }
+    let mut content = Vec::new();
+    (&mut file)
+        .take(max as u64)
+        .read_to_end(&mut content)
+        .with_context(|| format!("reading {}", path.display()))?;
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("removing {}", path.display())),
+    }
+    Ok(Some(content))
 }
 
 /// An anonymous in-memory file holding the prelude and the script.

@@ -48,6 +48,30 @@ pub trait Transport: Send + Sync {
 
     /// Suspend or release: closes what `connect` set up. Best effort, idempotent.
     async fn close(&self, ctx: &Ctx) -> Result<()>;
+
+    /// Reads (at most `max` bytes of) a regular file in the environment and
+    /// removes it; `None` if there is none (a symlink is removed, never read).
+    /// Cleanup reads the job's suspend request (`crate::job_request`) with it,
+    /// before the machine stops. Bounded by `ctx.deadline`.
+    async fn take_file(&self, path: &str, max: usize, ctx: &Ctx) -> Result<Option<Vec<u8>>> {
+        let _ = (path, max, ctx);
+        anyhow::bail!("this transport cannot read files in the environment")
+    }
+
+    /// `dormant shell`: the command that opens a login shell in `dir` on the
+    /// machine, or runs `command` there (a line its shell interprets, as
+    /// `ssh host -- ...` would), with the caller's terminal when `tty`. Called
+    /// after `connect`; the caller runs it with its own stdin, stdout, stderr.
+    async fn shell_command(
+        &self,
+        dir: &str,
+        command: Option<&str>,
+        tty: bool,
+        ctx: &Ctx,
+    ) -> Result<tokio::process::Command> {
+        let _ = (dir, command, tty, ctx);
+        anyhow::bail!("this transport cannot open a shell in the environment")
+    }
 }
 
 /// Opens the transport for a target.

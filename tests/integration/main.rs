@@ -11,13 +11,18 @@ mod ec2;
 mod ec2_job;
 #[cfg(feature = "ec2")]
 mod ec2_resume;
+#[cfg(feature = "ec2")]
+mod ec2_shell;
 mod edge;
 mod harness;
 mod hygiene;
+mod job_request;
 #[cfg(feature = "testing")]
 mod lifecycle;
 #[cfg(feature = "ec2")]
 mod moto;
+mod notify;
+mod shell;
 mod ssh;
 mod sshd;
 mod stress;

@@ -15,7 +15,8 @@ fn job(vars: &[(&str, &str)]) -> Job {
 fn payload_fields_are_read() {
     let text = r#"{"id": 77, "token": "glcbt-secret", "job_info": {"project_id": 5, "project_full_path": "g/p"},
         "image": {"name": "ubuntu:24.04"},
-        "variables": [{"key": "CI_RUNNER_ID", "value": "12", "public": true}],
+        "variables": [{"key": "CI_RUNNER_ID", "value": "12", "public": true},
+                      {"key": "CI_JOB_URL", "value": "https://gitlab.example.com/g/p/-/jobs/77", "public": true}],
         "suspend_options": {"suspend_on_success": true, "suspend_on_failure": null,
                             "runtime_environment_key": "12/s_x/env=abc"}}"#;
     let input = JobInput::from_payload(text, &Job::default()).unwrap();
@@ -23,6 +24,10 @@ fn payload_fields_are_read() {
     assert_eq!(input.project_id, 5);
     assert_eq!(input.payload_runner_id.as_deref(), Some("12"));
     assert_eq!(input.image.as_deref(), Some("ubuntu:24.04"));
+    assert_eq!(
+        input.job_url.as_deref(),
+        Some("https://gitlab.example.com/g/p/-/jobs/77")
+    );
     assert!(input.suspend.on_success && !input.suspend.on_failure);
     assert_eq!(input.suspend.resume_key.as_deref(), Some("12/s_x/env=abc"));
     assert!(!format!("{input:?}").contains("glcbt-secret"));

@@ -115,4 +115,123 @@ impl Transport for SshTransport {
     async fn close(&self, _ctx: &Ctx) -> Result<()> {
         self.master.close().await
     }
+
+    async fn take_file(&self, path: &str, max: usize, ctx: &Ctx) -> Result<Option<Vec<u8>>> {
+        // Over the job's master when it still runs (cleanup, before the stop):
+        // one multiplexed command, no new handshake.
+        let session = self.master.session(ctx, Purpose::Reconnect).await?;
+        let dest = self.master.destination();
+        let out = tokio::time::timeout(
+            ctx.remaining().min(TAKE_FILE_BOUND),
+            session.raw_command(take_file_command(path, max)).output(),
+        )
+        .await
+        .with_context(|| format!("reading {path} on {dest} timed out"))?
+        .with_context(|| format!("reading {path} on {dest}"))?;
+        if !out.status.success() {
+            bail!(
+                "reading {path} on {dest} failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        parse_take_file(&out.stdout)
+            .with_context(|| format!("reading {path} on {dest}: unexpected answer"))
+    }
+
+    async fn shell_command(
+        &self,
+        dir: &str,
+        command: Option<&str>,
+        tty: bool,
+        ctx: &Ctx,
+    ) -> Result<tokio::process::Command> {
+        // Through the master `connect` opened: the environment's own key and
+        // pinned host key are in its config; no second handshake.
+        let session = self.master.session(ctx, Purpose::Reconnect).await?;
+        let mut cmd = tokio::process::Command::new("ssh");
+        cmd.arg("-F")
+            .arg(self.master.config_file())
+            .arg("-S")
+            .arg(session.control_socket())
+            .args(["-o", "BatchMode=yes", "-o", "ControlMaster=no"])
+            .args(["-o", "ProxyCommand=false", "-o", "LogLevel=ERROR"])
+            .arg(if tty { "-t" } else { "-T" })
+            .args(["-p", "9", "none", "--"])
+            .arg(shell_line(dir, command));
+        // In the caller's process group (not its own, unlike stage channels):
+        // with a terminal it must be in the foreground group to read from it.
+        Ok(cmd)
+    }
+}
+
+/// The remote side of `shell_command`: into the job's project dir (or say why
+/// not), then a login shell or the command line.
+fn shell_line(dir: &str, command: Option<&str>) -> String {
+    let dir = remote::shell_quote(dir);
+    match command {
+        Some(line) => format!("cd -- {dir} || exit 1\n{line}"),
+        None => format!(
+            "cd -- {dir} 2>/dev/null || echo \"dormant: \"{dir}\" does not exist, starting in $HOME\" >&2\n\
+             exec \"${{SHELL:-/bin/sh}}\" -l"
+        ),
+    }
+}
+
+/// Bound on the one command [`Transport::take_file`] runs.
+const TAKE_FILE_BOUND: Duration = Duration::from_secs(30);
+
+/// The remote side of `take_file`: says `absent` or `present` on the first
+/// line, then the content. A symlink (the file is the job's to write) is
+/// removed, never read.
+fn take_file_command(path: &str, max: usize) -> String {
+    format!(
+        "f={}; if [ -L \"$f\" ]; then rm -f -- \"$f\"; echo absent; \
+         elif [ -f \"$f\" ]; then echo present; head -c {max} -- \"$f\" && rm -f -- \"$f\"; \
+         else echo absent; fi",
+        remote::shell_quote(path)
+    )
+}
+
+fn parse_take_file(stdout: &[u8]) -> Result<Option<Vec<u8>>> {
+    let (head, rest) = match stdout.iter().position(|&b| b == b'\n') {
+        Some(i) => (&stdout[..i], &stdout[i + 1..]),
+        None => (stdout, &[][..]),
+    };
+    match head {
+        b"absent" => Ok(None),
+        b"present" => Ok(Some(rest.to_vec())),
+        other => bail!("{:?}", String::from_utf8_lossy(other)),
+    }
+}
+
+#[cfg(test)]
+mod take_file_tests {
+    use super::*;
+
+    /// The command runs in a real shell against real files.
+    #[test]
+    fn the_remote_command_reads_removes_and_refuses_symlinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("it's here");
+        let run = |path: &std::path::Path, max: usize| {
+            let out = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(take_file_command(&path.display().to_string(), max))
+                .output()
+                .unwrap();
+            assert!(out.status.success());
+            parse_take_file(&out.stdout).unwrap()
+        };
+        assert_eq!(run(&file, 100), None);
+        std::fs::write(&file, "why\nmore").unwrap();
+        assert_eq!(run(&file, 5), Some(b"why\nm".to_vec()));
+        assert!(!file.exists(), "taken means removed");
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, "do not read").unwrap();
+        std::os::unix::fs::symlink(&secret, &file).unwrap();
+        assert_eq!(run(&file, 100), None);
+        assert!(file.symlink_metadata().is_err() && secret.exists());
+        assert!(parse_take_file(b"bash: oops").is_err());
+    }
 }

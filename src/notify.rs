@@ -1,0 +1,454 @@
+//! The notify hook: `[suspend] notify_command` runs on the runner host on every
+//! suspend, resume, release and TTL expiry of an environment, with one JSON
+//! document on its stdin, so an orchestrator (a chat bot, an agent platform, a
+//! merge-request comment) learns the key without scraping job logs.
+//!
+//! The hook must never fail or delay a job beyond `notify_timeout`: it runs in
+//! its own process group, and when the bound passes the whole group is killed.
+//! Its stdout is discarded and its stderr kept only for the error message, so
+//! nothing it prints reaches the job log (prepare's stderr is the job log).
+//! Callers log a failure and carry on; see [`NotifyError::short`].
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use uuid::Uuid;
+
+use crate::provider::Machine;
+
+/// How much of the hook's stderr an error message quotes.
+const STDERR_KEPT: usize = 2048;
+/// After the group is killed, how long reaping the hook may take (SIGKILL
+/// cannot be ignored, so this is only a guard against a wedged kernel).
+const REAP_GRACE: Duration = Duration::from_secs(1);
+
+/// What happened to the environment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Event {
+    Suspend,
+    Resume,
+    Release,
+    /// Released by the TTL sweep (`suspend.ttl`).
+    Expire,
+}
+
+/// The JSON document on the hook's stdin. Fields dormant does not know are
+/// `null`. `version` changes only when a field changes meaning or goes away.
+#[derive(Debug, Clone, Serialize)]
+pub struct Notification {
+    pub version: u32,
+    pub event: Event,
+    /// The environment key (what a later job passes to resume).
+    pub key: Option<String>,
+    pub environment_id: Uuid,
+    pub project_id: Option<u64>,
+    pub project_path: Option<String>,
+    pub job_id: Option<u64>,
+    /// `CI_JOB_URL` of the job that caused the event.
+    pub job_url: Option<String>,
+    /// `local`, `ssh`, `ec2`, ...
+    pub provider: String,
+    /// The provider's handle: instance id, directory or workspace, and its fields.
+    pub machine: Option<Machine>,
+    /// Why, in words: "job success (suspend_on_success)", "requested by the job: ...".
+    pub reason: Option<String>,
+    /// When, as RFC 3339 UTC (`2026-11-23T13:40:00Z`).
+    pub time: String,
+}
+
+impl Notification {
+    /// A notification stamped now; the caller fills in what it knows.
+    pub fn new(event: Event, environment_id: Uuid, provider: impl Into<String>) -> Self {
+        Notification {
+            version: 1,
+            event,
+            key: None,
+            environment_id,
+            project_id: None,
+            project_path: None,
+            job_id: None,
+            job_url: None,
+            provider: provider.into(),
+            machine: None,
+            reason: None,
+            time: rfc3339(crate::state::now_unix()),
+        }
+    }
+}
+
+impl Notification {
+    /// What the registry knows about the environment: key, project, provider, machine.
+    pub fn for_record(event: Event, rec: &crate::state::EnvironmentRecord) -> Self {
+        let mut n = Notification::new(event, rec.id, rec.provider.clone());
+        n.key = rec.key.clone();
+        n.project_id = Some(rec.project_id);
+        n.project_path = rec.project_path.clone();
+        n.machine = rec.machine.clone();
+        n
+    }
+
+    /// The job that caused the event.
+    pub fn job(mut self, input: &crate::job::JobInput) -> Self {
+        self.job_id = Some(input.job_id);
+        self.job_url = input.job_url.clone();
+        if self.project_path.is_none() {
+            self.project_path = input.project_path.clone();
+        }
+        self
+    }
+
+    pub fn reason(mut self, reason: impl Into<String>) -> Self {
+        self.reason = Some(reason.into());
+        self
+    }
+}
+
+/// Where a failure of the hook is said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Audience {
+    /// The runner's log (cleanup) or the operator's terminal: the whole error.
+    Operator,
+    /// The job log (prepare): one short line, without the hook's output.
+    Job,
+}
+
+/// Runs the hook, if one is set, and says a failure on `log`. Never fails:
+/// the job goes on whatever the hook does.
+pub async fn announce(
+    settings: &crate::settings::SuspendSettings,
+    n: &Notification,
+    log: &crate::context::JobLog,
+    audience: Audience,
+) {
+    let Some(hook) = Notifier::from_settings(settings) else {
+        return;
+    };
+    if let Err(e) = hook.send(n).await {
+        let event = serde_json::to_value(n.event).unwrap_or_default();
+        let event = event.as_str().unwrap_or("?");
+        match audience {
+            Audience::Operator => {
+                log.warn(format!("{event} of environment {}: {e}", n.environment_id))
+            }
+            Audience::Job => log.warn(format!("{} (the job goes on)", e.short())),
+        }
+    }
+}
+
+/// Why the hook failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NotifyError {
+    #[error("notify command {program} could not be started: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("notify command {program} did not finish within {} s: its process group was killed", timeout.as_secs_f64())]
+    Timeout { program: String, timeout: Duration },
+    #[error("notify command {program} {status}{}", stderr_suffix(stderr))]
+    Failed {
+        program: String,
+        status: String,
+        stderr: String,
+    },
+    #[error("notify command {program}: {source}")]
+    Io {
+        program: String,
+        source: std::io::Error,
+    },
+}
+
+fn stderr_suffix(stderr: &str) -> String {
+    if stderr.trim().is_empty() {
+        String::new()
+    } else {
+        format!("; its stderr: {}", stderr.trim())
+    }
+}
+
+impl NotifyError {
+    /// One line without the hook's own output, for a log other people read
+    /// (prepare's job log): what the hook printed may not be theirs to see.
+    pub fn short(&self) -> String {
+        match self {
+            NotifyError::Spawn { .. } => "the notify command could not be started".into(),
+            NotifyError::Timeout { timeout, .. } => format!(
+                "the notify command did not finish within {} s and was stopped",
+                timeout.as_secs_f64()
+            ),
+            NotifyError::Failed { status, .. } => format!("the notify command {status}"),
+            NotifyError::Io { .. } => "the notify command failed".into(),
+        }
+    }
+}
+
+/// Runs the operator's hook.
+#[derive(Debug, Clone)]
+pub struct Notifier {
+    argv: Vec<String>,
+    timeout: Duration,
+}
+
+impl Notifier {
+    /// `None` when no `notify_command` is set.
+    pub fn from_settings(settings: &crate::settings::SuspendSettings) -> Option<Notifier> {
+        Notifier::new(
+            settings.notify_command.clone(),
+            settings.notify_timeout.get(),
+        )
+    }
+
+    pub fn new(argv: Vec<String>, timeout: Duration) -> Option<Notifier> {
+        (!argv.is_empty()).then_some(Notifier { argv, timeout })
+    }
+
+    fn program(&self) -> String {
+        PathBuf::from(&self.argv[0]).display().to_string()
+    }
+
+    /// Runs the hook with `n` on stdin, within the timeout. Never panics and
+    /// never takes longer than the timeout plus a moment to reap the killed group.
+    pub async fn send(&self, n: &Notification) -> Result<(), NotifyError> {
+        let program = self.program();
+        let doc = serde_json::to_vec(n).expect("a notification always serializes");
+        let mut child = tokio::process::Command::new(&self.argv[0])
+            .args(&self.argv[1..])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            // Its own group: on timeout everything it started goes too, and the
+            // runner's signals to dormant's group do not reach it half-way.
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| NotifyError::Spawn {
+                program: program.clone(),
+                source,
+            })?;
+        let pgid = child.id().map(|p| p as i32);
+        let mut stdin = child.stdin.take();
+        let mut stderr = child.stderr.take();
+        let work = async {
+            if let Some(mut stdin) = stdin.take() {
+                // A hook that does not read its stdin is not an error.
+                let _ = stdin.write_all(&doc).await;
+                let _ = stdin.write_all(b"\n").await;
+                drop(stdin);
+            }
+            let mut kept = Vec::new();
+            if let Some(err) = stderr.as_mut() {
+                let mut buf = [0u8; 1024];
+                loop {
+                    match err.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            let room = STDERR_KEPT.saturating_sub(kept.len());
+                            kept.extend_from_slice(&buf[..n.min(room)]);
+                        }
+                    }
+                }
+            }
+            let status = child.wait().await;
+            (status, kept)
+        };
+        let result = tokio::time::timeout(self.timeout, work).await;
+        match result {
+            Ok((Ok(status), kept)) => {
+                if status.success() {
+                    return Ok(());
+                }
+                let status = match (status.code(), status.signal()) {
+                    (Some(c), _) => format!("exited with {c}"),
+                    (None, Some(s)) => format!("was killed by signal {s}"),
+                    (None, None) => format!("ended with {status}"),
+                };
+                Err(NotifyError::Failed {
+                    program,
+                    status,
+                    stderr: String::from_utf8_lossy(&kept).into_owned(),
+                })
+            }
+            Ok((Err(source), _)) => Err(NotifyError::Io { program, source }),
+            Err(_elapsed) => {
+                if let Some(pgid) = pgid {
+                    // SAFETY: kill(2) on a negative pid signals a process group
+                    // (the hook's own, made by process_group(0)); no memory is touched.
+                    unsafe {
+                        libc::kill(-pgid, libc::SIGKILL);
+                    }
+                }
+                let _ = tokio::time::timeout(REAP_GRACE, child.wait()).await;
+                Err(NotifyError::Timeout {
+                    program,
+                    timeout: self.timeout,
+                })
+            }
+        }
+    }
+}
+
+/// Formats unix seconds as RFC 3339 UTC. (Howard Hinnant's civil-from-days.)
+pub fn rfc3339(unix: u64) -> String {
+    let days = (unix / 86_400) as i64;
+    let secs = unix % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        secs % 3600 / 60,
+        secs % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    fn script(dir: &std::path::Path, name: &str, body: &str) -> String {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join(name);
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path.display().to_string()
+    }
+
+    fn sample() -> Notification {
+        let mut n = Notification::new(Event::Suspend, Uuid::nil(), "local");
+        n.key = Some("1/s_x/env=00000000-0000-0000-0000-000000000000".into());
+        n.project_id = Some(5);
+        n.project_path = Some("group/project".into());
+        n.job_id = Some(77);
+        n.job_url = Some("https://gitlab.example.com/group/project/-/jobs/77".into());
+        n.machine = Some(Machine::new("i-0abc").with("region", "eu-central-1"));
+        n.reason = Some("requested by the job: which schema?".into());
+        n
+    }
+
+    #[tokio::test]
+    async fn the_hook_gets_one_json_document_on_stdin_and_its_arguments() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("got.json");
+        let args = dir.path().join("args");
+        let hook = script(
+            dir.path(),
+            "record",
+            &format!("echo \"$@\" > {}; cat > {}", args.display(), out.display()),
+        );
+        let n = Notifier::new(
+            vec![hook, "--to".into(), "ops".into()],
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        n.send(&sample()).await.unwrap();
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        assert_eq!(doc["event"], "suspend");
+        assert_eq!(doc["key"], sample().key.unwrap().as_str());
+        assert_eq!(doc["environment_id"], Uuid::nil().to_string());
+        assert_eq!(doc["project_id"], 5);
+        assert_eq!(doc["project_path"], "group/project");
+        assert_eq!(doc["job_id"], 77);
+        assert_eq!(
+            doc["job_url"],
+            "https://gitlab.example.com/group/project/-/jobs/77"
+        );
+        assert_eq!(doc["provider"], "local");
+        assert_eq!(doc["machine"]["id"], "i-0abc");
+        assert_eq!(doc["machine"]["fields"]["region"], "eu-central-1");
+        assert_eq!(doc["reason"], "requested by the job: which schema?");
+        assert!(doc["time"].as_str().unwrap().ends_with('Z'), "{doc}");
+        assert_eq!(std::fs::read_to_string(&args).unwrap().trim(), "--to ops");
+    }
+
+    #[tokio::test]
+    async fn a_hanging_hook_and_what_it_started_are_killed_at_the_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("child.pid");
+        // The hook starts a grandchild in its group and never reads stdin.
+        let hook = script(
+            dir.path(),
+            "hang",
+            &format!("sleep 300 & echo $! > {}; wait", pidfile.display()),
+        );
+        let n = Notifier::new(vec![hook], Duration::from_millis(500)).unwrap();
+        // Without the cut this returns Ok after 300 s (the hook exits 0).
+        let err = n.send(&sample()).await.unwrap_err();
+        assert!(matches!(err, NotifyError::Timeout { .. }), "{err}");
+        let pid: i32 = std::fs::read_to_string(&pidfile)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // The grandchild was killed with the group: gone (reaped) or a zombie.
+        // SIGKILL takes effect when it is next scheduled, so poll a little.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let state = loop {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let state = stat.rsplit(')').next().unwrap_or("").trim().to_string();
+            if state.is_empty() || state.starts_with('Z') || Instant::now() > deadline {
+                break state;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(
+            state.is_empty() || state.starts_with('Z'),
+            "the hook's child still runs: {state}"
+        );
+        assert!(
+            err.short().contains("did not finish within 0.5 s"),
+            "{}",
+            err.short()
+        );
+    }
+
+    #[tokio::test]
+    async fn failures_say_what_happened_and_the_short_form_hides_the_output() {
+        let dir = tempfile::tempdir().unwrap();
+        let hook = script(dir.path(), "fail", "echo 'token=secret-ish' >&2; exit 3");
+        let err = Notifier::new(vec![hook], Duration::from_secs(10))
+            .unwrap()
+            .send(&sample())
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("exited with 3"), "{err}");
+        assert!(err.to_string().contains("token=secret-ish"), "{err}");
+        assert_eq!(err.short(), "the notify command exited with 3");
+        let missing = Notifier::new(
+            vec![dir.path().join("nope").display().to_string()],
+            Duration::from_secs(10),
+        )
+        .unwrap()
+        .send(&sample())
+        .await
+        .unwrap_err();
+        assert!(matches!(missing, NotifyError::Spawn { .. }), "{missing}");
+        assert!(missing.to_string().contains("nope"), "{missing}");
+    }
+
+    #[test]
+    fn no_command_means_no_notifier() {
+        assert!(Notifier::new(vec![], Duration::from_secs(1)).is_none());
+    }
+
+    #[test]
+    fn rfc3339_matches_known_dates() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_700_000_000), "2023-11-14T22:13:20Z");
+        assert_eq!(rfc3339(4_102_444_799), "2099-12-31T23:59:59Z");
+    }
+}

@@ -1,0 +1,330 @@
+//! `dormant shell KEY|ID [--release] [-- COMMAND...]`: a person steps into an
+//! environment on the runner host — a failed job kept for debugging, an agent
+//! waiting for a human.
+//!
+//! The environment is claimed by a shell holder first (a job that tries to
+//! resume it meanwhile is refused "in use by a shell"; an environment a job
+//! holds is refused here), started if it was suspended (the provider's progress
+//! lines, as in prepare), and entered through its own transport: an
+//! interactive login shell with the terminal in the job's project directory
+//! (`CI_PROJECT_DIR`), over the environment's own SSH key and pinned host key
+//! on ssh and ec2, or a local shell on `local`. With `-- COMMAND` the command
+//! runs without a terminal and its exit code is dormant's.
+//!
+//! On exit the environment is suspended again, or released with `--release`.
+//! SIGTERM or SIGHUP (a closed terminal) end the shell and suspend it, never
+//! release it; Ctrl-C belongs to the program in the shell. Any error after the
+//! claim puts it back to suspended. A `dormant shell` killed outright leaves a
+//! claim with no live process, recovered to suspended after
+//! `suspend.claim_grace` by the next resume, release or sweep.
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::Stdio;
+
+use anyhow::{bail, Context, Result};
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::context::{Ctx, JobLog};
+use crate::job::Job;
+use crate::lifecycle::recover::{self, Found};
+use crate::lifecycle::{self, update_error, World};
+use crate::model::{EnvPaths, Machine};
+use crate::notify::{self, Audience, Event, Notification};
+use crate::settings::Settings;
+use crate::state::lock::LiveLock;
+use crate::state::registry::{self, UpdateError};
+use crate::state::{EnvironmentRecord, Holder};
+use crate::transport::Transport;
+
+use super::{env_id, open_store, OPERATOR_BUDGET};
+
+/// What the person asked for.
+#[derive(Debug, Clone, Default)]
+pub struct ShellRequest {
+    pub key: String,
+    /// Release the environment on exit instead of suspending it.
+    pub release: bool,
+    /// Run this (the words joined, as `ssh host -- ...` does) instead of a login shell.
+    pub command: Vec<String>,
+}
+
+/// Runs the shell; returns the exit code dormant exits with (the command's,
+/// or the login shell's).
+pub async fn shell(settings: &Settings, job: &Job, req: &ShellRequest, log: JobLog) -> Result<i32> {
+    let store = open_store(settings, job)?;
+    let id = env_id(&req.key)?;
+    let paths = store.env_paths(id);
+    let provider = crate::provider::from_settings(settings, &store)?;
+    let w = World {
+        store: &store,
+        provider: provider.as_ref(),
+    };
+    // Ours alone: the stage commands' SIGINT handling would cancel on Ctrl-C,
+    // which here belongs to the program in the shell.
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let ctx = Ctx::new(log.clone(), cancel.clone(), OPERATOR_BUDGET);
+    let me = Holder::Shell {
+        pid: std::process::id(),
+    };
+    // Proof we live, taken before the claim is ours (see `registry::liveness`).
+    let _alive = LiveLock::hold(&paths.holder_live).with_context(|| {
+        format!(
+            "environment {id} is not in this runner's registry ({}): `dormant list` shows what is",
+            store.environments_dir().display()
+        )
+    })?;
+    let machine = claim(w, &paths, &me, settings, &ctx).await?;
+    // From here on the environment is ours: every way out settles it.
+    let signals = Signals::new()?;
+    let entered = enter(w, settings, job, &paths, &me, machine, req, &signals, &ctx).await;
+    let release = req.release && matches!(entered, Ok((_, false)));
+    let rec = registry::peek(&paths)?;
+    let settled = if release {
+        log.info(format!("releasing environment {id} (--release)"));
+        lifecycle::release(w, &paths, &me, None, &ctx).await
+    } else {
+        log.info(format!("suspending environment {id}"));
+        lifecycle::suspend(w, &paths, &me, entered.is_ok(), &ctx)
+            .await
+            .map(drop)
+    };
+    if let (Ok(()), Some(rec)) = (&settled, rec) {
+        let (event, reason) = if release {
+            (Event::Release, "dormant shell --release")
+        } else {
+            (Event::Suspend, "dormant shell ended")
+        };
+        let n = Notification::for_record(event, &rec).reason(reason);
+        notify::announce(&settings.suspend, &n, &log, Audience::Operator).await;
+    }
+    match (entered, settled) {
+        (Ok((code, _)), Ok(())) => {
+            if !release {
+                if let Some(key) = registry::peek(&paths)?.and_then(|r| r.key) {
+                    log.info(format!("environment {id} suspended; key: {key}"));
+                }
+            }
+            Ok(code)
+        }
+        (Err(e), Ok(())) => Err(e.context(format!("environment {id} is suspended again"))),
+        (Ok(_), Err(e)) => Err(e),
+        (Err(e), Err(s)) => Err(e.context(format!("and settling environment {id}: {s:#}"))),
+    }
+}
+
+/// Claims the environment as a shell: a suspended one becomes `resuming`
+/// (its machine returned, to be started); one whose holder is gone is
+/// recovered first; one a job or another shell holds is refused.
+async fn claim(
+    w: World<'_>,
+    paths: &EnvPaths,
+    me: &Holder,
+    settings: &Settings,
+    ctx: &Ctx,
+) -> Result<Machine> {
+    let id = paths.id;
+    for attempt in 0..2 {
+        let claimed = registry::update(paths, ctx, |r| {
+            r.claim_for_resume(me)?;
+            Ok::<_, crate::state::NotAllowed>(r.machine.clone())
+        })
+        .await;
+        match claimed {
+            Ok((_, Some(machine))) => return Ok(machine),
+            Ok((_, None)) => bail!("environment {id} has no machine to open a shell in"),
+            Err(UpdateError::Gone(_)) => bail!(
+                "environment {id} is not in this runner's registry: it was released or expired; \
+                 `dormant list` shows what is"
+            ),
+            Err(UpdateError::Refused(_)) if attempt == 0 => {}
+            Err(e) => return Err(update_error(e)),
+        }
+        // Held: by whom, and is it still there?
+        let operator = recover::operator("dormant shell");
+        match recover::recover(w, paths, &operator, &settings.suspend, false, ctx).await? {
+            Found::NoEnvironment => bail!("environment {id} is gone"),
+            Found::NotHeld | Found::Recovered { .. } => {}
+            Found::Live { holder, status } | Found::Idle { holder, status, .. } => bail!(
+                "environment {id} is {} and held by {}: `dormant shell` opens only an \
+                 environment nobody holds (a suspended one); retry after it is suspended",
+                status.as_str(),
+                holder.describe()
+            ),
+        }
+    }
+    bail!("environment {id} was claimed by someone else while it was recovered; retry")
+}
+
+/// Starts the machine, connects and runs the shell. Returns the exit code and
+/// whether a signal ended it (then it is suspended, never released).
+#[allow(clippy::too_many_arguments)]
+async fn enter(
+    w: World<'_>,
+    settings: &Settings,
+    job: &Job,
+    paths: &EnvPaths,
+    me: &Holder,
+    machine: Machine,
+    req: &ShellRequest,
+    signals: &Signals,
+    ctx: &Ctx,
+) -> Result<(i32, bool)> {
+    let id = paths.id;
+    let log = &ctx.log;
+    log.info(format!("resuming {} environment {id}", w.provider.name()));
+    // Ctrl-C, SIGTERM or SIGHUP while it starts: stop, and suspend it again.
+    let machine = tokio::select! {
+        m = w.provider.start(&machine, ctx) => m.with_context(|| format!("starting environment {id}"))?,
+        s = signals.any(true) => bail!("{s} while starting environment {id}"),
+    };
+    let (rec, ()) = registry::update(paths, ctx, |r| r.machine_started(me, machine.clone()))
+        .await
+        .map_err(update_error)?;
+    let transport = crate::transport::open(&w.provider.target(&machine)?, paths, settings, job)?;
+    tokio::select! {
+        c = transport.connect(ctx) => c?,
+        s = signals.any(true) => {
+            lifecycle::close(Some(transport.as_ref()), id, ctx).await;
+            bail!("{s} while connecting to environment {id}")
+        }
+    }
+    let (rec_active, ()) = registry::update(paths, ctx, |r| r.activate(me))
+        .await
+        .map_err(update_error)?;
+    let n = Notification::for_record(Event::Resume, &rec_active).reason("dormant shell");
+    notify::announce(&settings.suspend, &n, log, Audience::Operator).await;
+    let dir = project_dir(settings, paths, &rec)?;
+    let result = run_shell(transport.as_ref(), &dir, req, signals, ctx).await;
+    lifecycle::close(Some(transport.as_ref()), id, ctx).await;
+    result
+}
+
+/// The job's `CI_PROJECT_DIR`: `<builds_dir>/<project path>` (the runner's
+/// layout for a builds dir that is not shared), else the builds dir.
+fn project_dir(settings: &Settings, paths: &EnvPaths, rec: &EnvironmentRecord) -> Result<String> {
+    let builds = crate::provider::dirs(settings, paths)?.builds;
+    Ok(match &rec.project_path {
+        Some(p) => format!("{}/{p}", builds.trim_end_matches('/')),
+        None => builds,
+    })
+}
+
+async fn run_shell(
+    transport: &dyn Transport,
+    dir: &str,
+    req: &ShellRequest,
+    signals: &Signals,
+    ctx: &Ctx,
+) -> Result<(i32, bool)> {
+    let line = (!req.command.is_empty()).then(|| req.command.join(" "));
+    // SAFETY: isatty only inspects the descriptor.
+    let tty = line.is_none() && unsafe { libc::isatty(0) } == 1;
+    if line.is_none() {
+        ctx.log.info(format!(
+            "opening a shell in {dir}; exit it to suspend the environment again{}",
+            if req.release {
+                " (--release: to release it)"
+            } else {
+                ""
+            }
+        ));
+    }
+    let mut cmd = transport
+        .shell_command(dir, line.as_deref(), tty, ctx)
+        .await?;
+    let mut child = cmd
+        .stdin(Stdio::inherit())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting the shell")?;
+    tokio::select! {
+        status = child.wait() => {
+            let status = status.context("waiting for the shell")?;
+            let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+            // A hang-up reaches the shell and dormant together, and the shell
+            // may exit (EOF, status 0) before dormant's signal is handled: a
+            // hung-up terminal, or a signal within a moment, still counts.
+            // SAFETY: tcgetpgrp only inspects the descriptor.
+            if tty && unsafe { libc::tcgetpgrp(0) } == -1 {
+                ctx.log.info("the terminal hung up: the environment is suspended, not released");
+                return Ok((128 + libc::SIGHUP, true));
+            }
+            if let Ok(s) = tokio::time::timeout(SIGNAL_SETTLE, signals.any(false)).await {
+                ctx.log.info(format!("{s}: the environment is suspended, not released"));
+                return Ok((128 + s.number(), true));
+            }
+            Ok((code, false))
+        }
+        s = signals.any(false) => {
+            ctx.log.info(format!("{s}: ending the shell; the environment is suspended, not released"));
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+            Ok((128 + s.number(), true))
+        }
+    }
+}
+
+/// How long after the shell exits a SIGTERM or SIGHUP that ended it may still
+/// arrive (the signal driver runs on the next poll; delivery is immediate).
+const SIGNAL_SETTLE: std::time::Duration = std::time::Duration::from_millis(150);
+
+/// The signals that end a shell session: SIGTERM, SIGHUP (the terminal went
+/// away) and, while the environment starts, SIGINT (Ctrl-C). Inside the shell
+/// Ctrl-C belongs to the program there (the terminal sends it to both).
+struct Signals {
+    term: tokio::sync::Mutex<tokio::signal::unix::Signal>,
+    hup: tokio::sync::Mutex<tokio::signal::unix::Signal>,
+    int: tokio::sync::Mutex<tokio::signal::unix::Signal>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Ended {
+    Term,
+    Hup,
+    Int,
+}
+
+impl Ended {
+    fn number(self) -> i32 {
+        match self {
+            Ended::Term => libc::SIGTERM,
+            Ended::Hup => libc::SIGHUP,
+            Ended::Int => libc::SIGINT,
+        }
+    }
+}
+
+impl std::fmt::Display for Ended {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Ended::Term => "SIGTERM",
+            Ended::Hup => "SIGHUP",
+            Ended::Int => "SIGINT",
+        })
+    }
+}
+
+impl Signals {
+    fn new() -> Result<Signals> {
+        let listen = |k| signal(k).context("listening for signals");
+        Ok(Signals {
+            term: tokio::sync::Mutex::new(listen(SignalKind::terminate())?),
+            hup: tokio::sync::Mutex::new(listen(SignalKind::hangup())?),
+            int: tokio::sync::Mutex::new(listen(SignalKind::interrupt())?),
+        })
+    }
+
+    /// The next signal that ends the session; SIGINT only with `interrupt`.
+    async fn any(&self, interrupt: bool) -> Ended {
+        let mut term = self.term.lock().await;
+        let mut hup = self.hup.lock().await;
+        let mut int = self.int.lock().await;
+        tokio::select! {
+            _ = term.recv() => Ended::Term,
+            _ = hup.recv() => Ended::Hup,
+            _ = int.recv(), if interrupt => Ended::Int,
+        }
+    }
+}
