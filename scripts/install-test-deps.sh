@@ -29,7 +29,7 @@ fi
 if [ ! -x .venv/bin/moto_server ]; then
   echo "install-test-deps: installing moto (EC2 emulator) into .venv"
   python3 -m venv .venv
-  .venv/bin/pip install --quiet --disable-pip-version-check 'moto[ec2]' flask flask-cors
+  .venv/bin/pip install --quiet --disable-pip-version-check 'moto[ec2]==5.2.5' 'flask==3.1.3' 'flask-cors==6.0.5'
 fi
 # Pinned: the package check reads cargo-deb's output and metadata keys.
 CARGO_DEB_VERSION=3.8.0
