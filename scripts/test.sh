@@ -8,6 +8,10 @@ export DORMANT_TEST_MOTO_SERVER="$PWD/.venv/bin/moto_server"
 export DORMANT_TEST_SSHD=/usr/sbin/sshd
 cargo fmt --all -- --check
 cargo clippy --all-targets --all-features -- -D warnings
-cargo test --all-features
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --all-features 2>&1 | tee "$log"
 # Builds the .deb from the binary the tests just built and checks it (see the script).
 scripts/package.sh --check
+# One closing line for the whole suite (cargo's last line is the doc tests').
+awk '/^test result:/ { p += $4; f += $6 } END { printf "%d passed, %d failed\n", p, f }' "$log"

@@ -11,6 +11,7 @@ use anyhow::Result;
 use super::World;
 use crate::context::Ctx;
 use crate::model::EnvPaths;
+use crate::notify::{self, Audience, Event, Notification};
 use crate::settings::SuspendSettings;
 use crate::state::lock::LiveLock;
 use crate::state::registry::{self, Liveness};
@@ -51,7 +52,7 @@ pub async fn recover(
     ctx: &Ctx,
 ) -> Result<Found> {
     let grace = policy.claim_grace.get();
-    let (old, status, idle, _alive) = {
+    let (old, status, idle, snapshot, _alive) = {
         let Some(env) = registry::lock(paths, ctx).await? else {
             return Ok(Found::NoEnvironment);
         };
@@ -88,7 +89,7 @@ pub async fn recover(
         );
         let (rec, old) =
             registry::update_locked(&env, |r| r.take_over(me, why)).map_err(super::update_error)?;
-        (old, rec.status(), idle, alive)
+        (old, rec.status(), idle, rec, alive)
     };
     let settled = on_stale(status, &old, policy.enabled);
     let what = match settled {
@@ -103,12 +104,24 @@ pub async fn recover(
         status.as_str(),
         super::human_age(idle).trim_end_matches(" ago"),
     ));
-    match settled {
-        Settle::Release => super::release(w, paths, me, None, ctx).await?,
+    let event = match settled {
+        Settle::Release => {
+            super::release(w, paths, me, None, ctx).await?;
+            Some(Event::Release)
+        }
         Settle::Suspend | Settle::Resuspend => {
             super::suspend(w, paths, me, settled == Settle::Suspend, ctx).await?;
+            Some(Event::Suspend)
         }
-        Settle::Nothing => {}
+        Settle::Nothing => None,
+    };
+    if let Some(event) = event {
+        // Whoever waits for this environment learns what became of it.
+        let n = Notification::for_record(event, &snapshot).reason(format!(
+            "recovered from {}, which had no process left",
+            old.describe()
+        ));
+        notify::announce(policy, &n, &ctx.log, Audience::Job).await;
     }
     Ok(Found::Recovered { from: old, settled })
 }

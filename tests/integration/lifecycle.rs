@@ -48,7 +48,16 @@ fn refused_and_finished_jobs_leave_no_lock_files() {
 
 #[test]
 fn a_claim_whose_holder_is_gone_is_released_by_the_operator_and_a_live_one_never() {
-    let rig = Rig::new("41", "s_0123456789ab", GRACE);
+    let notes = tempfile::NamedTempFile::new().unwrap();
+    let rig = Rig::new(
+        "41",
+        "s_0123456789ab",
+        &format!(
+            "[suspend]\nclaim_grace = \"1s\"\nnotify_command = [\"/bin/sh\", \"-c\", \"cat >> {}; echo >> {}\"]\n",
+            notes.path().display(),
+            notes.path().display()
+        ),
+    );
     let store = StateStore::open(&rig.state_dir).unwrap();
     let stale = uuid::Uuid::new_v4();
     let fresh = uuid::Uuid::new_v4();
