@@ -41,6 +41,9 @@ pub struct QemuSettings {
     pub max_environments: u32,
     /// What suspending does: power off keeping the disk, or save memory too.
     pub suspend_mode: QemuSuspendMode,
+    /// Forbid the guest's own outbound connections (QEMU `restrict=on`): only
+    /// the forwarded SSH port works. Jobs usually need the network; tests don't.
+    pub restrict_network: bool,
     /// The QEMU system emulator.
     pub qemu_binary: PathBuf,
     pub qemu_img: PathBuf,
@@ -67,6 +70,7 @@ impl Default for QemuSettings {
             ssh_user: "debian".into(),
             max_environments: 2,
             suspend_mode: QemuSuspendMode::Shutdown,
+            restrict_network: false,
             qemu_binary: PathBuf::from("qemu-system-x86_64"),
             qemu_img: PathBuf::from("qemu-img"),
             shutdown_timeout: HumanDuration::from_secs(60),

@@ -51,9 +51,6 @@ const ABANDON_BUDGET: Duration = Duration::from_secs(30);
 pub struct QemuProvider {
     settings: QemuSettings,
     store: StateStore,
-    /// Forbid the guest's own outbound traffic (`restrict=on`): tests, where
-    /// nothing may leave loopback. Set by `DORMANT_QEMU_RESTRICT_NETWORK=1`.
-    restrict_network: bool,
 }
 
 impl QemuProvider {
@@ -61,8 +58,6 @@ impl QemuProvider {
         QemuProvider {
             settings: settings.qemu.clone(),
             store: store.clone(),
-            restrict_network: std::env::var("DORMANT_QEMU_RESTRICT_NETWORK")
-                .is_ok_and(|v| v == "1"),
         }
     }
 

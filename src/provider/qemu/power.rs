@@ -51,9 +51,10 @@ pub async fn boot(
         };
         let mut argv = match incoming {
             Some(l) => vm::with_port(&l.argv, l.port, port),
-            None => vm::argv(&p.settings, image, vm, port, p.restrict_network),
+            None => vm::argv(&p.settings, image, vm, port),
         };
         vm.write_launch(&Launch {
+            version: crate::state::store::FORMAT_VERSION,
             argv: argv.clone(),
             port,
         })?;

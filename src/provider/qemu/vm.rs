@@ -38,6 +38,8 @@ pub struct VmDir {
 /// memory image only into the same machine it was saved from).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Launch {
+    /// The state-file format version (`state::store::FORMAT_VERSION`).
+    pub version: u32,
     pub argv: Vec<String>,
     /// The host port forwarded to the guest's port 22.
     pub port: u16,
@@ -168,13 +170,7 @@ fn opt_value(path: &Path) -> String {
 }
 
 /// The QEMU command line of a VM (without `-incoming`).
-pub fn argv(
-    settings: &QemuSettings,
-    image: &BootImage,
-    vm: &VmDir,
-    port: u16,
-    restrict_network: bool,
-) -> Vec<String> {
+pub fn argv(settings: &QemuSettings, image: &BootImage, vm: &VmDir, port: u16) -> Vec<String> {
     let mut a: Vec<String> = vec![settings.qemu_binary.display().to_string()];
     let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
     let accel = match settings.accel {
@@ -224,7 +220,11 @@ pub fn argv(
     }
     let netdev = format!(
         "user,id=net0{},hostfwd=tcp:127.0.0.1:{port}-:22",
-        if restrict_network { ",restrict=on" } else { "" }
+        if settings.restrict_network {
+            ",restrict=on"
+        } else {
+            ""
+        }
     );
     push(&[
         "-drive",
@@ -256,15 +256,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_recorded_command_line_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir::new(&EnvPaths::new(dir.path(), Uuid::nil()));
+        vm.ensure().unwrap();
+        assert_eq!(vm.read_launch().unwrap(), None);
+        let launch = Launch {
+            version: crate::state::store::FORMAT_VERSION,
+            argv: vec!["qemu-system-x86_64".into(), "-name".into(), vm.name()],
+            port: 2222,
+        };
+        vm.write_launch(&launch).unwrap();
+        assert_eq!(vm.read_launch().unwrap(), Some(launch));
+    }
+
+    #[test]
     fn the_command_line_names_the_environment_and_forwards_loopback_only() {
         let paths = EnvPaths::new(Path::new("/s,x"), Uuid::nil());
         let vm = VmDir::new(&paths);
         let settings = QemuSettings {
             accel: Accel::Tcg,
+            restrict_network: true,
             ..Default::default()
         };
         let image = BootImage::Path("/img/base.qcow2".into());
-        let a = argv(&settings, &image, &vm, 2222, true);
+        let a = argv(&settings, &image, &vm, 2222);
         let joined = a.join(" ");
         assert!(
             joined.contains("-name dormant-00000000-0000-0000-0000-000000000000"),
