@@ -261,6 +261,15 @@ fn a_vm_powers_off_keeping_its_disk_and_a_later_job_boots_it_again() {
         .resume(&key)
         .script("cat state.txt; test ! -e .fetched-by-job-2");
     second.get_sources = "touch .fetched-by-job-2".into();
+    let pinned_in_job_2 = rig.dir.path().join("known_hosts.job2");
+    second.before_stage.push((
+        "build_script".into(),
+        format!(
+            "cp {} {}",
+            env.known_hosts.display(),
+            pinned_in_job_2.display()
+        ),
+    ));
     let r2 = rig.run(&second);
     assert_result(&r2, JobResult::Success);
     assert!(r2.log().contains("kept-on-disk"), "{}", r2.log());

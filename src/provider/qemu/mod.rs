@@ -286,9 +286,12 @@ impl Provider for QemuProvider {
                     .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                     .map(|d| d.as_secs());
                 let port = vm.read_launch().ok().flatten().map(|l| l.port).unwrap_or(0);
+                // A VM whose environment has no record is an orphan: no env id
+                // matches it (`sweep` reports it; its machine still names it).
+                let recorded = self.paths(id).record.exists();
                 ManagedMachine {
                     machine: self.machine(id, port, "default"),
-                    env_id: Some(id),
+                    env_id: recorded.then_some(id),
                     state: describe(&vm),
                     launched_at,
                 }
