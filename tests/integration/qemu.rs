@@ -222,6 +222,18 @@ fn a_vm_powers_off_keeping_its_disk_and_a_later_job_boots_it_again() {
         "build_script".into(),
         login_with_env_key_only(&env, &login_out),
     ));
+    // How the running QEMU is detached: its stdio, session and QMP socket mode.
+    let detached_out = rig.dir.path().join("detached.txt");
+    let vm = env.dir.join("vm");
+    first.before_stage.push((
+        "build_script".into(),
+        format!(
+            "pid=$(cat {vm}/qemu.pid); {{ readlink /proc/$pid/fd/0 /proc/$pid/fd/1 /proc/$pid/fd/2; \
+             echo \"session $(ps -o sid= -p $pid | tr -d ' ') pid $pid\"; stat -c 'qmp %a' {vm}/qmp.sock; }} > {out}",
+            vm = vm.display(),
+            out = detached_out.display()
+        ),
+    ));
     let r = rig.run(&first);
     assert_result(&r, JobResult::Success);
     let key = r.key.clone().expect("the key is printed");
@@ -244,6 +256,17 @@ fn a_vm_powers_off_keeping_its_disk_and_a_later_job_boots_it_again() {
     );
     cloud_init_schema(&seed_user_data).unwrap();
 
+    // QEMU ran detached: stdio on /dev/null, its own session, a private QMP socket.
+    let detached = std::fs::read_to_string(&detached_out).unwrap();
+    let lines: Vec<&str> = detached.lines().collect();
+    assert_eq!(&lines[..3], &["/dev/null"; 3], "{detached}");
+    let session: Vec<&str> = lines[3].split_whitespace().collect();
+    assert_eq!(
+        session[1], session[3],
+        "QEMU leads its own session: {detached}"
+    );
+    assert_eq!(lines[4], "qmp 600", "{detached}");
+
     // Suspended: powered off, disk kept.
     assert!(
         qemu_pids(&env).is_empty(),
@@ -256,6 +279,9 @@ fn a_vm_powers_off_keeping_its_disk_and_a_later_job_boots_it_again() {
         r.cleanup_output()
     );
     let pinned = std::fs::read_to_string(&env.known_hosts).unwrap();
+    // As if a hibernation had been interrupted while saving memory: the
+    // partial image is never restored; the resume boots the disk and says so.
+    std::fs::write(vm.join("memory.state.partial"), b"half a memory image").unwrap();
 
     let mut second = job(91)
         .resume(&key)
@@ -273,6 +299,11 @@ fn a_vm_powers_off_keeping_its_disk_and_a_later_job_boots_it_again() {
     let r2 = rig.run(&second);
     assert_result(&r2, JobResult::Success);
     assert!(r2.log().contains("kept-on-disk"), "{}", r2.log());
+    assert!(
+        r2.log().contains("did not complete") && r2.log().contains("memory lost, disk kept"),
+        "{}",
+        r2.log()
+    );
     assert!(r2.log().contains("skipping get_sources"), "{}", r2.log());
     assert!(
         r2.log().contains("host key matches the one pinned"),

@@ -76,3 +76,66 @@ async fn lock(path: &Path, ctx: &Ctx) -> Result<FileLock> {
         .with_context(|| format!("lock file {}", path.display()))?;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::context::JobLog;
+    use crate::provider::qemu::process::fake::FakeQemu;
+    use crate::provider::qemu::vm::VmDir;
+    use crate::state::EnvPaths;
+
+    #[tokio::test]
+    async fn a_full_host_waits_with_progress_until_a_vm_exits() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir::new(&EnvPaths::new(dir.path(), uuid::Uuid::new_v4()));
+        let running = FakeQemu::start(dir.path(), &vm);
+        let (log, captured) = JobLog::capture();
+        let ctx = Ctx::new(log, Default::default(), Duration::from_secs(30));
+        let stopper = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(3));
+            drop(running);
+        });
+        let started = std::sync::atomic::AtomicUsize::new(0);
+        let pid = start_when_free(dir.path(), 1, &ctx, || async {
+            started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(Pid(42))
+        })
+        .await
+        .unwrap();
+        stopper.join().unwrap();
+        assert_eq!(pid, Pid(42));
+        assert_eq!(started.load(std::sync::atomic::Ordering::SeqCst), 1);
+        let text = String::from_utf8(captured.lock().unwrap().clone()).unwrap();
+        assert!(
+            text.contains("waiting for a free VM slot: 1 of qemu.max_environments = 1 running"),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_wait_ends_at_the_deadline_saying_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir::new(&EnvPaths::new(dir.path(), uuid::Uuid::new_v4()));
+        let _running = FakeQemu::start(dir.path(), &vm);
+        let ctx = Ctx::new(
+            JobLog::capture().0,
+            Default::default(),
+            Duration::from_secs(1),
+        );
+        let err = start_when_free(dir.path(), 1, &ctx, || async { Ok(Pid(1)) })
+            .await
+            .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("raise it, suspend or release"),
+            "{err:#}"
+        );
+        // No limit: starts at once whatever runs.
+        assert_eq!(
+            start_when_free(dir.path(), 0, &ctx, || async { Ok(Pid(7)) })
+                .await
+                .unwrap(),
+            Pid(7)
+        );
+    }
+}

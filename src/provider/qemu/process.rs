@@ -258,3 +258,98 @@ pub async fn spawn(argv: &[String], vm: &VmDir) -> Result<Pid> {
         .with_context(|| format!("making {} private", vm.qmp().display()))?;
     Ok(pid)
 }
+
+/// A stand-in QEMU for unit tests: a shell named `qemu-system-fake` whose
+/// command line carries `-name dormant-<id>` and the VM directory, as dormant's
+/// QEMUs do, sleeping until killed.
+#[cfg(test)]
+pub(crate) mod fake {
+    use std::path::Path;
+    use std::process::{Child, Command};
+
+    use super::VmDir;
+
+    pub struct FakeQemu(pub Child);
+
+    impl FakeQemu {
+        pub fn start(bin_dir: &Path, vm: &VmDir) -> FakeQemu {
+            let sh = bin_dir.join("qemu-system-fake");
+            if !sh.exists() {
+                std::os::unix::fs::symlink("/bin/sh", &sh).unwrap();
+            }
+            let child = Command::new(&sh)
+                // `; true` keeps the shell itself running (no exec of sleep).
+                .args(["-c", "sleep 60; true", "-name"])
+                .arg(vm.name())
+                .arg(vm.overlay())
+                .spawn()
+                .unwrap();
+            // Until the shell runs, /proc shows the parent's command line.
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            while super::find(vm).is_none() && std::time::Instant::now() < until {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            FakeQemu(child)
+        }
+    }
+
+    impl Drop for FakeQemu {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fake::FakeQemu;
+    use super::*;
+    use crate::state::EnvPaths;
+
+    #[test]
+    fn a_vms_qemu_is_found_by_its_command_line_and_only_it_is_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        let ours = VmDir::new(&EnvPaths::new(dir.path(), Uuid::new_v4()));
+        let other = VmDir::new(&EnvPaths::new(dir.path(), Uuid::new_v4()));
+        let elsewhere = tempfile::tempdir().unwrap();
+        let foreign = VmDir::new(&EnvPaths::new(elsewhere.path(), ours.env_id));
+        assert_eq!(find(&ours), None);
+
+        let mut q = FakeQemu::start(dir.path(), &ours);
+        let _o = FakeQemu::start(dir.path(), &other);
+        let pid = find(&ours).expect("found by scanning (no pidfile)");
+        assert_eq!(pid.0, q.0.id() as i32);
+        let mut all: Vec<Uuid> = scan(&dir.path().join("environments"))
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        all.sort();
+        let mut want = vec![ours.env_id, other.env_id];
+        want.sort();
+        assert_eq!(all, want);
+        // The same environment id in another state dir is not ours.
+        assert_eq!(find(&foreign), None);
+
+        // A stale pidfile naming another process is not believed.
+        ours.ensure().unwrap();
+        std::fs::write(ours.pidfile(), format!("{}\n", std::process::id())).unwrap();
+        assert_eq!(find(&ours), Some(pid));
+
+        // kill() refuses a pid that is not this VM's QEMU.
+        kill(&other, pid).unwrap();
+        assert!(alive(pid.0), "another VM's kill must not touch ours");
+        kill(&ours, pid).unwrap();
+        q.0.wait().unwrap();
+        assert_eq!(find(&ours), None);
+    }
+
+    #[test]
+    fn free_ports_are_loopback_and_bindable() {
+        let p = free_port().unwrap();
+        assert!(port_free(p));
+        let held = std::net::TcpListener::bind(("127.0.0.1", p)).unwrap();
+        assert!(!port_free(p));
+        drop(held);
+    }
+}
