@@ -38,13 +38,17 @@ fn alive(pid: i32) -> bool {
     }
 }
 
-/// Whether a command line is the QEMU of environment `env_id` living in `vm_dir`.
+/// Whether a command line is the QEMU of environment `env_id` living in
+/// `vm_dir`: `-name dormant-<id>` and `-pidfile <vm_dir>/qemu.pid`, as
+/// `vm::argv` writes them. The binary's name is not checked: `qemu.qemu_binary`
+/// may be any path (a wrapper, `kvm`).
 fn is_vm(args: &[String], env_id: Uuid, vm_dir: &Path) -> bool {
     let name = vm_name(env_id);
-    let dir = vm_dir.display().to_string();
-    args.first().is_some_and(|a| a.contains("qemu"))
-        && args.windows(2).any(|w| w[0] == "-name" && w[1] == name)
-        && args.iter().any(|a| a.contains(&dir))
+    let pidfile = vm_dir.join("qemu.pid").display().to_string();
+    args.windows(2).any(|w| w[0] == "-name" && w[1] == name)
+        && args
+            .windows(2)
+            .any(|w| w[0] == "-pidfile" && w[1] == pidfile)
 }
 
 /// The live QEMU of this VM, found through its pidfile and confirmed by its
@@ -77,7 +81,7 @@ pub fn scan(environments: &Path) -> Vec<(Uuid, Pid)> {
             continue;
         };
         let Some(args) = cmdline(pid) else { continue };
-        if !args.first().is_some_and(|a| a.contains("qemu")) || !alive(pid) {
+        if !alive(pid) {
             continue;
         }
         let Some(id) = args
@@ -281,7 +285,8 @@ pub(crate) mod fake {
                 // `; true` keeps the shell itself running (no exec of sleep).
                 .args(["-c", "sleep 60; true", "-name"])
                 .arg(vm.name())
-                .arg(vm.overlay())
+                .arg("-pidfile")
+                .arg(vm.pidfile())
                 .spawn()
                 .unwrap();
             // Until the shell runs, /proc shows the parent's command line.
