@@ -109,21 +109,32 @@ pub async fn resume(
         ensure_running(vm, ctx)?;
         return Ok((pid, launch.port, false));
     }
-    let launch = vm.read_launch()?;
-    if let (true, Some(launch)) = (vm.state().exists(), launch) {
-        match restore(p, vm, image, &launch, ctx).await {
-            Ok((pid, port)) => return Ok((pid, port, true)),
-            Err(e) => {
+    if vm.state().exists() {
+        match vm.read_launch()? {
+            Some(launch) => match restore(p, vm, image, &launch, ctx).await {
+                Ok((pid, port)) => return Ok((pid, port, true)),
+                Err(e) => {
+                    ctx.log.warn(format!(
+                        "restoring the saved memory of VM {} failed ({e:#}): booting from its disk instead \
+                         (memory lost, disk kept)",
+                        vm.name()
+                    ));
+                    quit(vm, ctx).await?;
+                    vm.remove_durably(&vm.state())?;
+                }
+            },
+            None => {
+                // Without the command line that saved it, the image cannot be loaded.
                 ctx.log.warn(format!(
-                    "restoring the saved memory of VM {} failed ({e:#}): booting from its disk instead \
+                    "VM {} has a memory image but no recorded command line: booting from its disk \
                      (memory lost, disk kept)",
                     vm.name()
                 ));
-                quit(vm, ctx).await?;
                 vm.remove_durably(&vm.state())?;
             }
         }
-    } else if vm.partial_state().exists() {
+    }
+    if vm.partial_state().exists() {
         ctx.log.warn(format!(
             "the last hibernation of VM {} did not complete (interrupted while saving memory): booting from \
              its disk (memory lost, disk kept)",
