@@ -69,14 +69,15 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 
 cpu=qemu64; accel="tcg,thread=multi"
 [ "$ACCEL" = kvm ] && { cpu=host; accel=kvm; }
-machine_args() { # the command line the qemu provider builds (src/provider/qemu/vm.rs)
-  echo -name "dormant-bench-$$" -machine q35 -accel "$accel" -cpu "$cpu" -smp 2 -m 1024 \
+start_vm() { # start_vm PORT [EXTRA...]: the command line the qemu provider builds (src/provider/qemu/vm.rs)
+  local port=$1; shift
+  qemu-system-x86_64 -name "dormant-bench-$$" -machine q35 -accel "$accel" -cpu "$cpu" -smp 2 -m 1024 \
     -nodefaults -display none -chardev "file,id=console,path=$work/console.log,append=on" \
     -serial chardev:console -qmp "unix:$work/qmp.sock,server=on,wait=off" -pidfile "$work/qemu.pid" \
     -daemonize -kernel "$IMG/vmlinuz" -initrd "$IMG/initrd.img" -append "root=/dev/vda rw console=ttyS0 quiet" \
     -drive "file=$work/overlay.qcow2,if=virtio,format=qcow2" \
-    -netdev "user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:$1-:22" -device virtio-net-pci,netdev=net0 \
-    -drive "file=$work/seed.iso,if=virtio,format=raw,readonly=on"
+    -netdev "user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:$port-:22" -device virtio-net-pci,netdev=net0 \
+    -drive "file=$work/seed.iso,if=virtio,format=raw,readonly=on" "$@"
 }
 
 declare -A M
@@ -88,14 +89,12 @@ for run in $(seq 1 "$RUNS"); do
   genisoimage -quiet -output "$work/seed.iso" -volid cidata -joliet -rock "$work/user-data" "$work/meta-data"
   qemu-img create -q -f qcow2 -b "$IMG/base.qcow2" -F qcow2 "$work/overlay.qcow2"
   port=$(free_port)
-  # shellcheck disable=SC2046
-  t0=$(now); qemu-system-x86_64 $(machine_args "$port"); wait_banner "$port"; t1=$(now)
+  t0=$(now); start_vm "$port"; wait_banner "$port"; t1=$(now)
   M[new]+="$(secs "$t0" "$t1") "
   pid=$(cat "$work/qemu.pid")
   t0=$(now); qmp "$work/qmp.sock" system_powerdown >/dev/null; wait_exit "$pid"; t1=$(now)
   M[shutdown]+="$(secs "$t0" "$t1") "
-  # shellcheck disable=SC2046
-  t0=$(now); qemu-system-x86_64 $(machine_args "$port"); wait_banner "$port"; t1=$(now)
+  t0=$(now); start_vm "$port"; wait_banner "$port"; t1=$(now)
   M[boot]+="$(secs "$t0" "$t1") "
   pid=$(cat "$work/qemu.pid")
   t0=$(now)
@@ -104,8 +103,7 @@ for run in $(seq 1 "$RUNS"); do
   until qmp "$work/qmp.sock" query-migrate | grep -q '"completed"'; do sleep 0.05; done
   qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"; t1=$(now)
   M[hibernate]+="$(secs "$t0" "$t1") "
-  # shellcheck disable=SC2046
-  t0=$(now); qemu-system-x86_64 $(machine_args "$port") -incoming "file:$work/state"; wait_banner "$port"; t1=$(now)
+  t0=$(now); start_vm "$port" -incoming "file:$work/state"; wait_banner "$port"; t1=$(now)
   M[restore]+="$(secs "$t0" "$t1") "
   qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$(cat "$work/qemu.pid" 2>/dev/null || echo 0)"
 done
