@@ -166,7 +166,7 @@ async fn restore(
         match status.as_str() {
             "running" => break,
             "inmigrate" => {}
-            // Loaded but not started (QEMU started with -S, or autostart off).
+            // Loaded as it was saved: paused (hibernate stops the VM first).
             "paused" | "postmigrate" | "prelaunch" => {
                 Qmp::connect(&vm.qmp())?.execute("cont", None)?;
                 break;
