@@ -105,7 +105,7 @@ for run in $(seq 1 "$RUNS"); do
   M[hibernate]+="$(secs "$t0" "$t1") "
   t0=$(now); start_vm "$port" -incoming "file:$work/state"
   # The saved VM was paused: it loads paused and needs `cont`.
-  until qmp "$work/qmp.sock" query-status | grep -q '"paused"\|"running"'; do sleep 0.05; done
+  until qmp "$work/qmp.sock" query-status | grep -q '"status": "paused"\|"status": "running"'; do sleep 0.05; done
   qmp "$work/qmp.sock" cont >/dev/null; wait_banner "$port"; t1=$(now)
   M[restore]+="$(secs "$t0" "$t1") "
   qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$(cat "$work/qemu.pid" 2>/dev/null || echo 0)"
