@@ -108,7 +108,7 @@ for run in $(seq 1 "$RUNS"); do
   until qmp "$work/qmp.sock" query-status | grep -q '"status": "paused"\|"status": "running"'; do sleep 0.05; done
   qmp "$work/qmp.sock" cont >/dev/null; wait_banner "$port"; t1=$(now)
   M[restore]+="$(secs "$t0" "$t1") "
-  qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$(cat "$work/qemu.pid" 2>/dev/null || echo 0)"
+  pid=$(cat "$work/qemu.pid"); qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"
 done
 
 # --- dormant ------------------------------------------------------------------
