@@ -4,6 +4,9 @@
 #   - moto's EC2 emulator in .venv (tests start it on 127.0.0.1),
 #   - cargo-deb (the package check builds the .deb) and systemd-analyze
 #     (it verifies the package's units).
+#   - QEMU from bookworm-backports, debootstrap, cloud-image-utils, genisoimage
+#     and cloud-init (the qemu provider's tests boot real VMs; cloud-init's
+#     `schema` command validates the user-data dormant builds).
 # Idempotent and quick when everything is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,4 +45,37 @@ if ! command -v systemd-analyze >/dev/null 2>&1 || ! command -v dpkg-deb >/dev/n
   as_root apt-get update -qq
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq systemd dpkg >/dev/null
 fi
-echo "install-test-deps: sshd $(/usr/sbin/sshd -V 2>&1 | head -1 || true); moto $(.venv/bin/python -c 'import moto; print(moto.__version__)')"
+# QEMU comes from bookworm-backports: bookworm's own 7.2 would replace the
+# newer qemu-utils some machines already carry. The backports line reuses the
+# mirror of the machine's own bookworm source, in a file of its own.
+QEMU_VERSION="1:10.0.2+ds-2+deb13u1~bpo12+1"
+need_qemu=0
+for pkg in qemu-system-x86 qemu-utils; do
+  [ "$(dpkg-query -W -f='${Status} ${Version}' "$pkg" 2>/dev/null)" = "install ok installed $QEMU_VERSION" ] || need_qemu=1
+done
+for tool in debootstrap cloud-localds genisoimage cloud-init; do
+  command -v "$tool" >/dev/null 2>&1 || need_qemu=1
+done
+if [ "$need_qemu" -eq 1 ]; then
+  src=/etc/apt/sources.list.d/dormant-bookworm-backports.sources
+  if [ ! -f "$src" ]; then
+    mirror=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null \
+      | grep -v '^ *#' | grep -oE 'https?://[^ ]+/debian/?( |$)' | head -1 | tr -d ' ' || true)
+    mirror=${mirror:-http://deb.debian.org/debian}
+    echo "install-test-deps: adding bookworm-backports from $mirror"
+    printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+      "$mirror" | as_root tee "$src" >/dev/null
+  fi
+  echo "install-test-deps: installing QEMU $QEMU_VERSION, debootstrap, cloud-image-utils, genisoimage, cloud-init"
+  as_root apt-get update -qq
+  # cloud-init is only used on the host to validate user-data (`cloud-init schema`):
+  # never let it configure this machine at boot.
+  as_root mkdir -p /etc/cloud
+  [ -f /etc/cloud/cloud-init.disabled ] || as_root touch /etc/cloud/cloud-init.disabled
+  # -t: QEMU's dependencies (seabios, ...) must come from backports as well.
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends \
+    -t bookworm-backports "qemu-system-x86=$QEMU_VERSION" "qemu-utils=$QEMU_VERSION" >/dev/null
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends \
+    debootstrap cloud-image-utils genisoimage cloud-init >/dev/null
+fi
+echo "install-test-deps: sshd $(/usr/sbin/sshd -V 2>&1 | head -1 || true); moto $(.venv/bin/python -c 'import moto; print(moto.__version__)'); $(qemu-system-x86_64 --version | head -1)"

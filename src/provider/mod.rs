@@ -3,11 +3,15 @@
 //! The stage logic talks only to [`Provider`]; each implementation lives in its
 //! own file: `local` (a directory, the embedded default), `ssh_hosts` (a
 //! workspace on one of a list of SSH hosts), `ec2` (one instance per environment,
-//! behind the default-on `ec2` cargo feature). Tests inject fakes.
+//! behind the default-on `ec2` cargo feature), `qemu` (one VM per environment
+//! on the runner host). `cloud_init` is the user-data both VM providers send.
+//! Tests inject fakes.
 
+pub mod cloud_init;
 #[cfg(feature = "ec2")]
 pub mod ec2;
 pub mod local;
+pub mod qemu;
 pub mod ssh_hosts;
 
 use std::collections::BTreeMap;
@@ -67,7 +71,7 @@ impl MachineSpec {
 /// cancelled by `ctx.cancel`; progress goes to `ctx.log` (the job log).
 #[async_trait]
 pub trait Provider: Send + Sync {
-    /// `local`, `ssh` or `ec2`: also the `provider=` field of environment keys.
+    /// `local`, `ssh`, `ec2` or `qemu`: also the `provider=` field of environment keys.
     fn name(&self) -> &'static str;
 
     /// Whether the machine must be given the environment's SSH public key at creation.
@@ -121,6 +125,7 @@ pub fn dirs(settings: &Settings, paths: &EnvPaths) -> Result<Dirs> {
         ProviderKind::Local => Ok(local::dirs(paths)),
         ProviderKind::Ssh => settings.ssh.dirs(paths),
         ProviderKind::Ec2 => settings.ec2.dirs(paths),
+        ProviderKind::Qemu => settings.qemu.dirs(paths),
     }
 }
 
@@ -132,6 +137,7 @@ pub fn from_settings(settings: &Settings, store: &StateStore) -> Result<Arc<dyn 
             settings.ssh.clone(),
             store.clone(),
         ))),
+        ProviderKind::Qemu => Ok(Arc::new(qemu::QemuProvider::new(settings, store))),
         #[cfg(feature = "ec2")]
         ProviderKind::Ec2 => Ok(Arc::new(ec2::Ec2Provider::new(settings, store)?)),
         #[cfg(not(feature = "ec2"))]

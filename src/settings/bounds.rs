@@ -42,6 +42,10 @@ const fn bound(key: &'static str, zero_ok: bool, max: HumanDuration) -> Duration
 ///   two stages of a job is milliseconds.
 /// - `ssh.server_alive_interval`: 1 h; three missed answers declare the
 ///   connection dead, so longer would hide a dead machine for hours.
+/// - `qemu.shutdown_timeout` (ACPI power-down before QEMU is quit): 1 h; a
+///   guest that has not powered off by then will not.
+/// - `qemu.boot_timeout`: 24 h, like every prepare bound (the runner's
+///   `prepare_exec_timeout` ends a prepare first).
 /// - `ec2.image_cache_ttl`: 30 d; an image pattern's newest match changes when
 ///   images (with security fixes) are published. Pin an AMI id to keep one.
 pub const DURATION_BOUNDS: &[DurationBound] = &[
@@ -61,6 +65,8 @@ pub const DURATION_BOUNDS: &[DurationBound] = &[
     bound("ssh.slot_wait", true, hours(24)),
     bound("ec2.image_cache_ttl", true, days(30)),
     bound("ec2.prepare_timeout", false, hours(24)),
+    bound("qemu.shutdown_timeout", false, hours(1)),
+    bound("qemu.boot_timeout", false, hours(24)),
 ];
 
 impl Settings {
@@ -85,6 +91,8 @@ impl Settings {
             ("ssh.slot_wait", Some(self.ssh.slot_wait)),
             ("ec2.image_cache_ttl", Some(self.ec2.image_cache_ttl)),
             ("ec2.prepare_timeout", self.ec2.prepare_timeout),
+            ("qemu.shutdown_timeout", Some(self.qemu.shutdown_timeout)),
+            ("qemu.boot_timeout", Some(self.qemu.boot_timeout)),
         ]
     }
 
@@ -199,6 +207,7 @@ mod tests {
             (None, include_str!("mod.rs")),
             (Some("ssh"), include_str!("ssh.rs")),
             (Some("ec2"), include_str!("ec2.rs")),
+            (Some("qemu"), include_str!("qemu.rs")),
         ];
         let nested = [("suspend", "SuspendSettings")];
         let mut fields = Vec::new();

@@ -9,6 +9,7 @@
 pub mod bounds;
 pub mod duration;
 pub mod ec2;
+pub mod qemu;
 pub mod ssh;
 
 use std::path::{Path, PathBuf};
@@ -35,6 +36,8 @@ pub enum ProviderKind {
     Ssh,
     /// One EC2 instance per environment.
     Ec2,
+    /// One QEMU virtual machine per environment, on the runner host.
+    Qemu,
 }
 
 impl ProviderKind {
@@ -43,6 +46,7 @@ impl ProviderKind {
             ProviderKind::Local => "local",
             ProviderKind::Ssh => "ssh",
             ProviderKind::Ec2 => "ec2",
+            ProviderKind::Qemu => "qemu",
         }
     }
 }
@@ -50,7 +54,7 @@ impl ProviderKind {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default)]
 pub struct Settings {
-    /// Which provider makes environments: "local", "ssh" or "ec2".
+    /// Which provider makes environments: "local", "ssh", "ec2" or "qemu".
     pub provider: ProviderKind,
     /// Where state lives. `DORMANT_STATE_DIR` overrides it.
     pub state_dir: Option<PathBuf>,
@@ -65,6 +69,7 @@ pub struct Settings {
     pub local: LocalSettings,
     pub ssh: ssh::SshSettings,
     pub ec2: ec2::Ec2Settings,
+    pub qemu: qemu::QemuSettings,
 }
 
 impl Default for Settings {
@@ -80,6 +85,7 @@ impl Default for Settings {
             local: LocalSettings::default(),
             ssh: ssh::SshSettings::default(),
             ec2: ec2::Ec2Settings::default(),
+            qemu: qemu::QemuSettings::default(),
         }
     }
 }
@@ -276,6 +282,8 @@ impl Settings {
             .validate(self.provider == ProviderKind::Ssh, problems);
         self.ec2
             .validate(self.provider == ProviderKind::Ec2, problems);
+        self.qemu
+            .validate(self.provider == ProviderKind::Qemu, problems);
     }
 
     /// The state dir: `DORMANT_STATE_DIR`, else `state_dir`, else the system default.
@@ -364,6 +372,7 @@ mod tests {
             "shell",
             "[ssh]",
             "[ec2]",
+            "[qemu]",
         ] {
             assert!(
                 text.contains(key),

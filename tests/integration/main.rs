@@ -1,6 +1,7 @@
 //! The one integration test binary. Every test drives the *built* dormant
 //! binary the way GitLab Runner does (see `harness.rs`), against the `local`
-//! provider, a private sshd on loopback, or an EC2 emulator on loopback.
+//! provider, a private sshd on loopback, an EC2 emulator on loopback, or real
+//! QEMU virtual machines forwarding SSH to loopback.
 
 mod core;
 #[cfg(feature = "testing")]
@@ -22,6 +23,7 @@ mod lifecycle;
 #[cfg(feature = "ec2")]
 mod moto;
 mod notify;
+mod qemu;
 mod shell;
 mod ssh;
 mod sshd;

@@ -42,29 +42,14 @@ pub fn client_token(spec: &MachineSpec, generation: usize) -> String {
     format!("dormant-{}-{generation}", spec.env_id.simple())
 }
 
-/// cloud-init user-data installing the environment's public key for the image's
-/// default user. The key pair is made by `transport::keys::ensure_keypair`.
+/// cloud-init user-data (the one every provider uses, `provider::cloud_init`),
+/// base64-encoded as RunInstances wants it.
 pub fn user_data(spec: &MachineSpec, settings: &Ec2Settings) -> Result<String> {
-    let Some(key) = spec.ssh_public_key.as_deref().map(str::trim) else {
-        bail!(
-            "environment {} has no SSH public key to put in user-data",
-            spec.env_id
-        );
-    };
-    if key.contains('\n') || !key.starts_with("ssh-") {
-        bail!(
-            "the SSH public key of environment {} is not one OpenSSH key line",
-            spec.env_id
-        );
-    }
-    let mut text = format!(
-        "#cloud-config\n# dormant environment {}: its own SSH key, for the image's default user ({}).\n\
-         ssh_authorized_keys:\n  - {key}\n",
-        spec.env_id, settings.ssh_user
-    );
-    if settings.ssh_user == "root" {
-        text.push_str("disable_root: false\n");
-    }
+    let text = crate::provider::cloud_init::user_data(
+        spec.env_id,
+        spec.ssh_public_key.as_deref(),
+        &settings.ssh_user,
+    )?;
     Ok(aws_smithy_types::base64::encode(text))
 }
 

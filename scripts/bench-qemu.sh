@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Benchmarks the qemu provider against the bare machine, on the test image
+# (scripts/build-test-image.sh), and prints a table:
+#
+#   new environment     machine: QEMU start to the guest's SSH banner
+#                       dormant: prepare (overlay, seed, boot, SSH login, probes)
+#   resume (shutdown)   machine: boot of the same disk again to the banner
+#                       dormant: prepare of the resuming job
+#   resume (hibernate)  machine: restore of the saved memory to the banner
+#                       dormant: prepare of the resuming job (restore, clock, login)
+#   suspend             machine: ACPI power-off to QEMU's exit / stop+save+quit
+#                       dormant: cleanup of the suspending job
+#
+# The machine rows run QEMU by hand with the command line dormant uses; the
+# dormant rows run `dormant try` (two whole jobs per mode). Everything stays on
+# 127.0.0.1 (the guest's own network is restricted). Under TCG the absolute
+# numbers are slow; dormant's added time is the figure that counts.
+#
+# Usage: scripts/bench-qemu.sh [runs]   (DORMANT_BIN=target/release/dormant for a release build;
+#        QEMU_ACCEL=kvm where KVM works)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${1:-1}
+ACCEL=${QEMU_ACCEL:-tcg}
+BIN=${DORMANT_BIN:-target/debug/dormant}
+[ -x "$BIN" ] || cargo build --quiet
+IMG=$(scripts/build-test-image.sh | tail -1)
+work=$(mktemp -d /tmp/dormant-bench-qemu.XXXXXX)
+cleanup() { # the bench's own QEMU, by its pidfile, if it still runs
+  local pid; pid=$(cat "$work/qemu.pid" 2>/dev/null || true)
+  if [ -n "$pid" ] && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "dormant-bench-$$"; then
+    kill -KILL "$pid" || true
+  fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+now() { date +%s.%N; }
+secs() { python3 -c "print(f'{$2 - $1:.1f}')"; }
+
+# --- the bare machine -------------------------------------------------------
+qmp() { # qmp SOCKET COMMAND [ARGS-JSON]: runs one QMP command, prints its return value
+  python3 - "$@" <<'EOF'
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile("rw")
+f.readline()
+def run(cmd, args=None):
+    msg = {"execute": cmd}
+    if args: msg["arguments"] = json.loads(args)
+    f.write(json.dumps(msg) + "\n"); f.flush()
+    while True:
+        line = f.readline()
+        if not line: return None
+        r = json.loads(line)
+        if "event" in r: continue
+        return r
+run("qmp_capabilities")
+print(json.dumps(run(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)))
+EOF
+}
+wait_banner() { # wait_banner PORT: polls until the guest's sshd sends its banner
+  while :; do
+    b=$(timeout 3 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1; head -c 4 <&3" 2>/dev/null || true)
+    [ "$b" = "SSH-" ] && return 0
+    sleep 0.2
+  done
+}
+wait_exit() { while kill -0 "$1" 2>/dev/null; do sleep 0.05; done; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+cpu=qemu64; accel="tcg,thread=multi"
+[ "$ACCEL" = kvm ] && { cpu=host; accel=kvm; }
+start_vm() { # start_vm PORT [EXTRA...]: the command line the qemu provider builds (src/provider/qemu/vm.rs)
+  local port=$1; shift
+  qemu-system-x86_64 -name "dormant-bench-$$" -machine q35 -accel "$accel" -cpu "$cpu" -smp 2 -m 1024 \
+    -nodefaults -display none -chardev "file,id=console,path=$work/console.log,append=on" \
+    -serial chardev:console -qmp "unix:$work/qmp.sock,server=on,wait=off" -pidfile "$work/qemu.pid" \
+    -daemonize -kernel "$IMG/vmlinuz" -initrd "$IMG/initrd.img" -append "root=/dev/vda rw console=ttyS0 quiet" \
+    -drive "file=$work/overlay.qcow2,if=virtio,format=qcow2" \
+    -netdev "user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:$port-:22" -device virtio-net-pci,netdev=net0 \
+    -drive "file=$work/seed.iso,if=virtio,format=raw,readonly=on" "$@"
+}
+
+declare -A M
+for run in $(seq 1 "$RUNS"); do
+  rm -f "$work"/overlay.qcow2 "$work"/state
+  ssh-keygen -q -t ed25519 -N "" -f "$work/key" <<<y >/dev/null
+  printf '#cloud-config\nssh_authorized_keys:\n  - %s\n' "$(cat "$work/key.pub")" >"$work/user-data"
+  printf 'instance-id: bench-%s\n' "$run" >"$work/meta-data"
+  genisoimage -quiet -output "$work/seed.iso" -volid cidata -joliet -rock "$work/user-data" "$work/meta-data"
+  qemu-img create -q -f qcow2 -b "$IMG/base.qcow2" -F qcow2 "$work/overlay.qcow2"
+  port=$(free_port)
+  t0=$(now); start_vm "$port"; wait_banner "$port"; t1=$(now)
+  M[new]+="$(secs "$t0" "$t1") "
+  pid=$(cat "$work/qemu.pid")
+  t0=$(now); qmp "$work/qmp.sock" system_powerdown >/dev/null; wait_exit "$pid"; t1=$(now)
+  M[shutdown]+="$(secs "$t0" "$t1") "
+  t0=$(now); start_vm "$port"; wait_banner "$port"; t1=$(now)
+  M[boot]+="$(secs "$t0" "$t1") "
+  pid=$(cat "$work/qemu.pid")
+  t0=$(now)
+  qmp "$work/qmp.sock" stop >/dev/null
+  qmp "$work/qmp.sock" migrate "{\"uri\": \"file:$work/state\"}" >/dev/null
+  until qmp "$work/qmp.sock" query-migrate | grep -q '"completed"'; do sleep 0.05; done
+  qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"; t1=$(now)
+  M[hibernate]+="$(secs "$t0" "$t1") "
+  t0=$(now); start_vm "$port" -incoming "file:$work/state"
+  # The saved VM was paused: it loads paused and needs `cont`.
+  until qmp "$work/qmp.sock" query-status | grep -q '"status": "paused"\|"status": "running"'; do sleep 0.05; done
+  qmp "$work/qmp.sock" cont >/dev/null; wait_banner "$port"; t1=$(now)
+  M[restore]+="$(secs "$t0" "$t1") "
+  pid=$(cat "$work/qemu.pid"); qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"
+done
+
+# --- dormant ------------------------------------------------------------------
+declare -A D
+for mode in shutdown hibernate; do
+  for run in $(seq 1 "$RUNS"); do
+    cat >"$work/dormant.toml" <<EOF
+provider = "qemu"
+system_id = "s_bench"
+runner_system_id_file = "/nonexistent"
+prepare_timeout = "15m"
+[qemu]
+accel = "$ACCEL"
+cpus = 2
+memory_mib = 1024
+restrict_network = true
+boot_timeout = "10m"
+suspend_mode = "$mode"
+image = { disk = "$IMG/base.qcow2", kernel = "$IMG/vmlinuz", initrd = "$IMG/initrd.img" }
+EOF
+    out=$(DORMANT_STATE_DIR="$work/state-$mode-$run" "$BIN" --config "$work/dormant.toml" try 2>&1) || {
+      echo "$out" >&2; echo "bench-qemu: dormant try failed ($mode)" >&2; exit 1; }
+    # "  prepare#1   exit   0    45.123 s" — job 1's prepare and cleanup, then job 2's prepare.
+    p1=$(echo "$out" | awk '/^  prepare#/ {print $4; exit}')
+    c1=$(echo "$out" | awk '/^job 2/ {exit} /^  cleanup#/ {v=$4} END {print v}')
+    p2=$(echo "$out" | awk '/^job 2/ {j=1} j && /^  prepare#/ {print $4; exit}')
+    [ "$mode" = shutdown ] && D[new]+="$p1 "
+    D["resume-$mode"]+="$p2 "
+    D["suspend-$mode"]+="$c1 "
+  done
+done
+
+med() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{a[NR]=$1} END {if (NR==0) print "-"; else if (NR%2) print a[(NR+1)/2]; else printf "%.1f\n", (a[NR/2]+a[NR/2+1])/2}'; }
+row() { # row LABEL MACHINE DORMANT
+  local m d; m=$(echo "$2" | med); d=$(echo "$3" | med)
+  printf '| %-28s | %10s | %10s | %10s |\n' "$1" "$m" "$d" "$(python3 -c "print(f'{$d - $m:+.1f}')" 2>/dev/null || echo -)"
+}
+echo
+echo "qemu provider, accel $ACCEL, 2 vCPUs, 1 GiB, $RUNS run(s) each (median seconds); binary $BIN"
+printf '| %-28s | %10s | %10s | %10s |\n' "" "machine s" "dormant s" "added s"
+echo "|------------------------------|-----------:|-----------:|-----------:|"
+row "new environment (to SSH)" "${M[new]}" "${D[new]}"
+row "resume after shutdown" "${M[boot]}" "${D[resume-shutdown]}"
+row "resume after hibernate" "${M[restore]}" "${D[resume-hibernate]}"
+row "suspend: shutdown" "${M[shutdown]}" "${D[suspend-shutdown]}"
+row "suspend: hibernate" "${M[hibernate]}" "${D[suspend-hibernate]}"

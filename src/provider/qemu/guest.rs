@@ -1,0 +1,170 @@
+//! Talking to the guest before the SSH transport takes over: waiting for its
+//! sshd, and setting its clock after a restore.
+//!
+//! Readiness is the `SSH-` banner, never a TCP connect: QEMU's user-mode
+//! network accepts on the forwarded port at once, long before the guest runs
+//! sshd, and drops the connection when nothing answers inside. The transport's
+//! login (with the environment's key and the pinned host key) follows.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Result};
+use tokio::io::AsyncReadExt;
+
+use super::process::{self, Pid};
+use super::vm::VmDir;
+use crate::context::Ctx;
+use crate::model::EnvPaths;
+use crate::wait::{Poll, Schedule, Wait};
+
+/// How often the guest's sshd is asked for its banner while it boots: the
+/// same short interval as every SSH readiness probe (see docs/waits.md).
+const BANNER_POLL: Duration = Duration::from_millis(200);
+/// One banner read: the guest's sshd answers in milliseconds once it runs.
+const BANNER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The first line the server sends, if it is an SSH banner.
+async fn banner(port: u16) -> Result<String, String> {
+    let connect = tokio::net::TcpStream::connect(("127.0.0.1", port));
+    let mut stream = match tokio::time::timeout(BANNER_TIMEOUT, connect).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return Err(format!("port {port}: {e}")),
+        Err(_) => return Err(format!("port {port}: connect timed out")),
+    };
+    let mut buf = [0u8; 64];
+    let mut got = Vec::new();
+    let read = async {
+        while got.len() < 4 {
+            match stream.read(&mut buf).await {
+                Ok(0) => {
+                    return Err(
+                        "closed before the SSH banner (the guest's sshd is not up yet)".to_string(),
+                    )
+                }
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => return Err(format!("{e}")),
+            }
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(BANNER_TIMEOUT, read).await {
+        Ok(Ok(())) if got.starts_with(b"SSH-") => Ok(String::from_utf8_lossy(&got)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_string()),
+        Ok(Ok(())) => Err(format!("port {port} answered something that is not SSH")),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err("no SSH banner yet".into()),
+    }
+}
+
+/// Waits for the guest's sshd banner, with progress lines in the job log,
+/// failing at once if QEMU exits (the console log's tail says why).
+pub async fn wait_for_sshd(
+    vm: &VmDir,
+    pid: Pid,
+    port: u16,
+    limit: Duration,
+    ctx: &Ctx,
+) -> Result<f64> {
+    let ctx = ctx.within(limit);
+    let mut wait = Wait::new(
+        &ctx,
+        format!("the VM's sshd on 127.0.0.1:{port}"),
+        Schedule::fixed(BANNER_POLL),
+    );
+    let waited = wait
+        .until(|| async {
+            match banner(port).await {
+                Ok(_) => Ok(Poll::Ready(())),
+                Err(reason) => {
+                    if process::find(vm) != Some(pid) {
+                        bail!(
+                            "QEMU of {} exited while the guest booted; the end of its console log {}:\n{}",
+                            vm.name(),
+                            vm.console().display(),
+                            console_tail(&vm.console(), 15)
+                        );
+                    }
+                    Ok(Poll::Pending(reason))
+                }
+            }
+        })
+        .await;
+    match waited {
+        Ok(()) => Ok(wait.elapsed().as_secs_f64()),
+        Err(e) => Err(anyhow!(
+            "{e:#} (qemu.boot_timeout {} s); the end of the console log {}:\n{}",
+            limit.as_secs(),
+            vm.console().display(),
+            console_tail(&vm.console(), 15)
+        )),
+    }
+}
+
+/// The last lines of the console log, for errors.
+pub fn console_tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// After a restore the guest's clock lags by the time spent suspended (it
+/// was frozen), while its RTC follows the host: set the clock from the RTC
+/// with one SSH command, logging in as the transport does (the environment's
+/// key, its pinned host key). The guest needs `/sys/class/rtc/rtc0` and, for
+/// a user other than root, passwordless sudo (cloud images' default user has
+/// both). A failure is a warning: the environment works with a late clock.
+pub async fn set_clock_from_rtc(
+    paths: &EnvPaths,
+    user: &str,
+    port: u16,
+    ctx: &Ctx,
+) -> Result<String> {
+    let sudo = if user == "root" { "" } else { "sudo -n " };
+    let script = format!(
+        "before=$(date +%s); {sudo}date -u -s @$(cat /sys/class/rtc/rtc0/since_epoch) >/dev/null && \
+         echo $(( $(date +%s) - before ))"
+    );
+    let mut cmd = tokio::process::Command::new("ssh");
+    cmd.arg("-F")
+        .arg("/dev/null")
+        .arg("-i")
+        .arg(&paths.ssh_key)
+        .args(["-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes"])
+        .arg("-o")
+        .arg(format!(
+            "UserKnownHostsFile={}",
+            paths.known_hosts.display()
+        ))
+        .args([
+            "-o",
+            "GlobalKnownHostsFile=/dev/null",
+            "-o",
+            "StrictHostKeyChecking=yes",
+        ])
+        .arg("-o")
+        .arg(format!("HostKeyAlias=dormant-{}", paths.id))
+        .args(["-o", "ConnectTimeout=10", "-o", "LogLevel=ERROR", "-p"])
+        .arg(port.to_string())
+        .arg(format!("{user}@127.0.0.1"))
+        .arg(script)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let limit = Duration::from_secs(30).min(ctx.remaining());
+    let out = match tokio::time::timeout(limit, cmd.output()).await {
+        Ok(r) => r?,
+        Err(_) => bail!("no answer within {} s", limit.as_secs()),
+    };
+    if !out.status.success() {
+        bail!(
+            "ssh exited with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}

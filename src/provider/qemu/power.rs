@@ -1,0 +1,342 @@
+//! Starting, stopping, hibernating and restoring a VM.
+//!
+//! Crash safety, step by step (any dormant process may be SIGKILLed at any line):
+//! - boot: `launch.json` is written before QEMU starts; a QEMU left running by
+//!   a killed prepare is found by its command line (cleanup quits it, a retried
+//!   prepare adopts it).
+//! - hibernate: the memory goes to `memory.state.partial`, renamed to
+//!   `memory.state` only once QEMU reports the save complete and the file is
+//!   synced. A killed save leaves a partial file that is never restored: the
+//!   next resume boots the disk (memory lost, disk kept) and says so.
+//! - restore: `memory.state` is deleted (durably) as soon as the restored VM
+//!   runs, since the overlay changes from then on and the image would no
+//!   longer match it. Whenever a live QEMU owns the overlay, a leftover state
+//!   file is stale and deleted too, so an image is never restored twice.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use super::process::{self, Pid};
+use super::qmp::Qmp;
+use super::vm::{self, Launch, VmDir};
+use super::{capacity, QemuProvider};
+use crate::context::Ctx;
+use crate::settings::qemu::{BootImage, QemuSuspendMode};
+
+/// `quit` ends QEMU in milliseconds; past this it is killed.
+const QUIT_WAIT: Duration = Duration::from_secs(10);
+/// Loading a memory image takes seconds; a stuck one is given up after this.
+const RESTORE_LIMIT: Duration = Duration::from_secs(300);
+/// Tries at starting QEMU when its forwarded port was taken in between.
+const PORT_TRIES: usize = 3;
+
+/// Starts QEMU on the overlay (or restoring `incoming`'s memory image) once a
+/// slot is free; returns its pid and SSH port.
+pub async fn boot(
+    p: &QemuProvider,
+    vm: &VmDir,
+    image: &BootImage,
+    incoming: Option<&Launch>,
+    ctx: &Ctx,
+) -> Result<(Pid, u16)> {
+    let recorded = vm.read_launch()?;
+    let mut last_error = None;
+    for attempt in 0..PORT_TRIES {
+        let wanted = incoming.or(recorded.as_ref()).map(|l| l.port);
+        let port = match wanted {
+            Some(port) if attempt == 0 && process::port_free(port) => port,
+            _ => process::free_port()?,
+        };
+        let mut argv = match incoming {
+            Some(l) => vm::with_port(&l.argv, l.port, port),
+            None => vm::argv(&p.settings, image, vm, port),
+        };
+        vm.write_launch(&Launch {
+            version: crate::state::store::FORMAT_VERSION,
+            argv: argv.clone(),
+            port,
+        })?;
+        if incoming.is_some() {
+            argv.push("-incoming".into());
+            argv.push(format!("file:{}", vm.state().display()));
+        }
+        let started =
+            capacity::start_when_free(p.store.root(), p.settings.max_environments, ctx, || {
+                process::spawn(&argv, vm)
+            })
+            .await;
+        match started {
+            Ok(pid) => {
+                ctx.log.info(format!(
+                    "{} VM {} (QEMU pid {}, SSH on 127.0.0.1:{port})",
+                    if incoming.is_some() {
+                        "restoring"
+                    } else {
+                        "booted"
+                    },
+                    vm.name(),
+                    pid.0
+                ));
+                return Ok((pid, port));
+            }
+            // The port was taken between the check and QEMU's bind: another one.
+            Err(e) if format!("{e:#}").contains("host forwarding") => last_error = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last_error.expect("at least one attempt")).context("no free port for the VM's SSH")
+}
+
+/// Resume: adopt a QEMU already running for this VM, restore a complete
+/// memory image, or boot the disk. Returns pid, port and whether memory was restored.
+pub async fn resume(
+    p: &QemuProvider,
+    vm: &VmDir,
+    image: &BootImage,
+    ctx: &Ctx,
+) -> Result<(Pid, u16, bool)> {
+    if let Some(pid) = process::find(vm) {
+        let launch = vm
+            .read_launch()?
+            .context("the running VM has no launch.json")?;
+        ctx.log.info(format!(
+            "VM {} is already running (QEMU pid {}): adopting it",
+            vm.name(),
+            pid.0
+        ));
+        ensure_running(vm, ctx)?;
+        return Ok((pid, launch.port, false));
+    }
+    if vm.state().exists() {
+        match vm.read_launch()? {
+            Some(launch) => match restore(p, vm, image, &launch, ctx).await {
+                Ok((pid, port)) => return Ok((pid, port, true)),
+                Err(e) => {
+                    ctx.log.warn(format!(
+                        "restoring the saved memory of VM {} failed ({e:#}): booting from its disk instead \
+                         (memory lost, disk kept)",
+                        vm.name()
+                    ));
+                    quit(vm, ctx).await?;
+                    vm.remove_durably(&vm.state())?;
+                }
+            },
+            None => {
+                // Without the command line that saved it, the image cannot be loaded.
+                ctx.log.warn(format!(
+                    "VM {} has a memory image but no recorded command line: booting from its disk \
+                     (memory lost, disk kept)",
+                    vm.name()
+                ));
+                vm.remove_durably(&vm.state())?;
+            }
+        }
+    }
+    if vm.partial_state().exists() {
+        ctx.log.warn(format!(
+            "the last hibernation of VM {} did not complete (interrupted while saving memory): booting from \
+             its disk (memory lost, disk kept)",
+            vm.name()
+        ));
+        vm.remove_durably(&vm.partial_state())?;
+    }
+    let (pid, port) = boot(p, vm, image, None, ctx).await?;
+    Ok((pid, port, false))
+}
+
+async fn restore(
+    p: &QemuProvider,
+    vm: &VmDir,
+    image: &BootImage,
+    launch: &Launch,
+    ctx: &Ctx,
+) -> Result<(Pid, u16)> {
+    let size = std::fs::metadata(vm.state()).map(|m| m.len()).unwrap_or(0);
+    ctx.log.info(format!(
+        "restoring VM {} from its saved memory ({} MiB)",
+        vm.name(),
+        size / (1024 * 1024)
+    ));
+    let (pid, port) = boot(p, vm, image, Some(launch), ctx).await?;
+    let started = Instant::now();
+    loop {
+        let status = Qmp::connect(&vm.qmp())?.status()?;
+        match status.as_str() {
+            "running" => break,
+            "inmigrate" => {}
+            // Loaded as it was saved: paused (hibernate stops the VM first).
+            "paused" | "postmigrate" | "prelaunch" => {
+                Qmp::connect(&vm.qmp())?.execute("cont", None)?;
+                break;
+            }
+            other => bail!("the restored VM is {other:?}, not running"),
+        }
+        if started.elapsed() > RESTORE_LIMIT {
+            bail!(
+                "loading the memory image took more than {} s",
+                RESTORE_LIMIT.as_secs()
+            );
+        }
+        ctx.sleep(Duration::from_millis(100), "restoring the VM's memory")
+            .await?;
+    }
+    // From here the overlay changes: the image must never be restored again.
+    vm.remove_durably(&vm.state())?;
+    ctx.log.info(format!(
+        "VM {} restored in {:.1} s; its memory image was deleted (it matches the disk only once)",
+        vm.name(),
+        started.elapsed().as_secs_f64()
+    ));
+    Ok((pid, port))
+}
+
+/// A live QEMU that a killed stage left paused (mid-save, or restored and
+/// not continued) is continued; its state files are stale.
+pub fn ensure_running(vm: &VmDir, ctx: &Ctx) -> Result<()> {
+    let mut q = Qmp::connect(&vm.qmp())?;
+    let status = q.status()?;
+    if status != "running" {
+        let migrating = q
+            .execute("query-migrate", None)
+            .ok()
+            .and_then(|m| m.get("status").and_then(Value::as_str).map(str::to_string));
+        if migrating.as_deref() == Some("active") {
+            let _ = q.execute("migrate_cancel", None);
+        }
+        ctx.log
+            .info(format!("VM {} was {status}: continuing it", vm.name()));
+        q.execute("cont", None)?;
+    }
+    vm.remove_durably(&vm.partial_state())?;
+    vm.remove_durably(&vm.state())?;
+    Ok(())
+}
+
+/// Suspend in the configured mode; a VM that is not running is already suspended.
+pub async fn suspend(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<()> {
+    let Some(pid) = process::find(vm) else {
+        if !vm.exists() {
+            bail!(
+                "VM {} has no disk ({}): nothing to suspend",
+                vm.name(),
+                vm.overlay().display()
+            );
+        }
+        return Ok(());
+    };
+    if p.settings.suspend_mode == QemuSuspendMode::Hibernate {
+        match hibernate(vm, pid, ctx).await {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                ctx.log.warn(format!(
+                    "hibernating VM {} failed ({e:#}): powering it off instead (disk kept, memory lost)",
+                    vm.name()
+                ));
+                vm.remove_durably(&vm.partial_state())?;
+                if let Ok(mut q) = Qmp::connect(&vm.qmp()) {
+                    let _ = q.execute("cont", None);
+                }
+            }
+        }
+    }
+    powerdown(p, vm, pid, ctx).await
+}
+
+/// ACPI power button, a bounded wait, then `quit`.
+async fn powerdown(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
+    let started = Instant::now();
+    ctx.log
+        .info(format!("powering off VM {} (ACPI)", vm.name()));
+    Qmp::connect(&vm.qmp())?.execute("system_powerdown", None)?;
+    let limit = p.settings.shutdown_timeout.get();
+    if process::wait_gone(pid, limit, ctx).await {
+        ctx.log.info(format!(
+            "VM {} powered off in {:.1} s",
+            vm.name(),
+            started.elapsed().as_secs_f64()
+        ));
+        return Ok(());
+    }
+    ctx.log.warn(format!(
+        "VM {} did not power off within {} s (qemu.shutdown_timeout): quitting QEMU (like pulling the plug; \
+         writes the guest had not flushed are lost)",
+        vm.name(),
+        limit.as_secs()
+    ));
+    quit(vm, ctx).await
+}
+
+/// Pause, save memory next to the disk, quit.
+async fn hibernate(vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
+    let started = Instant::now();
+    vm.remove_durably(&vm.state())?;
+    vm.remove_durably(&vm.partial_state())?;
+    ctx.log
+        .info(format!("hibernating VM {}: saving its memory", vm.name()));
+    let mut q = Qmp::connect(&vm.qmp())?;
+    q.execute("stop", None)?;
+    q.execute(
+        "migrate",
+        Some(json!({ "uri": format!("file:{}", vm.partial_state().display()) })),
+    )?;
+    loop {
+        let m = q.execute("query-migrate", None)?;
+        match m.get("status").and_then(Value::as_str).unwrap_or("") {
+            "completed" => break,
+            "failed" | "cancelled" => bail!(
+                "QEMU could not save the memory: {}",
+                m.get("error-desc")
+                    .and_then(Value::as_str)
+                    .unwrap_or("no reason given")
+            ),
+            _ => {}
+        }
+        ctx.sleep(Duration::from_millis(50), "saving the VM's memory")
+            .await?;
+    }
+    std::fs::File::open(vm.partial_state())
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("syncing {}", vm.partial_state().display()))?;
+    std::fs::rename(vm.partial_state(), vm.state())
+        .with_context(|| format!("renaming {} into place", vm.partial_state().display()))?;
+    vm::sync_dir(&vm.dir)?;
+    q.quit()?;
+    if !process::wait_gone(pid, QUIT_WAIT, ctx).await {
+        process::kill(vm, pid)?;
+    }
+    let size = std::fs::metadata(vm.state()).map(|m| m.len()).unwrap_or(0);
+    ctx.log.info(format!(
+        "VM {} hibernated in {:.1} s ({} MiB of memory saved)",
+        vm.name(),
+        started.elapsed().as_secs_f64(),
+        size / (1024 * 1024)
+    ));
+    Ok(())
+}
+
+/// Ends QEMU now (`quit`, then SIGKILL to a process confirmed to be it).
+/// Not running is success.
+pub async fn quit(vm: &VmDir, ctx: &Ctx) -> Result<()> {
+    let Some(pid) = process::find(vm) else {
+        return Ok(());
+    };
+    ctx.log
+        .info(format!("stopping QEMU of VM {} (pid {})", vm.name(), pid.0));
+    if let Err(e) = Qmp::connect(&vm.qmp()).and_then(Qmp::quit) {
+        tracing::debug!("QMP quit of {}: {e:#}", vm.name());
+    }
+    if process::wait_gone(pid, QUIT_WAIT, ctx).await {
+        return Ok(());
+    }
+    process::kill(vm, pid)?;
+    if process::wait_gone(pid, QUIT_WAIT, &ctx.uncancellable()).await {
+        return Ok(());
+    }
+    bail!(
+        "QEMU pid {} of VM {} does not exit even after SIGKILL",
+        pid.0,
+        vm.name()
+    )
+}

@@ -1,0 +1,360 @@
+//! QEMU processes and the tools around them: starting a VM detached from the
+//! stage process, recognising an environment's QEMU by its command line
+//! before signalling it (a pidfile may be stale and its pid reused), finding
+//! every QEMU of a state dir (orphans), and making overlays and seed ISOs.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use uuid::Uuid;
+
+use super::vm::{vm_name, write_atomic, VmDir};
+use crate::context::Ctx;
+
+/// A running QEMU of one environment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pid(pub i32);
+
+fn cmdline(pid: i32) -> Option<Vec<String>> {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    Some(
+        raw.split(|b| *b == 0)
+            .filter(|s| !s.is_empty())
+            .map(|s| String::from_utf8_lossy(s).into_owned())
+            .collect(),
+    )
+}
+
+/// Not a zombie: a process that exited but was not reaped runs nothing.
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next())
+            .is_some_and(|s| s != 'Z' && s != 'X'),
+        Err(_) => false,
+    }
+}
+
+/// Whether a command line is the QEMU of environment `env_id` living in
+/// `vm_dir`: `-name dormant-<id>` and `-pidfile <vm_dir>/qemu.pid`, as
+/// `vm::argv` writes them. The binary's name is not checked: `qemu.qemu_binary`
+/// may be any path (a wrapper, `kvm`).
+fn is_vm(args: &[String], env_id: Uuid, vm_dir: &Path) -> bool {
+    let name = vm_name(env_id);
+    let pidfile = vm_dir.join("qemu.pid").display().to_string();
+    args.windows(2).any(|w| w[0] == "-name" && w[1] == name)
+        && args
+            .windows(2)
+            .any(|w| w[0] == "-pidfile" && w[1] == pidfile)
+}
+
+/// The live QEMU of this VM, found through its pidfile and confirmed by its
+/// command line; else by scanning processes (a pidfile lost or not yet written).
+pub fn find(vm: &VmDir) -> Option<Pid> {
+    if let Ok(text) = std::fs::read_to_string(vm.pidfile()) {
+        if let Ok(pid) = text.trim().parse::<i32>() {
+            if alive(pid) && cmdline(pid).is_some_and(|a| is_vm(&a, vm.env_id, &vm.dir)) {
+                return Some(Pid(pid));
+            }
+        }
+    }
+    scan(vm.dir.parent().and_then(Path::parent).unwrap_or(&vm.dir))
+        .into_iter()
+        .find(|(id, _)| *id == vm.env_id)
+        .map(|(_, pid)| pid)
+        .filter(|pid| cmdline(pid.0).is_some_and(|a| is_vm(&a, vm.env_id, &vm.dir)))
+}
+
+/// Every live dormant QEMU whose files are under `environments` (a state
+/// dir's `environments/`), with its environment id.
+pub fn scan(environments: &Path) -> Vec<(Uuid, Pid)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let root = environments.display().to_string();
+    let mut found = Vec::new();
+    for e in entries.filter_map(Result::ok) {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Some(args) = cmdline(pid) else { continue };
+        if !alive(pid) {
+            continue;
+        }
+        let Some(id) = args
+            .windows(2)
+            .find(|w| w[0] == "-name")
+            .and_then(|w| w[1].strip_prefix("dormant-"))
+            .and_then(|s| Uuid::parse_str(s).ok())
+        else {
+            continue;
+        };
+        let dir = Path::new(&root).join(id.to_string()).join("vm");
+        if is_vm(&args, id, &dir) {
+            found.push((id, Pid(pid)));
+        }
+    }
+    found
+}
+
+/// Waits until the process is gone, up to `limit` (and the context's deadline).
+pub async fn wait_gone(pid: Pid, limit: Duration, ctx: &Ctx) -> bool {
+    let until = std::time::Instant::now() + limit.min(ctx.remaining());
+    loop {
+        if !alive(pid.0) {
+            return true;
+        }
+        if std::time::Instant::now() >= until {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// SIGKILL, only after confirming the pid is still this VM's QEMU.
+pub fn kill(vm: &VmDir, pid: Pid) -> Result<()> {
+    if !cmdline(pid.0).is_some_and(|a| is_vm(&a, vm.env_id, &vm.dir)) {
+        return Ok(()); // gone, or the pid now belongs to someone else
+    }
+    // SAFETY: kill(2) on a pid whose command line we just checked is this VM's QEMU.
+    if unsafe { libc::kill(pid.0, libc::SIGKILL) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ESRCH) {
+            return Err(e).with_context(|| format!("killing QEMU {} of {}", pid.0, vm.name()));
+        }
+    }
+    Ok(())
+}
+
+/// A TCP port on 127.0.0.1 nobody listens on now. std binds with SO_REUSEADDR,
+/// so a port in TIME-WAIT (a VM that just exited) counts as free, as it is for QEMU.
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")
+        .context("finding a free port on 127.0.0.1 for the VM's SSH")?
+        .local_addr()?
+        .port())
+}
+
+pub fn port_free(port: u16) -> bool {
+    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
+/// Runs a tool to completion, failing with its stderr.
+fn run(cmd: &mut Command, what: &str) -> Result<()> {
+    let out = cmd.stdin(Stdio::null()).output().with_context(|| {
+        format!(
+            "{what}: cannot run {:?} (is it installed?)",
+            cmd.get_program()
+        )
+    })?;
+    if !out.status.success() {
+        bail!(
+            "{what}: {:?} failed ({}): {}",
+            cmd.get_program(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// Makes the VM's copy-on-write disk on the base image (never written).
+pub fn create_overlay(qemu_img: &Path, base: &Path, size: Option<&str>, vm: &VmDir) -> Result<()> {
+    if !base.is_file() {
+        bail!(
+            "the base image {} does not exist (qemu.image / qemu.images): see docs/qemu.md, \"Images\"",
+            base.display()
+        );
+    }
+    let tmp = vm.dir.join("overlay.qcow2.tmp");
+    let mut cmd = Command::new(qemu_img);
+    cmd.args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+        .arg(base)
+        .arg(&tmp);
+    if let Some(size) = size {
+        cmd.arg(size);
+    }
+    run(&mut cmd, "making the VM's disk")?;
+    std::fs::rename(&tmp, vm.overlay())
+        .with_context(|| format!("renaming {} into place", tmp.display()))
+}
+
+/// The NoCloud seed: an ISO 9660 volume labelled `cidata` with `user-data`
+/// and `meta-data`, made by genisoimage, mkisofs or xorriso (whichever exists).
+pub fn create_seed(vm: &VmDir, user_data: &str, meta_data: &str) -> Result<()> {
+    let src = vm.dir.join("seed");
+    let _ = std::fs::remove_dir_all(&src);
+    std::fs::create_dir(&src).with_context(|| format!("creating {}", src.display()))?;
+    write_atomic(&src.join("user-data"), user_data.as_bytes())?;
+    write_atomic(&src.join("meta-data"), meta_data.as_bytes())?;
+    // Kept beside the ISO for operators (and tests) to read.
+    write_atomic(&vm.user_data(), user_data.as_bytes())?;
+    let tmp = vm.dir.join("seed.iso.tmp");
+    let tool = ["genisoimage", "mkisofs", "xorrisofs"]
+        .into_iter()
+        .find(|t| which(t))
+        .context(
+            "making the cloud-init seed ISO needs genisoimage, mkisofs or xorriso: \
+             install one (Debian: apt-get install genisoimage)",
+        )?;
+    let mut cmd = Command::new(tool);
+    cmd.args(["-quiet", "-output"])
+        .arg(&tmp)
+        .args(["-volid", "cidata", "-joliet", "-rock"])
+        .arg(src.join("user-data"))
+        .arg(src.join("meta-data"));
+    run(&mut cmd, "making the cloud-init seed ISO")?;
+    std::fs::rename(&tmp, vm.seed())?;
+    let _ = std::fs::remove_dir_all(&src);
+    Ok(())
+}
+
+fn which(tool: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|paths| std::env::split_paths(&paths).any(|d| d.join(tool).is_file()))
+}
+
+/// Starts QEMU detached (`-daemonize`: own session, stdio on /dev/null) and
+/// returns once its parent exited, which QEMU does after the VM is set up or
+/// on a start-up error (then its stderr is the message).
+pub async fn spawn(argv: &[String], vm: &VmDir) -> Result<Pid> {
+    let _ = std::fs::remove_file(vm.pidfile());
+    let _ = std::fs::remove_file(vm.qmp());
+    let mut cmd = tokio::process::Command::new(&argv[0]);
+    cmd.args(&argv[1..])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(false);
+    // SAFETY: umask(2) is async-signal-safe; it makes the QMP socket and the
+    // files QEMU creates private to this user.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::umask(0o077);
+            Ok(())
+        });
+    }
+    let out = cmd.output().await.with_context(|| {
+        format!(
+            "starting {} (qemu.qemu_binary; is QEMU installed?)",
+            argv[0]
+        )
+    })?;
+    if !out.status.success() {
+        bail!(
+            "QEMU did not start ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let pid = find(vm).with_context(|| {
+        format!(
+            "QEMU started but no process of {} is running (see {})",
+            vm.name(),
+            vm.console().display()
+        )
+    })?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(vm.qmp(), std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("making {} private", vm.qmp().display()))?;
+    Ok(pid)
+}
+
+/// A stand-in QEMU for unit tests: a shell named `qemu-system-fake` whose
+/// command line carries `-name dormant-<id>` and the VM directory, as dormant's
+/// QEMUs do, sleeping until killed.
+#[cfg(test)]
+pub(crate) mod fake {
+    use std::path::Path;
+    use std::process::{Child, Command};
+
+    use super::VmDir;
+
+    pub struct FakeQemu(pub Child);
+
+    impl FakeQemu {
+        pub fn start(bin_dir: &Path, vm: &VmDir) -> FakeQemu {
+            let sh = bin_dir.join("qemu-system-fake");
+            if !sh.exists() {
+                std::os::unix::fs::symlink("/bin/sh", &sh).unwrap();
+            }
+            let child = Command::new(&sh)
+                // `; true` keeps the shell itself running (no exec of sleep).
+                .args(["-c", "sleep 60; true", "-name"])
+                .arg(vm.name())
+                .arg("-pidfile")
+                .arg(vm.pidfile())
+                .spawn()
+                .unwrap();
+            // Until the shell runs, /proc shows the parent's command line.
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            while super::find(vm).is_none() && std::time::Instant::now() < until {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            FakeQemu(child)
+        }
+    }
+
+    impl Drop for FakeQemu {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fake::FakeQemu;
+    use super::*;
+    use crate::state::EnvPaths;
+
+    #[test]
+    fn a_vms_qemu_is_found_by_its_command_line_and_only_it_is_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        let ours = VmDir::new(&EnvPaths::new(dir.path(), Uuid::new_v4()));
+        let other = VmDir::new(&EnvPaths::new(dir.path(), Uuid::new_v4()));
+        let elsewhere = tempfile::tempdir().unwrap();
+        let foreign = VmDir::new(&EnvPaths::new(elsewhere.path(), ours.env_id));
+        assert_eq!(find(&ours), None);
+
+        let mut q = FakeQemu::start(dir.path(), &ours);
+        let _o = FakeQemu::start(dir.path(), &other);
+        let pid = find(&ours).expect("found by scanning (no pidfile)");
+        assert_eq!(pid.0, q.0.id() as i32);
+        let mut all: Vec<Uuid> = scan(&dir.path().join("environments"))
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        all.sort();
+        let mut want = vec![ours.env_id, other.env_id];
+        want.sort();
+        assert_eq!(all, want);
+        // The same environment id in another state dir is not ours.
+        assert_eq!(find(&foreign), None);
+
+        // A stale pidfile naming another process is not believed.
+        ours.ensure().unwrap();
+        std::fs::write(ours.pidfile(), format!("{}\n", std::process::id())).unwrap();
+        assert_eq!(find(&ours), Some(pid));
+
+        // kill() refuses a pid that is not this VM's QEMU.
+        kill(&other, pid).unwrap();
+        assert!(alive(pid.0), "another VM's kill must not touch ours");
+        kill(&ours, pid).unwrap();
+        q.0.wait().unwrap();
+        assert_eq!(find(&ours), None);
+    }
+
+    #[test]
+    fn free_ports_are_loopback_and_bindable() {
+        let p = free_port().unwrap();
+        assert!(port_free(p));
+        let held = std::net::TcpListener::bind(("127.0.0.1", p)).unwrap();
+        assert!(!port_free(p));
+        drop(held);
+    }
+}

@@ -1,0 +1,307 @@
+//! The files of one VM, in the `vm/` directory of its environment:
+//!
+//! | file | what |
+//! | --- | --- |
+//! | `overlay.qcow2` | the VM's disk: copy-on-write on the read-only base image |
+//! | `seed.iso` | NoCloud seed (volume label `cidata`): `user-data`, `meta-data` |
+//! | `launch.json` | the exact QEMU command line of the running or hibernated VM |
+//! | `qmp.sock` | QMP control socket (0600) |
+//! | `qemu.pid` | QEMU's pidfile |
+//! | `console.log` | the serial console, appended across boots |
+//! | `memory.state` | a complete hibernation image (only after a finished save) |
+//! | `memory.state.partial` | a save in progress; never restored |
+//!
+//! Every file is written to a temporary name and renamed, so a process killed
+//! at any line leaves either the old file or the new one.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::settings::qemu::{Accel, BootImage, QemuSettings};
+use crate::state::EnvPaths;
+
+/// A Unix socket path must fit in 108 bytes with its NUL.
+const MAX_SOCKET_PATH: usize = 107;
+
+#[derive(Debug, Clone)]
+pub struct VmDir {
+    pub env_id: Uuid,
+    pub dir: PathBuf,
+}
+
+/// What started the VM: replayed exactly for a restore (QEMU loads a saved
+/// memory image only into the same machine it was saved from).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Launch {
+    /// The state-file format version (`state::store::FORMAT_VERSION`).
+    pub version: u32,
+    pub argv: Vec<String>,
+    /// The host port forwarded to the guest's port 22.
+    pub port: u16,
+}
+
+impl VmDir {
+    pub fn new(paths: &EnvPaths) -> Self {
+        VmDir {
+            env_id: paths.id,
+            dir: paths.dir.join("vm"),
+        }
+    }
+
+    /// The VM's name: in its QEMU command line (`-name`), which is how a
+    /// process is recognised as this environment's before it is signalled.
+    pub fn name(&self) -> String {
+        vm_name(self.env_id)
+    }
+
+    pub fn overlay(&self) -> PathBuf {
+        self.dir.join("overlay.qcow2")
+    }
+    pub fn seed(&self) -> PathBuf {
+        self.dir.join("seed.iso")
+    }
+    pub fn user_data(&self) -> PathBuf {
+        self.dir.join("user-data")
+    }
+    pub fn launch_file(&self) -> PathBuf {
+        self.dir.join("launch.json")
+    }
+    pub fn qmp(&self) -> PathBuf {
+        self.dir.join("qmp.sock")
+    }
+    pub fn pidfile(&self) -> PathBuf {
+        self.dir.join("qemu.pid")
+    }
+    pub fn console(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+    pub fn state(&self) -> PathBuf {
+        self.dir.join("memory.state")
+    }
+    pub fn partial_state(&self) -> PathBuf {
+        self.dir.join("memory.state.partial")
+    }
+
+    pub fn exists(&self) -> bool {
+        self.overlay().exists()
+    }
+
+    pub fn ensure(&self) -> Result<()> {
+        crate::state::store::ensure_private_dir(&self.dir)?;
+        let qmp = self.qmp();
+        if qmp.as_os_str().len() > MAX_SOCKET_PATH {
+            bail!(
+                "the QMP socket path {} is {} bytes long, more than a Unix socket allows ({MAX_SOCKET_PATH}): \
+                 use a shorter state_dir",
+                qmp.display(),
+                qmp.as_os_str().len()
+            );
+        }
+        Ok(())
+    }
+
+    pub fn read_launch(&self) -> Result<Option<Launch>> {
+        crate::state::store::read_json(&self.launch_file())
+    }
+
+    pub fn write_launch(&self, launch: &Launch) -> Result<()> {
+        crate::state::store::write_json(&self.launch_file(), launch)
+    }
+
+    /// Removes the whole VM directory. Already gone is success.
+    pub fn remove(&self) -> Result<()> {
+        match fs::remove_dir_all(&self.dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e).with_context(|| format!("removing {}", self.dir.display())),
+        }
+    }
+
+    /// Removes a file and makes the removal durable (a hibernation image must
+    /// not come back after a crash and be restored twice).
+    pub fn remove_durably(&self, file: &Path) -> Result<()> {
+        match fs::remove_file(file) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e).with_context(|| format!("removing {}", file.display())),
+        }
+        sync_dir(&self.dir)
+    }
+}
+
+pub fn vm_name(env_id: Uuid) -> String {
+    format!("dormant-{env_id}")
+}
+
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing directory {}", dir.display()))
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = fs::File::create(&tmp).with_context(|| format!("writing {}", tmp.display()))?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    fs::rename(&tmp, path).with_context(|| format!("renaming {} into place", tmp.display()))
+}
+
+/// `meta-data` of the NoCloud seed. The instance id is the environment's: a
+/// reboot of the same disk is the same instance (no new host keys, no new
+/// user), while a new environment is a new instance.
+pub fn meta_data(env_id: Uuid) -> String {
+    format!(
+        "instance-id: {}\nlocal-hostname: dormant-{}\n",
+        vm_name(env_id),
+        &env_id.simple().to_string()[..12]
+    )
+}
+
+/// A value inside a QEMU `-drive`/`-netdev` option: commas are doubled.
+fn opt_value(path: &Path) -> String {
+    path.display().to_string().replace(',', ",,")
+}
+
+/// The QEMU command line of a VM (without `-incoming`).
+pub fn argv(settings: &QemuSettings, image: &BootImage, vm: &VmDir, port: u16) -> Vec<String> {
+    let mut a: Vec<String> = vec![settings.qemu_binary.display().to_string()];
+    let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
+    let accel = match settings.accel {
+        Accel::Kvm => "kvm",
+        Accel::Tcg => "tcg,thread=multi",
+    };
+    let cpus = settings.cpus.to_string();
+    let mem = settings.memory_mib.to_string();
+    push(&[
+        "-name",
+        &vm.name(),
+        "-machine",
+        "q35",
+        "-accel",
+        accel,
+        "-cpu",
+        settings.cpu_model(),
+        "-smp",
+        &cpus,
+        "-m",
+        &mem,
+        "-nodefaults",
+        "-display",
+        "none",
+        // Appended, so the log of every boot of the environment is kept.
+        "-chardev",
+        &format!(
+            "file,id=console,path={},append=on",
+            opt_value(&vm.console())
+        ),
+        "-serial",
+        "chardev:console",
+        "-qmp",
+        &format!("unix:{},server=on,wait=off", opt_value(&vm.qmp())),
+        "-pidfile",
+        &vm.pidfile().display().to_string(),
+        // Own session, stdio on /dev/null, and the parent exits only once the
+        // VM is set up: its exit status and stderr tell whether QEMU started.
+        "-daemonize",
+    ]);
+    if let Some(kernel) = image.kernel() {
+        push(&["-kernel", &kernel.display().to_string()]);
+        if let Some(initrd) = image.initrd() {
+            push(&["-initrd", &initrd.display().to_string()]);
+        }
+        push(&["-append", image.kernel_args()]);
+    }
+    let netdev = format!(
+        "user,id=net0{},hostfwd=tcp:127.0.0.1:{port}-:22",
+        if settings.restrict_network {
+            ",restrict=on"
+        } else {
+            ""
+        }
+    );
+    push(&[
+        "-drive",
+        &format!("file={},if=virtio,format=qcow2", opt_value(&vm.overlay())),
+        "-netdev",
+        &netdev,
+        "-device",
+        "virtio-net-pci,netdev=net0",
+        "-drive",
+        &format!(
+            "file={},if=virtio,format=raw,readonly=on",
+            opt_value(&vm.seed())
+        ),
+    ]);
+    a
+}
+
+/// The same command line forwarding another host port (when the recorded one
+/// was taken while the VM was suspended: the forward is not part of the saved
+/// machine, so a restore may change it).
+pub fn with_port(argv: &[String], old: u16, new: u16) -> Vec<String> {
+    let from = format!("hostfwd=tcp:127.0.0.1:{old}-:22");
+    let to = format!("hostfwd=tcp:127.0.0.1:{new}-:22");
+    argv.iter().map(|a| a.replace(&from, &to)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_recorded_command_line_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir::new(&EnvPaths::new(dir.path(), Uuid::nil()));
+        vm.ensure().unwrap();
+        assert_eq!(vm.read_launch().unwrap(), None);
+        let launch = Launch {
+            version: crate::state::store::FORMAT_VERSION,
+            argv: vec!["qemu-system-x86_64".into(), "-name".into(), vm.name()],
+            port: 2222,
+        };
+        vm.write_launch(&launch).unwrap();
+        assert_eq!(vm.read_launch().unwrap(), Some(launch));
+    }
+
+    #[test]
+    fn the_command_line_names_the_environment_and_forwards_loopback_only() {
+        let paths = EnvPaths::new(Path::new("/s,x"), Uuid::nil());
+        let vm = VmDir::new(&paths);
+        let settings = QemuSettings {
+            accel: Accel::Tcg,
+            restrict_network: true,
+            ..Default::default()
+        };
+        let image = BootImage::Path("/img/base.qcow2".into());
+        let a = argv(&settings, &image, &vm, 2222);
+        let joined = a.join(" ");
+        assert!(
+            joined.contains("-name dormant-00000000-0000-0000-0000-000000000000"),
+            "{joined}"
+        );
+        assert!(
+            joined.contains("hostfwd=tcp:127.0.0.1:2222-:22"),
+            "{joined}"
+        );
+        assert!(joined.contains("restrict=on"), "{joined}");
+        assert!(joined.contains("-cpu qemu64"), "{joined}");
+        assert!(
+            joined.contains("file=/s,,x/environments/"),
+            "commas doubled: {joined}"
+        );
+        assert!(!joined.contains("-kernel"), "{joined}");
+        let moved = with_port(&a, 2222, 3333).join(" ");
+        assert!(
+            moved.contains("127.0.0.1:3333-:22") && !moved.contains("2222"),
+            "{moved}"
+        );
+        assert!(meta_data(Uuid::nil()).starts_with("instance-id: dormant-00000000-"));
+    }
+}

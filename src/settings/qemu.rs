@@ -1,0 +1,447 @@
+//! `[qemu]`: the `qemu` provider's settings (one QEMU process per running
+//! environment on the runner host). The base image, and the images a job's
+//! `image:` may pick, come only from here. `examples/dormant.toml` documents
+//! each key with its default; `validate` reports every problem as `qemu.key: problem`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use serde::Deserialize;
+
+use super::HumanDuration;
+use crate::provider::Dirs;
+use crate::state::EnvPaths;
+
+/// The kernel command line when `kernel` is set and `kernel_args` is not: root
+/// on the whole first virtio disk, console on the serial port (the console
+/// log), `quiet` because printing to an emulated UART costs seconds under TCG.
+pub const DEFAULT_KERNEL_ARGS: &str = "root=/dev/vda rw console=ttyS0 quiet";
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct QemuSettings {
+    /// The base image (qcow2 with cloud-init): never written, every
+    /// environment gets a copy-on-write overlay on it. Required with provider = "qemu".
+    pub image: Option<BootImage>,
+    /// Names a job's `image:` may use, each mapped to a base image.
+    pub images: BTreeMap<String, BootImage>,
+    /// "kvm" (hardware virtualisation, /dev/kvm) or "tcg" (emulation, slow).
+    pub accel: Accel,
+    /// `-cpu`; default "host" with kvm, "qemu64" with tcg.
+    pub cpu: Option<String>,
+    pub cpus: u32,
+    pub memory_mib: u32,
+    /// Virtual size of each environment's disk (`qemu-img` size, e.g. "20G");
+    /// unset: the base image's. The guest grows its filesystem (cloud-init resizefs).
+    pub disk_size: Option<String>,
+    /// The image's cloud-init default user; the environment's key is installed for it.
+    pub ssh_user: String,
+    /// Running environments at once (a suspended one holds only disk); 0: no limit.
+    pub max_environments: u32,
+    /// What suspending does: power off keeping the disk, or save memory too.
+    pub suspend_mode: QemuSuspendMode,
+    /// Forbid the guest's own outbound connections (QEMU `restrict=on`): only
+    /// the forwarded SSH port works. Jobs usually need the network; tests don't.
+    pub restrict_network: bool,
+    /// The QEMU system emulator.
+    pub qemu_binary: PathBuf,
+    pub qemu_img: PathBuf,
+    /// How long an ACPI power-down may take before QEMU is quit (like pulling the plug).
+    pub shutdown_timeout: HumanDuration,
+    /// How long a boot may take until the guest's sshd answers.
+    pub boot_timeout: HumanDuration,
+    /// builds_dir inside the VM; default `<home of ssh_user>/builds`.
+    pub builds_dir: Option<String>,
+    /// cache_dir inside the VM; default `<home of ssh_user>/cache`.
+    pub cache_dir: Option<String>,
+}
+
+impl Default for QemuSettings {
+    fn default() -> Self {
+        QemuSettings {
+            image: None,
+            images: BTreeMap::new(),
+            accel: Accel::Kvm,
+            cpu: None,
+            cpus: 2,
+            memory_mib: 2048,
+            disk_size: None,
+            ssh_user: "debian".into(),
+            max_environments: 2,
+            suspend_mode: QemuSuspendMode::Shutdown,
+            restrict_network: false,
+            qemu_binary: PathBuf::from("qemu-system-x86_64"),
+            qemu_img: PathBuf::from("qemu-img"),
+            shutdown_timeout: HumanDuration::from_secs(60),
+            boot_timeout: HumanDuration::from_secs(5 * 60),
+            builds_dir: None,
+            cache_dir: None,
+        }
+    }
+}
+
+/// A base image: a path, or a table with a kernel and initrd for direct boot
+/// (faster than firmware and bootloader; needed by images without a bootloader).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum BootImage {
+    Path(PathBuf),
+    Full(FullBootImage),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FullBootImage {
+    pub disk: PathBuf,
+    pub kernel: Option<PathBuf>,
+    pub initrd: Option<PathBuf>,
+    pub kernel_args: Option<String>,
+}
+
+impl BootImage {
+    pub fn disk(&self) -> &Path {
+        match self {
+            BootImage::Path(p) => p,
+            BootImage::Full(f) => &f.disk,
+        }
+    }
+    pub fn kernel(&self) -> Option<&Path> {
+        match self {
+            BootImage::Path(_) => None,
+            BootImage::Full(f) => f.kernel.as_deref(),
+        }
+    }
+    pub fn initrd(&self) -> Option<&Path> {
+        match self {
+            BootImage::Path(_) => None,
+            BootImage::Full(f) => f.initrd.as_deref(),
+        }
+    }
+    pub fn kernel_args(&self) -> &str {
+        match self {
+            BootImage::Full(FullBootImage {
+                kernel_args: Some(a),
+                ..
+            }) => a,
+            _ => DEFAULT_KERNEL_ARGS,
+        }
+    }
+
+    fn validate(&self, key: &str, p: &mut impl FnMut(&str, String)) {
+        let mut files = vec![("disk", Some(self.disk()))];
+        files.push(("kernel", self.kernel()));
+        files.push(("initrd", self.initrd()));
+        for (what, path) in files {
+            if let Some(path) = path {
+                if !path.is_absolute() {
+                    p(
+                        key,
+                        format!("{what} {} must be an absolute path", path.display()),
+                    );
+                }
+            }
+        }
+        if self.initrd().is_some() && self.kernel().is_none() {
+            p(key, "initrd without kernel: set both or neither".into());
+        }
+        if let BootImage::Full(f) = self {
+            if f.kernel_args.is_some() && f.kernel.is_none() {
+                p(
+                    key,
+                    "kernel_args without kernel: set both or neither".into(),
+                );
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    #[default]
+    Kvm,
+    Tcg,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum QemuSuspendMode {
+    /// ACPI power-down: the disk is kept, processes end.
+    #[default]
+    Shutdown,
+    /// Memory saved to a file beside the disk: processes keep running after resume.
+    Hibernate,
+}
+
+/// `qemu-img` sizes: digits and one of K, M, G, T.
+fn valid_size(s: &str) -> bool {
+    let Some(unit) = s.chars().last() else {
+        return false;
+    };
+    let digits = &s[..s.len() - unit.len_utf8()];
+    matches!(unit, 'K' | 'M' | 'G' | 'T')
+        && !digits.is_empty()
+        && digits.chars().all(|c| c.is_ascii_digit())
+        && digits.parse::<u64>().is_ok_and(|n| n > 0)
+}
+
+impl QemuSettings {
+    /// `selected`: the `qemu` provider is the one in use, so its required settings must be there.
+    pub fn validate(&self, selected: bool, problems: &mut Vec<String>) {
+        let mut p = |key: &str, msg: String| problems.push(format!("qemu.{key}: {msg}"));
+        match &self.image {
+            Some(image) => image.validate("image", &mut p),
+            None if selected => p(
+                "image",
+                "required with provider = \"qemu\": the path of a qcow2 base image with cloud-init \
+                 (see docs/qemu.md, \"Images\")"
+                    .into(),
+            ),
+            None => {}
+        }
+        for (name, image) in &self.images {
+            if name.trim().is_empty() {
+                p("images", "an image name must not be empty".into());
+            }
+            image.validate(&format!("images.{name}"), &mut p);
+        }
+        if let Some(cpu) = &self.cpu {
+            if cpu.trim().is_empty() || cpu.contains(char::is_whitespace) {
+                p("cpu", format!("{cpu:?} is not a QEMU CPU model"));
+            }
+        }
+        if self.cpus == 0 {
+            p("cpus", "must be at least 1".into());
+        }
+        if self.memory_mib < 128 {
+            p(
+                "memory_mib",
+                format!(
+                    "{} MiB is too little for a Linux guest (at least 128)",
+                    self.memory_mib
+                ),
+            );
+        }
+        if let Some(size) = &self.disk_size {
+            if !valid_size(size) {
+                p(
+                    "disk_size",
+                    format!("{size:?} is not a size: write e.g. \"20G\" or \"512M\""),
+                );
+            }
+        }
+        if self.ssh_user.trim().is_empty() || self.ssh_user.contains(char::is_whitespace) {
+            p(
+                "ssh_user",
+                format!("{:?} is not a user name", self.ssh_user),
+            );
+        }
+        for (key, path) in [
+            ("qemu_binary", &self.qemu_binary),
+            ("qemu_img", &self.qemu_img),
+        ] {
+            if path.as_os_str().is_empty() {
+                p(key, "must not be empty".into());
+            }
+        }
+        for (key, d) in [
+            ("shutdown_timeout", self.shutdown_timeout),
+            ("boot_timeout", self.boot_timeout),
+        ] {
+            if d.is_zero() {
+                p(key, "must be more than 0s".into());
+            }
+        }
+        for (key, dir) in [
+            ("builds_dir", &self.builds_dir),
+            ("cache_dir", &self.cache_dir),
+        ] {
+            if let Some(d) = dir {
+                if !d.starts_with('/') {
+                    p(key, format!("{d:?} must be an absolute path inside the VM"));
+                }
+            }
+        }
+    }
+
+    /// The CPU model: the setting, else what suits the accelerator.
+    pub fn cpu_model(&self) -> &str {
+        match (&self.cpu, self.accel) {
+            (Some(c), _) => c,
+            (None, Accel::Kvm) => "host",
+            (None, Accel::Tcg) => "qemu64",
+        }
+    }
+
+    fn home(&self) -> String {
+        if self.ssh_user == "root" {
+            "/root".into()
+        } else {
+            format!("/home/{}", self.ssh_user)
+        }
+    }
+
+    /// builds_dir / cache_dir for config (no I/O): every VM has its own disk.
+    pub fn dirs(&self, _paths: &EnvPaths) -> Result<Dirs> {
+        let home = self.home();
+        Ok(Dirs {
+            builds: self
+                .builds_dir
+                .clone()
+                .unwrap_or_else(|| format!("{home}/builds")),
+            cache: self
+                .cache_dir
+                .clone()
+                .unwrap_or_else(|| format!("{home}/cache")),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::settings::{ProviderKind, Settings};
+
+    use super::*;
+
+    #[test]
+    fn a_minimal_section_parses_with_documented_defaults() {
+        let s = Settings::parse_str("provider = \"qemu\"\n[qemu]\nimage = \"/img/base.qcow2\"\n")
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(s.provider, ProviderKind::Qemu);
+        let q = &s.qemu;
+        assert_eq!(
+            q.image.as_ref().unwrap().disk(),
+            Path::new("/img/base.qcow2")
+        );
+        assert_eq!(q.accel, Accel::Kvm);
+        assert_eq!(q.cpu_model(), "host");
+        assert_eq!(q.suspend_mode, QemuSuspendMode::Shutdown);
+        assert_eq!(
+            q.dirs(&EnvPaths::new(Path::new("/s"), uuid::Uuid::nil()))
+                .unwrap()
+                .builds,
+            "/home/debian/builds"
+        );
+    }
+
+    #[test]
+    fn a_direct_boot_image_and_an_allow_list_parse() {
+        let s = Settings::parse_str(
+            "provider = \"qemu\"\n[qemu]\naccel = \"tcg\"\nsuspend_mode = \"hibernate\"\n\
+             image = { disk = \"/i/b.qcow2\", kernel = \"/i/vmlinuz\", initrd = \"/i/initrd.img\" }\n\
+             [qemu.images]\nubuntu = \"/i/noble.qcow2\"\n",
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        let image = s.qemu.image.as_ref().unwrap();
+        assert_eq!(image.kernel(), Some(Path::new("/i/vmlinuz")));
+        assert_eq!(image.kernel_args(), DEFAULT_KERNEL_ARGS);
+        assert_eq!(s.qemu.cpu_model(), "qemu64");
+        assert_eq!(s.qemu.images["ubuntu"].disk(), Path::new("/i/noble.qcow2"));
+        assert_eq!(s.qemu.suspend_mode, QemuSuspendMode::Hibernate);
+    }
+
+    #[test]
+    fn every_problem_names_its_key() {
+        let err = Settings::parse_str(
+            "provider = \"qemu\"\n[qemu]\ncpus = 0\nmemory_mib = 64\ndisk_size = \"lots\"\n\
+             ssh_user = \"\"\nboot_timeout = \"0s\"\nbuilds_dir = \"rel\"\n\
+             [qemu.images]\nx = { disk = \"rel.qcow2\", initrd = \"/i\" }\n",
+        )
+        .unwrap_err();
+        let text = format!("{err:#}");
+        for needle in [
+            "qemu.image: required with provider = \"qemu\"",
+            "qemu.cpus: must be at least 1",
+            "qemu.memory_mib: 64 MiB",
+            "qemu.disk_size: \"lots\" is not a size",
+            "qemu.ssh_user:",
+            "qemu.boot_timeout: must be more than 0s",
+            "qemu.builds_dir: \"rel\" must be an absolute path",
+            "qemu.images.x: disk rel.qcow2 must be an absolute path",
+            "qemu.images.x: initrd without kernel",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in {text}");
+        }
+        let err = Settings::parse_str("[qemu]\naccel = \"hvf\"\n").unwrap_err();
+        assert!(format!("{err:#}").contains("qemu.accel"), "{err:#}");
+        let err = Settings::parse_str("[qemu]\nmemory = 1\n").unwrap_err();
+        assert!(
+            format!("{err:#}").contains("qemu.memory: unknown setting"),
+            "{err:#}"
+        );
+    }
+
+    #[test]
+    fn the_example_documents_every_qemu_setting() {
+        let text = include_str!("../../examples/dormant.toml");
+        let section = &text[text.find("\n[qemu]\n").expect("a [qemu] section")..];
+        for key in [
+            "image",
+            "[qemu.images]",
+            "accel",
+            "cpu",
+            "cpus",
+            "memory_mib",
+            "disk_size",
+            "ssh_user",
+            "max_environments",
+            "suspend_mode",
+            "qemu_binary",
+            "qemu_img",
+            "shutdown_timeout",
+            "boot_timeout",
+            "builds_dir",
+            "cache_dir",
+        ] {
+            assert!(
+                section.contains(key),
+                "examples/dormant.toml [qemu] does not document {key}"
+            );
+        }
+        // The defaults it states are the defaults.
+        let d = QemuSettings::default();
+        for (line, want) in [
+            (format!("cpus = {}", d.cpus), true),
+            (format!("memory_mib = {}", d.memory_mib), true),
+            (format!("ssh_user = \"{}\"", d.ssh_user), true),
+            (format!("max_environments = {}", d.max_environments), true),
+            (
+                format!("shutdown_timeout = \"{}s\"", d.shutdown_timeout.as_secs()),
+                true,
+            ),
+        ] {
+            assert_eq!(section.contains(&line), want, "{line}");
+        }
+        // Uncommenting the settings gives valid settings (with an image).
+        let is_setting = |r: &str| {
+            r.starts_with("[qemu.")
+                || r.split_once(" = ").is_some_and(|(k, _)| {
+                    !k.is_empty()
+                        && k.chars()
+                            .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
+                })
+        };
+        let uncommented: String = section
+            .lines()
+            .map(|l| l.strip_prefix("# ").filter(|r| is_setting(r)).unwrap_or(l))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let s = Settings::parse_str(&format!(
+            "provider = \"qemu\"\n{}",
+            uncommented.replacen("[qemu]\n", "[qemu]\nimage = \"/i/base.qcow2\"\n", 1)
+        ))
+        .unwrap_or_else(|e| panic!("{e:#}\n{uncommented}"));
+        assert!(s.qemu.images.contains_key("ubuntu-noble"), "{uncommented}");
+    }
+
+    #[test]
+    fn sizes() {
+        for ok in ["20G", "512M", "1T", "100K"] {
+            assert!(valid_size(ok), "{ok}");
+        }
+        for bad in ["", "G", "20", "20GB", "0G", "-1G", "2.5G"] {
+            assert!(!valid_size(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,490 @@
+//! The `qemu` provider with real VMs: whole jobs through the built binary, as
+//! GitLab Runner drives it, booting the test image that
+//! `scripts/build-test-image.sh` builds (a small Debian with systemd, sshd and
+//! cloud-init) under TCG. VMs run one at a time (`ONE_VM`): two at once on a
+//! small CI machine take as long as both in turn and risk the boot timeouts.
+//!
+//! Needs QEMU, genisoimage and cloud-init (`scripts/install-test-deps.sh`) and
+//! the image (`DORMANT_TEST_QEMU_IMAGE`, else the script is run here: it
+//! reuses its cache). A missing piece fails the tests; nothing is skipped.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::harness::*;
+use dormant::runner_sim::SimJob;
+use dormant::state::EnvPaths;
+
+const RUNNER: &str = "93";
+const SYSTEM: &str = "s_9e9e9e9e9e9e";
+/// The test image's cloud-init default user.
+const USER: &str = "debian";
+
+static ONE_VM: Mutex<()> = Mutex::new(());
+
+fn one_vm() -> std::sync::MutexGuard<'static, ()> {
+    ONE_VM.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The directory holding base.qcow2, vmlinuz and initrd.img.
+fn image_dir() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        if let Some(d) = std::env::var_os("DORMANT_TEST_QEMU_IMAGE").filter(|d| !d.is_empty()) {
+            return PathBuf::from(d);
+        }
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/build-test-image.sh");
+        let out = Command::new(&script)
+            .output()
+            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+        assert!(
+            out.status.success(),
+            "{} failed (run scripts/install-test-deps.sh first; it needs root):\n{}",
+            script.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        PathBuf::from(
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .last()
+                .unwrap_or("")
+                .trim(),
+        )
+    })
+    .clone()
+}
+
+fn qemu_rig(suspend_mode: &str) -> Rig {
+    let img = image_dir();
+    for f in ["base.qcow2", "vmlinuz", "initrd.img"] {
+        assert!(
+            img.join(f).is_file(),
+            "the test VM image has no {f} in {}: run scripts/build-test-image.sh",
+            img.display()
+        );
+    }
+    assert!(
+        Command::new("qemu-system-x86_64")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success()),
+        "qemu-system-x86_64 is not installed: run scripts/install-test-deps.sh"
+    );
+    Rig::new(
+        RUNNER,
+        SYSTEM,
+        &format!(
+            "provider = \"qemu\"\nprepare_timeout = \"10m\"\n\
+             [ssh]\nready_timeout = \"2m\"\n\
+             [qemu]\naccel = \"tcg\"\ncpus = 2\nmemory_mib = 1024\nrestrict_network = true\n\
+             boot_timeout = \"400s\"\nshutdown_timeout = \"90s\"\nmax_environments = 1\n\
+             suspend_mode = \"{suspend_mode}\"\n\
+             image = {{ disk = \"{d}/base.qcow2\", kernel = \"{d}/vmlinuz\", initrd = \"{d}/initrd.img\" }}\n",
+            d = img.display()
+        ),
+    )
+}
+
+fn env_paths(rig: &Rig, job: &SimJob) -> EnvPaths {
+    EnvPaths::new(
+        &rig.state_dir,
+        dormant::identity::new_env_id(RUNNER, job.id),
+    )
+}
+
+/// Live QEMU processes whose command line names this environment.
+fn qemu_pids(env: &EnvPaths) -> Vec<i32> {
+    let name = format!("dormant-{}", env.id);
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let args: Vec<&[u8]> = c.split(|b| *b == 0).collect();
+                args.first()
+                    .is_some_and(|a| String::from_utf8_lossy(a).contains("qemu"))
+                    && args.contains(&name.as_bytes())
+            }) && process_running(*pid)
+        })
+        .collect()
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// `cloud-init schema` from the host's cloud-init: Ok, or its complaint.
+fn cloud_init_schema(user_data: &str) -> Result<(), String> {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("user-data");
+    std::fs::write(&file, user_data).unwrap();
+    let out = Command::new("cloud-init")
+        .args(["schema", "--config-file"])
+        .arg(&file)
+        .output()
+        .expect("cloud-init is not installed: run scripts/install-test-deps.sh");
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+#[test]
+fn the_user_data_every_provider_sends_is_valid_cloud_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("k");
+    let st = Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+        .arg(&key)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let public = std::fs::read_to_string(key.with_extension("pub")).unwrap();
+    let id = uuid::Uuid::new_v4();
+    for user in ["debian", "root"] {
+        let text = dormant::provider::cloud_init::user_data(id, Some(&public), user).unwrap();
+        cloud_init_schema(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    }
+    // The validator does fail (so the checks above mean something).
+    assert!(cloud_init_schema("#cloud-config\nssh_authorized_keys: 5\n").is_err());
+    assert!(cloud_init_schema("#cloud-config\nssh_authorized_keys: [\n").is_err());
+}
+
+#[cfg(feature = "ec2")]
+#[test]
+fn ec2_sends_the_same_user_data_as_qemu() {
+    use dormant::provider::MachineSpec;
+    let id = uuid::Uuid::new_v4();
+    let public =
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIJb5kG0r9Yd7m1t8j1oT0p9H2l9mX0c6w2k8b0a1c2d3 x";
+    let settings = dormant::settings::ec2::Ec2Settings::default();
+    let spec = MachineSpec {
+        env_id: id,
+        name: MachineSpec::machine_name(id),
+        runner_id: "1".into(),
+        system_id: "s".into(),
+        project_id: 1,
+        job_id: 1,
+        image: None,
+        variables: Default::default(),
+        ssh_public_key: Some(public.into()),
+        paths: EnvPaths::new(Path::new("/nonexistent"), id),
+    };
+    let encoded = dormant::provider::ec2::launch::user_data(&spec, &settings).unwrap();
+    let decoded = aws_smithy_types::base64::decode(&encoded).unwrap();
+    let text = String::from_utf8(decoded).unwrap();
+    assert_eq!(
+        text,
+        dormant::provider::cloud_init::user_data(id, Some(public), &settings.ssh_user).unwrap()
+    );
+    cloud_init_schema(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+}
+
+/// A shell command (a runner_sim hook, run on the host between prepare and
+/// the job's steps) logging in to the VM with nothing but the environment's
+/// own key and its pinned host key, writing what it saw to `out`.
+fn login_with_env_key_only(env: &EnvPaths, out: &Path) -> String {
+    let port_of = format!(
+        "sed -n 's/.*\"port\": *\"\\([0-9]*\\)\".*/\\1/p' {}",
+        env.record.display()
+    );
+    format!(
+        "port=$({port_of}); ssh -F /dev/null -o IdentitiesOnly=yes -o BatchMode=yes -i {key} \
+         -o UserKnownHostsFile={kh} -o GlobalKnownHostsFile=/dev/null -o StrictHostKeyChecking=yes \
+         -o HostKeyAlias=dormant-{id} -p \"$port\" {USER}@127.0.0.1 'echo logged-in-as-$(id -un)' > {out} 2>&1",
+        key = env.ssh_key.display(),
+        kh = env.known_hosts.display(),
+        id = env.id,
+        out = out.display()
+    )
+}
+
+#[test]
+fn a_vm_powers_off_keeping_its_disk_and_a_later_job_boots_it_again() {
+    let _one = one_vm();
+    let rig = qemu_rig("shutdown");
+    let login_out = rig.dir.path().join("login.txt");
+    let first = job(91)
+        .suspend_on(true, false)
+        .script("echo kept-on-disk > state.txt; uname -n");
+    let env = env_paths(&rig, &first);
+    let login_cmd = login_with_env_key_only(&env, &login_out);
+    // How the running QEMU is detached: its stdio, session and QMP socket mode.
+    let detached_out = rig.dir.path().join("detached.txt");
+    let vm = env.dir.join("vm");
+    let detached_cmd = format!(
+        "pid=$(cat {vm}/qemu.pid); {{ readlink /proc/$pid/fd/0 /proc/$pid/fd/1 /proc/$pid/fd/2; \
+         echo \"session $(ps -o sid= -p $pid | tr -d ' ') pid $pid\"; stat -c 'qmp %a' {vm}/qmp.sock; }} > {out}",
+        vm = vm.display(),
+        out = detached_out.display()
+    );
+    let r = rig.run_with_command_before(
+        &first,
+        "build_script",
+        &format!("{login_cmd}\n{detached_cmd}"),
+    );
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().expect("the key is printed");
+    assert!(key.contains("provider=qemu"), "{key}");
+    assert_eq!(
+        rig.status(&key).as_deref(),
+        Some("suspended"),
+        "{}",
+        r.cleanup_output()
+    );
+
+    // cloud-init installed the environment's key from the seed dormant built.
+    let login = std::fs::read_to_string(&login_out).unwrap();
+    assert_eq!(login.trim(), format!("logged-in-as-{USER}"), "{login}");
+    let seed_user_data = std::fs::read_to_string(env.dir.join("vm/user-data")).unwrap();
+    let public = std::fs::read_to_string(env.ssh_key.with_extension("pub")).unwrap();
+    assert_eq!(
+        seed_user_data,
+        dormant::provider::cloud_init::user_data(env.id, Some(&public), USER).unwrap()
+    );
+    cloud_init_schema(&seed_user_data).unwrap();
+
+    // QEMU ran detached: stdio on /dev/null, its own session, a private QMP socket.
+    let detached = std::fs::read_to_string(&detached_out).unwrap();
+    let lines: Vec<&str> = detached.lines().collect();
+    assert_eq!(&lines[..3], &["/dev/null"; 3], "{detached}");
+    let session: Vec<&str> = lines[3].split_whitespace().collect();
+    // SAFETY: getsid(0) has no preconditions.
+    let ours = unsafe { libc::getsid(0) }.to_string();
+    assert_ne!(
+        session[1], ours,
+        "QEMU runs in a session of its own, not the runner's: {detached}"
+    );
+    assert_eq!(lines[4], "qmp 600", "{detached}");
+
+    // Suspended: powered off, disk kept.
+    assert!(
+        qemu_pids(&env).is_empty(),
+        "no QEMU runs for a powered-off VM"
+    );
+    assert!(env.dir.join("vm/overlay.qcow2").is_file());
+    assert!(
+        r.cleanup_output().contains("powered off"),
+        "{}",
+        r.cleanup_output()
+    );
+    let pinned = std::fs::read_to_string(&env.known_hosts).unwrap();
+    // As if a hibernation had been interrupted while saving memory: the
+    // partial image is never restored; the resume boots the disk and says so.
+    std::fs::write(vm.join("memory.state.partial"), b"half a memory image").unwrap();
+
+    let mut second = job(91)
+        .resume(&key)
+        .script("cat state.txt; test ! -e .fetched-by-job-2");
+    second.get_sources = "touch .fetched-by-job-2".into();
+    let pinned_in_job_2 = rig.dir.path().join("known_hosts.job2");
+    let copy_pin = format!(
+        "cp {} {}",
+        env.known_hosts.display(),
+        pinned_in_job_2.display()
+    );
+    let r2 = rig.run_with_command_before(&second, "build_script", &copy_pin);
+    assert_result(&r2, JobResult::Success);
+    assert!(r2.log().contains("kept-on-disk"), "{}", r2.log());
+    assert!(
+        r2.log().contains("did not complete") && r2.log().contains("memory lost, disk kept"),
+        "{}",
+        r2.log()
+    );
+    assert!(r2.log().contains("skipping get_sources"), "{}", r2.log());
+    assert!(
+        r2.log().contains("host key matches the one pinned"),
+        "{}",
+        r2.log()
+    );
+    assert_eq!(
+        std::fs::read_to_string(&pinned_in_job_2).unwrap(),
+        pinned,
+        "the pinned host key is unchanged after the reboot"
+    );
+    eprintln!(
+        "job 1:\n{}\n{}\njob 2:\n{}\n{}",
+        r.log(),
+        r.cleanup_output(),
+        r2.log(),
+        r2.cleanup_output()
+    );
+
+    // No trigger in job 2: released.
+    assert!(
+        qemu_pids(&env).is_empty(),
+        "release left QEMU running: {}",
+        r2.cleanup_output()
+    );
+    assert!(!env.dir.exists(), "release left {}", env.dir.display());
+}
+
+#[test]
+fn a_hibernated_vm_resumes_with_its_processes_running_and_its_clock_set() {
+    let _one = one_vm();
+    let rig = qemu_rig("hibernate");
+    let first = job(92).suspend_on(true, false).script(
+        "setsid bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 1; done' \
+         </dev/null >/dev/null 2>&1 & sleep 3; echo \"counter-at-suspend $(cat /tmp/counter)\"",
+    );
+    let env = env_paths(&rig, &first);
+    let r = rig.run(&first);
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().expect("the key is printed");
+    assert_eq!(
+        rig.status(&key).as_deref(),
+        Some("suspended"),
+        "{}",
+        r.cleanup_output()
+    );
+    assert!(
+        r.cleanup_output().contains("hibernated"),
+        "{}",
+        r.cleanup_output()
+    );
+    assert!(qemu_pids(&env).is_empty(), "hibernation quits QEMU");
+    assert!(
+        env.dir.join("vm/memory.state").is_file(),
+        "the memory image is beside the disk"
+    );
+    let at_suspend: u64 = field(&r.log(), "counter-at-suspend");
+
+    // Long enough that a guest clock left as it was would be far off.
+    std::thread::sleep(Duration::from_secs(30));
+
+    let second = job(92).resume(&key).script(
+        "a=$(cat /tmp/counter); sleep 3; b=$(cat /tmp/counter); \
+         echo \"counter-before $a\"; echo \"counter-after $b\"; echo \"guest-epoch $(date +%s)\"",
+    );
+    let before = now();
+    let r2 = rig.run(&second);
+    let after = now();
+    assert_result(&r2, JobResult::Success);
+    assert!(r2.log().contains("restored"), "{}", r2.log());
+    assert!(
+        r2.log().contains("guest clock set from its RTC"),
+        "{}",
+        r2.log()
+    );
+    let (a, b): (u64, u64) = (
+        field(&r2.log(), "counter-before"),
+        field(&r2.log(), "counter-after"),
+    );
+    assert!(
+        a >= at_suspend,
+        "the counter went on from {at_suspend}, not from scratch: {a}"
+    );
+    assert!(
+        b > a,
+        "the background process still runs after the restore: {a} then {b}"
+    );
+    let guest: u64 = field(&r2.log(), "guest-epoch");
+    assert!(
+        guest + 3 >= before && guest <= after + 3,
+        "the guest clock ({guest}) is within a few seconds of the host's ({before}..{after})"
+    );
+    assert!(
+        !env.dir.join("vm/memory.state").exists() || !env.dir.exists(),
+        "a restored memory image is deleted: it must never be restored twice"
+    );
+    assert!(
+        qemu_pids(&env).is_empty(),
+        "release quit QEMU: {}",
+        r2.cleanup_output()
+    );
+    assert!(!env.dir.exists());
+}
+
+fn field(log: &str, name: &str) -> u64 {
+    log.lines()
+        .find_map(|l| l.trim().strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name:?} line in the job log:\n{log}"))
+}
+
+/// `dormant prepare` processes of this rig (found by the state dir in their environment).
+fn prepare_pids(state_dir: &Path) -> Vec<i32> {
+    let marker = format!("DORMANT_STATE_DIR={}", state_dir.display());
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+            args.first().is_some_and(|a| a.ends_with(b"dormant"))
+                && args.iter().any(|a| *a == b"prepare")
+                && std::fs::read(format!("/proc/{pid}/environ"))
+                    .is_ok_and(|e| e.split(|b| *b == 0).any(|v| v == marker.as_bytes()))
+        })
+        .collect()
+}
+
+#[test]
+fn prepare_killed_mid_boot_leaves_no_qemu_after_the_runners_cleanup() {
+    let _one = one_vm();
+    let rig = qemu_rig("shutdown");
+    let j = job(93).script("echo never-runs");
+    let env = env_paths(&rig, &j);
+    let killed_qemus = std::sync::Arc::new(Mutex::new(Vec::new()));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let killer = {
+        let (env, killed, done) = (env.clone(), killed_qemus.clone(), done.clone());
+        let state_dir = rig.state_dir.clone();
+        std::thread::spawn(move || {
+            // Every prepare attempt is killed as soon as its QEMU runs (mid-boot).
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let qemus = qemu_pids(&env);
+                let fresh: Vec<i32> = qemus
+                    .iter()
+                    .copied()
+                    .filter(|p| !killed.lock().unwrap().contains(p))
+                    .collect();
+                if !fresh.is_empty() {
+                    for pid in prepare_pids(&state_dir) {
+                        // SAFETY: kill(2) on a dormant prepare of this test's own rig.
+                        unsafe { libc::kill(pid, libc::SIGKILL) };
+                    }
+                    killed.lock().unwrap().extend(fresh);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    let r = rig.run(&j);
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    killer.join().unwrap();
+    let killed = killed_qemus.lock().unwrap().clone();
+    assert!(
+        !killed.is_empty(),
+        "no prepare was killed mid-boot: {}",
+        r.log()
+    );
+    assert!(
+        matches!(r.result, JobResult::SystemFailure),
+        "every prepare attempt was killed: {:?}\n{}",
+        r.result,
+        r.log()
+    );
+    for pid in &killed {
+        assert!(
+            !process_running(*pid),
+            "QEMU {pid} of a killed prepare outlived the cleanup: {}",
+            r.cleanup_output()
+        );
+    }
+    assert!(qemu_pids(&env).is_empty(), "{}", r.cleanup_output());
+    assert!(
+        !env.dir.join("vm").exists(),
+        "cleanup released the VM: {}",
+        r.cleanup_output()
+    );
+}
