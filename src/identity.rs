@@ -49,7 +49,7 @@ pub fn system_id(settings: &Settings, store: &StateStore) -> Result<String> {
     // Atomic (temp + rename): two first jobs on a fresh host may race here.
     // 0600 like every state file.
     let tmp = kept.with_extension(format!("tmp{}", std::process::id()));
-    crate::transport::write_private(&tmp, format!("{derived}\n").as_bytes())
+    crate::state::store::write_private(&tmp, format!("{derived}\n").as_bytes())
         .and_then(|()| std::fs::rename(&tmp, &kept))
         .with_context(|| format!("writing {}", kept.display()))?;
     Ok(derived)

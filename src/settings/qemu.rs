@@ -10,8 +10,7 @@ use anyhow::Result;
 use serde::Deserialize;
 
 use super::HumanDuration;
-use crate::provider::Dirs;
-use crate::state::EnvPaths;
+use crate::model::{Dirs, EnvPaths};
 
 /// The kernel command line when `kernel` is set and `kernel_args` is not: root
 /// on the whole first virtio disk, console on the serial port (the console

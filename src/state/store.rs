@@ -238,6 +238,21 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
         })
 }
 
+/// Writes `path` with mode 0600, also when it existed with a wider mode: state
+/// files are for dormant's user only.
+pub fn write_private(path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    f.write_all(data)
+}
+
 /// Removes a file; already gone is fine.
 pub fn remove_file(path: &Path) -> Result<()> {
     match fs::remove_file(path) {

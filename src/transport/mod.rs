@@ -101,17 +101,4 @@ pub fn open(
     }
 }
 
-/// Writes `path` with mode 0600, also when it existed with a wider mode: state
-/// files are for dormant's user only.
-pub fn write_private(path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)?;
-    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-    f.write_all(data)
-}
+pub use crate::state::store::write_private;

@@ -10,10 +10,16 @@
 //! own stdin — closing the session alone would leave it running on the host.
 
 mod channel;
-pub mod hostkey;
-pub mod master;
+mod hostkey;
+mod master;
 pub mod ready;
-pub mod remote;
+mod remote;
+
+// The transport's public API for providers that reach machines over SSH (the
+// `ssh` provider removes workspaces over an environment's master); providers
+// never reach into the modules themselves.
+pub use master::{Master, Purpose};
+pub use remote::shell_quote;
 
 use std::time::Duration;
 
@@ -21,7 +27,6 @@ use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 
 use self::channel::Once;
-use self::master::{Master, Purpose};
 use super::{Script, ScriptExit, Transport};
 use crate::context::Ctx;
 use crate::model::EnvPaths;
