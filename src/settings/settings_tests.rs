@@ -1,0 +1,145 @@
+//! Unit tests of the core settings: strict parsing, every problem at once, the shipped example.
+use super::*;
+use crate::job::Job;
+
+#[test]
+fn empty_file_gives_defaults() {
+    let s = Settings::parse_str("").unwrap();
+    assert_eq!(s.provider, ProviderKind::Local);
+    assert_eq!(s.suspend.ttl.as_secs(), 7 * 24 * 3600);
+    assert!(s.suspend.enabled);
+}
+
+#[test]
+fn the_shipped_example_parses_and_names_every_top_level_setting() {
+    let text = include_str!("../../examples/dormant.toml");
+    let parsed = Settings::parse_str(text).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(parsed.provider, ProviderKind::Local);
+    for key in [
+        "provider",
+        "state_dir",
+        "runner_id",
+        "system_id",
+        "runner_system_id_file",
+        "prepare_timeout",
+        "[suspend]",
+        "enabled",
+        "ttl",
+        "cleanup_sweep_budget",
+        "notify_command",
+        "notify_timeout",
+        "allow_job_request",
+        "[local]",
+        "shell",
+        "[ssh]",
+        "[ec2]",
+        "[qemu]",
+    ] {
+        assert!(
+            text.contains(key),
+            "examples/dormant.toml does not document {key}"
+        );
+    }
+}
+
+#[test]
+fn every_problem_is_reported_at_once_naming_the_key() {
+    let err = Settings::parse_str(
+        "colour = 1\nprepare_timeout = \"0s\"\n[suspend]\nttl = \"0s\"\nbogus = true\n",
+    )
+    .unwrap_err();
+    let text = format!("{err:#}");
+    for needle in [
+        "colour: unknown setting",
+        "suspend.bogus: unknown setting",
+        "prepare_timeout: must be",
+        "suspend.ttl: must be",
+    ] {
+        assert!(text.contains(needle), "missing {needle:?} in {text}");
+    }
+}
+
+#[test]
+fn bad_values_name_the_key() {
+    let err = Settings::parse_str("provider = \"gcp\"\n").unwrap_err();
+    assert!(format!("{err:#}").contains("provider"), "{err:#}");
+    let err = Settings::parse_str("colour = 1\n[suspend]\nttl = \"seven days\"\n").unwrap_err();
+    let text = format!("{err:#}");
+    assert!(
+        text.contains("suspend.ttl: \"seven days\" is not a duration"),
+        "{text}"
+    );
+    assert!(
+        text.contains("colour: unknown setting"),
+        "unknown keys before a bad value are reported too: {text}"
+    );
+    let err = Settings::parse_str("runner_id = \"a/b\"\n").unwrap_err();
+    assert!(format!("{err:#}").contains("runner_id"), "{err:#}");
+}
+
+#[test]
+fn notify_and_job_request_settings_are_read_and_bounded() {
+    let s = Settings::parse_str(
+        "[suspend]\nnotify_command = [\"/usr/local/bin/hook\", \"--mr\"]\nnotify_timeout = \"3s\"\nallow_job_request = false\n",
+    )
+    .unwrap();
+    assert_eq!(s.suspend.notify_command, ["/usr/local/bin/hook", "--mr"]);
+    assert_eq!(s.suspend.notify_timeout.as_secs(), 3);
+    assert!(!s.suspend.allow_job_request);
+    let d = Settings::parse_str("").unwrap();
+    assert!(d.suspend.notify_command.is_empty() && d.suspend.allow_job_request);
+    let err =
+        Settings::parse_str("[suspend]\nnotify_command = [\"hook\"]\nnotify_timeout = \"10m\"\n")
+            .unwrap_err();
+    let text = format!("{err:#}");
+    assert!(
+        text.contains("suspend.notify_command: the program \"hook\" must be an absolute path"),
+        "{text}"
+    );
+    assert!(
+        text.contains("suspend.notify_timeout: must be at most 1m"),
+        "{text}"
+    );
+    let err = Settings::parse_str("[suspend]\nnotify_timeout = \"0s\"\n").unwrap_err();
+    assert!(
+        format!("{err:#}").contains("suspend.notify_timeout: must be at least 1s"),
+        "{err:#}"
+    );
+}
+
+#[test]
+fn huge_values_are_quoted_briefly() {
+    let huge = "x/".repeat(32_768);
+    for text in [
+        format!("runner_id = \"{huge}\"\n"),
+        format!("state_dir = \"{huge}\"\n"),
+        format!("provider = \"{huge}\"\n"),
+        format!("[ssh]\nconnect_timeout = [\"{huge}\"]\n"),
+        format!("[suspend]\nttl = \"{huge}\"\n"),
+        format!("\"{huge}\" = 1\n"),
+        format!("colour = \"{huge}\n"),
+        format!("[ssh]\nworkspace_root = \"{huge}\"\n"),
+        format!("[ec2]\nendpoint_url = \"{huge}\"\n"),
+    ] {
+        let err = format!("{:#}", Settings::parse_str(&text).unwrap_err());
+        for line in err.lines() {
+            assert!(line.len() < 400, "{} bytes: {line}", line.len());
+        }
+    }
+}
+
+#[test]
+fn state_dir_env_overrides_and_runner_tmpdir_is_refused() {
+    let s = Settings::parse_str("state_dir = \"/srv/dormant\"\n").unwrap();
+    assert_eq!(
+        s.state_dir(&Job::default()).unwrap(),
+        PathBuf::from("/srv/dormant")
+    );
+    let job = Job::from_map([("DORMANT_STATE_DIR", "/x/state")]);
+    assert_eq!(s.state_dir(&job).unwrap(), PathBuf::from("/x/state"));
+    let job = Job::from_map([
+        ("DORMANT_STATE_DIR", "/tmp/custom-executor1/s"),
+        ("TMPDIR", "/tmp/custom-executor1"),
+    ]);
+    assert!(format!("{:#}", s.state_dir(&job).unwrap_err()).contains("deleted after"));
+}
