@@ -338,42 +338,11 @@ impl Machines for Instances {
 #[cfg(feature = "ec2")]
 #[test]
 fn every_crash_point_on_ec2() {
-    use crate::moto::{
-        catalogue_image, default_subnet, direct_client, CloudInit, Moto, Proxy, ACCESS_KEY, REGION,
-        SECRET_KEY,
-    };
-    let moto = Moto::start();
-    let proxy = Proxy::start(moto.port);
-    let sshd = crate::sshd::Sshd::start();
-    let _cloud_init = CloudInit::start(moto.url(), sshd.dir.path().join("authorized_keys"));
-    let (subnet, image) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(async {
-            let c = direct_client(&moto.url());
-            (
-                default_subnet(&c).await,
-                catalogue_image(&c, "ubuntu").await,
-            )
-        });
-    let host_dir = tempfile::tempdir().unwrap();
-    let settings = format!(
-        "provider = \"ec2\"\n[ssh]\nready_timeout = \"60s\"\n[ec2]\nregion = \"{REGION}\"\nendpoint_url = \"{}\"\n\
-         subnet_id = \"{subnet}\"\nimage = \"{image}\"\nssh_user = \"root\"\n\
-         connect_address = \"127.0.0.1:{}\"\nbuilds_dir = \"{}/builds\"\ncache_dir = \"{}/cache\"\n{GRACE}",
-        proxy.url(),
-        sshd.port,
-        host_dir.path().display(),
-        host_dir.path().display(),
+    let env = crate::ec2_rig::Ec2Env::start();
+    let mut rig = env.rig(
+        "33",
+        "s_0123456789ab",
+        &env.settings(&env.connect_address(), GRACE),
     );
-    let mut rig = Rig::new("33", "s_0123456789ab", &settings);
-    for (k, v) in [
-        ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
-        ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
-        ("AWS_EC2_METADATA_DISABLED", "true"),
-    ] {
-        rig.runner.env.insert(k.into(), v.into());
-    }
-    every_crash_point(&mut rig, &Instances(moto.url()));
+    every_crash_point(&mut rig, &Instances(env.moto.url()));
 }

@@ -9,20 +9,9 @@
 
 use aws_sdk_ec2::types::InstanceStateName;
 
-use crate::harness::{self, assert_result, JobResult, Rig};
-use crate::moto::{
-    catalogue_image, default_subnet, direct_client, CloudInit, Moto, Proxy, ACCESS_KEY, REGION,
-    SECRET_KEY,
-};
-use crate::sshd::Sshd;
-
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(f)
-}
+use crate::ec2_rig::{block_on, Ec2Env};
+use crate::harness::{self, assert_result, JobResult};
+use crate::moto::{direct_client, REGION};
 
 fn instance_state(moto_url: &str, id: &str) -> InstanceStateName {
     block_on(async {
@@ -44,37 +33,13 @@ fn instance_state(moto_url: &str, id: &str) -> InstanceStateName {
 
 #[test]
 fn a_job_suspends_its_instance_and_a_later_job_resumes_it_then_releases_it() {
-    let moto = Moto::start();
-    let proxy = Proxy::start(moto.port);
-    let sshd = Sshd::start();
-    let _cloud_init = CloudInit::start(moto.url(), sshd.dir.path().join("authorized_keys"));
-    let (subnet, image) = block_on(async {
-        let c = direct_client(&moto.url());
-        (
-            default_subnet(&c).await,
-            catalogue_image(&c, "ubuntu").await,
-        )
-    });
-    // Every "instance" is this host's sshd: give this test its own builds dir on it.
-    let host_dir = tempfile::tempdir().unwrap();
-    let settings = format!(
-        "provider = \"ec2\"\n[ssh]\nready_timeout = \"60s\"\n[ec2]\nregion = \"{REGION}\"\nendpoint_url = \"{}\"\n\
-         subnet_id = \"{subnet}\"\nimage = \"{image}\"\nssh_user = \"root\"\n\
-         connect_address = \"127.0.0.1:{}\"\nbuilds_dir = \"{}/builds\"\ncache_dir = \"{}/cache\"\n",
-        proxy.url(),
-        sshd.port,
-        host_dir.path().display(),
-        host_dir.path().display(),
+    let env = Ec2Env::start();
+    let (moto, proxy, sshd) = (&env.moto, &env.proxy, &env.sshd);
+    let rig = env.rig(
+        "7",
+        "s_0123456789ab",
+        &env.settings(&env.connect_address(), ""),
     );
-    let mut rig = Rig::new("7", "s_0123456789ab", &settings);
-    for (k, v) in [
-        ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
-        ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
-        // Keeps the credential chain off the instance-metadata address: loopback only.
-        ("AWS_EC2_METADATA_DISABLED", "true"),
-    ] {
-        rig.runner.env.insert(k.into(), v.into());
-    }
 
     // Job 1: a fresh instance, suspended on success.
     let handshakes = sshd.connections();

@@ -12,22 +12,14 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::ec2_rig::Ec2Env;
 use crate::harness::{self, assert_result, JobReport, JobResult, Rig};
-use crate::moto::{
-    catalogue_image, default_subnet, direct_client, CloudInit, Moto, Proxy, ACCESS_KEY, REGION,
-    SECRET_KEY,
-};
-use crate::sshd::Sshd;
 
 /// One suspended environment on moto + a loopback sshd, resumed again and again.
 pub struct ResumeRig {
-    // Field order is drop order: the cloud-init stand-in polls moto.
-    _cloud_init: CloudInit,
-    pub proxy: Proxy,
-    _moto: Moto,
-    pub sshd: Sshd,
-    _host_dir: tempfile::TempDir,
     pub rig: Rig,
+    /// Moto behind the proxy, the loopback sshd standing in for the instance.
+    pub env: Ec2Env,
     /// `ec2.address = "public"` (re-read after every start) instead of a fixed `connect_address`.
     pub public: bool,
     pub key: String,
@@ -72,7 +64,7 @@ impl ResumeRig {
                 "-o",
                 "LogLevel=ERROR",
                 "-p",
-                &self.sshd.port.to_string(),
+                &self.env.sshd.port.to_string(),
                 "-i",
             ])
             // The environment's own key: the cloud-init stand-in authorizes only those.
@@ -85,51 +77,17 @@ impl ResumeRig {
     }
 }
 
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(f)
-}
-
 impl ResumeRig {
     /// Makes the environment and suspends it (no hold yet).
     pub fn new(public: bool) -> ResumeRig {
-        let moto = Moto::start();
-        let proxy = Proxy::start(moto.port);
-        let sshd = Sshd::start();
-        let cloud_init = CloudInit::start(moto.url(), sshd.dir.path().join("authorized_keys"));
-        let (subnet, image) = block_on(async {
-            let c = direct_client(&moto.url());
-            (
-                default_subnet(&c).await,
-                catalogue_image(&c, "ubuntu").await,
-            )
-        });
-        let host_dir = tempfile::tempdir().unwrap();
+        let env = Ec2Env::start();
         let reach = if public {
-            proxy.public_ip("127.0.0.1");
-            format!("address = \"public\"\nssh_port = {}\n", sshd.port)
+            env.proxy.public_ip("127.0.0.1");
+            format!("address = \"public\"\nssh_port = {}\n", env.sshd.port)
         } else {
-            format!("connect_address = \"127.0.0.1:{}\"\n", sshd.port)
+            env.connect_address()
         };
-        let settings = format!(
-            "provider = \"ec2\"\n[ssh]\nready_timeout = \"60s\"\n[ec2]\nregion = \"{REGION}\"\nendpoint_url = \"{}\"\n\
-             subnet_id = \"{subnet}\"\nimage = \"{image}\"\nssh_user = \"root\"\n{reach}\
-             builds_dir = \"{}/builds\"\ncache_dir = \"{}/cache\"\n",
-            proxy.url(),
-            host_dir.path().display(),
-            host_dir.path().display(),
-        );
-        let mut rig = Rig::new("7", "s_0123456789ab", &settings);
-        for (k, v) in [
-            ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
-            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
-            ("AWS_EC2_METADATA_DISABLED", "true"),
-        ] {
-            rig.runner.env.insert(k.into(), v.into());
-        }
+        let rig = env.rig("7", "s_0123456789ab", &env.settings(&reach, ""));
         let first = harness::job(5)
             .suspend_on(true, false)
             .script("echo 'agent state' > progress.txt");
@@ -143,12 +101,8 @@ impl ResumeRig {
             .to_string();
         let stamp = rig.dir.path().join("prepare-done");
         ResumeRig {
-            _cloud_init: cloud_init,
-            proxy,
-            _moto: moto,
-            sshd,
-            _host_dir: host_dir,
             rig,
+            env,
             public,
             key,
             instance,
@@ -159,8 +113,8 @@ impl ResumeRig {
     /// Resumes with sshd down until `sshd_after` past StartInstances, with
     /// starts held `hold` and stops `stop_hold`; the job suspends again.
     pub fn resume(&mut self, hold: Duration, stop_hold: Duration, sshd_after: Duration) -> Resumed {
-        self.sshd.stop();
-        self.proxy.hold_transitions(hold, stop_hold);
+        self.env.sshd.stop();
+        self.env.proxy.hold_transitions(hold, stop_hold);
         let job = harness::job(5)
             .resume(&self.key)
             .suspend_on(true, false)
@@ -170,8 +124,8 @@ impl ResumeRig {
         let since = Instant::now();
         let wall0 = SystemTime::now();
         let (report, started, sshd_up) = std::thread::scope(|s| {
-            let proxy = &self.proxy;
-            let sshd = &mut self.sshd;
+            let proxy = &self.env.proxy;
+            let sshd = &mut self.env.sshd;
             let starter = s.spawn(move || {
                 let started = proxy
                     .await_call("StartInstances", since, Duration::from_secs(120))
@@ -204,6 +158,7 @@ impl ResumeRig {
             sshd_up
         };
         let polls_in_hold = self
+            .env
             .proxy
             .describes_of(&self.instance)
             .into_iter()
@@ -257,7 +212,7 @@ fn state_polls_during_a_transition_are_at_most_one_a_second() {
     let mut rig = ResumeRig::new(true);
     // A public address must be re-read: the resume waits for running (4 s),
     // polling; sshd is up at once. Then the job suspends with a 3 s stop hold.
-    rig.proxy.clear_calls();
+    rig.env.proxy.clear_calls();
     let r = rig.resume(
         Duration::from_secs(4),
         Duration::from_secs(3),
@@ -273,9 +228,10 @@ fn state_polls_during_a_transition_are_at_most_one_a_second() {
         (2..=5).contains(&r.polls_in_hold),
         "{} DescribeInstances in a 4 s hold: {:?}",
         r.polls_in_hold,
-        rig.proxy.actions()
+        rig.env.proxy.actions()
     );
     let stop = rig
+        .env
         .proxy
         .calls()
         .into_iter()
@@ -283,6 +239,7 @@ fn state_polls_during_a_transition_are_at_most_one_a_second() {
         .expect("the job suspended")
         .at;
     let during_stop = rig
+        .env
         .proxy
         .describes_of(&rig.instance)
         .into_iter()
@@ -291,7 +248,7 @@ fn state_polls_during_a_transition_are_at_most_one_a_second() {
     assert!(
         (2..=4).contains(&during_stop),
         "{during_stop} DescribeInstances in a 3 s stop hold: {:?}",
-        rig.proxy.actions()
+        rig.env.proxy.actions()
     );
     assert_eq!(rig.rig.status(&rig.key).as_deref(), Some("suspended"));
 }

@@ -6,20 +6,9 @@
 
 use aws_sdk_ec2::types::InstanceStateName;
 
-use crate::harness::Rig;
-use crate::moto::{
-    catalogue_image, default_subnet, direct_client, CloudInit, Moto, ACCESS_KEY, REGION, SECRET_KEY,
-};
+use crate::ec2_rig::{block_on, Ec2Env};
+use crate::moto::direct_client;
 use crate::shell;
-use crate::sshd::Sshd;
-
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(f)
-}
 
 /// The states of every instance moto has, by id.
 fn states(moto_url: &str) -> Vec<InstanceStateName> {
@@ -36,35 +25,13 @@ fn states(moto_url: &str) -> Vec<InstanceStateName> {
 
 #[test]
 fn shell_on_ec2_through_connect_address() {
-    let moto = Moto::start();
-    let sshd = Sshd::start();
-    let _cloud_init = CloudInit::start(moto.url(), sshd.dir.path().join("authorized_keys"));
-    let (subnet, image) = block_on(async {
-        let c = direct_client(&moto.url());
-        (
-            default_subnet(&c).await,
-            catalogue_image(&c, "ubuntu").await,
-        )
-    });
-    let host_dir = tempfile::tempdir().unwrap();
-    let settings = format!(
-        "provider = \"ec2\"\n[ssh]\nready_timeout = \"60s\"\n[ec2]\nregion = \"{REGION}\"\nendpoint_url = \"{}\"\n\
-         subnet_id = \"{subnet}\"\nimage = \"{image}\"\nssh_user = \"root\"\n\
-         connect_address = \"127.0.0.1:{}\"\nbuilds_dir = \"{}/builds\"\ncache_dir = \"{}/cache\"\n",
-        moto.url(),
-        sshd.port,
-        host_dir.path().display(),
-        host_dir.path().display(),
+    let env = Ec2Env::start();
+    let moto = &env.moto;
+    let rig = env.rig(
+        "68",
+        "s_68aa68aa68aa",
+        &env.settings(&env.connect_address(), ""),
     );
-    let mut rig = Rig::new("68", "s_68aa68aa68aa", &settings);
-    for (k, v) in [
-        ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
-        ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
-        // Keeps the credential chain off the instance-metadata address: loopback only.
-        ("AWS_EC2_METADATA_DISABLED", "true"),
-    ] {
-        rig.runner.env.insert(k.into(), v.into());
-    }
     let stopped_after = |what: &str| {
         let s = states(&moto.url());
         assert!(

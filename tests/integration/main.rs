@@ -13,6 +13,8 @@ mod ec2_job;
 #[cfg(feature = "ec2")]
 mod ec2_resume;
 #[cfg(feature = "ec2")]
+mod ec2_rig;
+#[cfg(feature = "ec2")]
 mod ec2_shell;
 mod edge;
 mod harness;
