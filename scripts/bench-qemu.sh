@@ -25,7 +25,9 @@ ACCEL=${QEMU_ACCEL:-tcg}
 BIN=${DORMANT_BIN:-target/debug/dormant}
 [ -x "$BIN" ] || cargo build --quiet
 IMG=$(scripts/build-test-image.sh | tail -1)
-work=$(mktemp -d /tmp/dormant-bench-qemu.XXXXXX)
+# Short: a VM's QMP socket path (<state dir>/environments/<id>/vm/qmp.sock)
+# must fit in 107 bytes.
+work=$(mktemp -d /tmp/dbq.XXXXXX)
 cleanup() { # the bench's own QEMU, by its pidfile, if it still runs
   local pid; pid=$(cat "$work/qemu.pid" 2>/dev/null || true)
   if [ -n "$pid" ] && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "dormant-bench-$$"; then
@@ -129,7 +131,7 @@ boot_timeout = "10m"
 suspend_mode = "$mode"
 image = { disk = "$IMG/base.qcow2", kernel = "$IMG/vmlinuz", initrd = "$IMG/initrd.img" }
 EOF
-    out=$(DORMANT_STATE_DIR="$work/state-$mode-$run" "$BIN" --config "$work/dormant.toml" try 2>&1) || {
+    out=$(DORMANT_STATE_DIR="$work/${mode:0:1}$run" "$BIN" --config "$work/dormant.toml" try 2>&1) || {
       echo "$out" >&2; echo "bench-qemu: dormant try failed ($mode)" >&2; exit 1; }
     # "  prepare#1   exit   0    45.123 s" — job 1's prepare and cleanup, then job 2's prepare.
     p1=$(echo "$out" | awk '/^  prepare#/ {print $4; exit}')
