@@ -82,7 +82,7 @@ start_vm() { # start_vm PORT [EXTRA...]: the command line the qemu provider buil
     -drive "file=$work/seed.iso,if=virtio,format=raw,readonly=on" "$@"
 }
 
-declare -A M
+declare -A M D
 for run in $(seq 1 "$RUNS"); do
   rm -f "$work"/overlay.qcow2 "$work"/state
   ssh-keygen -q -t ed25519 -N "" -f "$work/key" <<<y >/dev/null
@@ -111,12 +111,9 @@ for run in $(seq 1 "$RUNS"); do
   qmp "$work/qmp.sock" cont >/dev/null; wait_banner "$port"; t1=$(now)
   M[restore]+="$(secs "$t0" "$t1") "
   pid=$(cat "$work/qemu.pid"); qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"
-done
 
-# --- dormant ------------------------------------------------------------------
-declare -A D
-for mode in shutdown hibernate; do
-  for run in $(seq 1 "$RUNS"); do
+  # --- dormant, in the same run (so both sides see the same machine load) ----
+  for mode in shutdown hibernate; do
     cat >"$work/dormant.toml" <<EOF
 provider = "qemu"
 system_id = "s_bench"
@@ -140,6 +137,7 @@ EOF
     [ "$mode" = shutdown ] && D[new]+="$p1 "
     D["resume-$mode"]+="$p2 "
     D["suspend-$mode"]+="$c1 "
+    rm -rf "${work:?}/${mode:0:1}$run"
   done
 done
 
