@@ -218,5 +218,12 @@ fn a_job_on_an_ssh_host_suspends_itself() {
         "{}",
         r.log()
     );
+    // Said in the stage that wrote it: the wrapper reported the file, so the
+    // run stage took it (a stage without a request takes no second command).
+    let build = &r.call("build_script").unwrap().output;
+    assert!(
+        build.contains("suspending: requested by the job: agent waits for a human"),
+        "{build}"
+    );
     assert_eq!(rig.status(&key_of(&r)).as_deref(), Some("suspended"));
 }

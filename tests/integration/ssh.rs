@@ -567,12 +567,13 @@ async fn the_environments_own_key_and_a_changed_address_keep_the_pin() {
                     body: b"test -n \"$DORMANT_ENVIRONMENT_KEY\" && exit 7\n",
                     stage: "build_script",
                     env: &[("DORMANT_ENVIRONMENT_KEY".into(), "k".into())],
+                    watch: None,
                 },
                 &ctx,
             )
             .await
             .unwrap();
-        assert_eq!(exit, ScriptExit::Code(7));
+        assert_eq!(exit.exit, ScriptExit::Code(7));
         t.close(&ctx).await.unwrap();
         assert!(!paths.control_dir.exists());
     }

@@ -27,7 +27,7 @@ use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 
 use self::channel::Once;
-use super::{Script, ScriptExit, Transport};
+use super::{Ran, Script, Transport};
 use crate::context::Ctx;
 use crate::model::EnvPaths;
 use crate::model::SshTarget;
@@ -90,7 +90,7 @@ impl Transport for SshTransport {
         Ok(())
     }
 
-    async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<ScriptExit> {
+    async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<Ran> {
         let body = remote::script_with_env(script.body, script.env)?;
         // No `-O check` round trip first: the channel itself finds out, and a
         // master whose socket does not answer cannot have started the script.
@@ -103,7 +103,7 @@ impl Transport for SshTransport {
         let workdir = self.master.target.workdir.as_deref();
         loop {
             match channel::run_once(&session, &dest, workdir, &body, script, ctx).await? {
-                Once::Done(exit) => return Ok(exit),
+                Once::Done(ran) => return Ok(ran),
                 Once::MasterUnreachable(why) if !reconnected => {
                     tracing::debug!("master unreachable: {why}");
                     reconnected = true;
