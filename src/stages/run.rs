@@ -180,5 +180,5 @@ async fn record_stage(
     if request.is_some() {
         state.job_request = request;
     }
-    locked.save(&state)
+    locked.save_stage(&state)
 }
