@@ -135,6 +135,7 @@ impl Provider for FakeProvider {
             user: "u".into(),
             identity_file: None,
             workdir: None,
+            on_login: None,
         }))
     }
 

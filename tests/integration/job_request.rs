@@ -55,6 +55,7 @@ async fn the_ssh_transport_takes_the_request_on_the_host() {
             user: "root".into(),
             identity_file: Some(sshd.client_key.clone()),
             workdir: None,
+            on_login: None,
         },
         paths.clone(),
         SshSettings::default(),

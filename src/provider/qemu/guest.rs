@@ -15,7 +15,6 @@ use tokio::io::AsyncReadExt;
 use super::process::{self, Pid};
 use super::vm::VmDir;
 use crate::context::Ctx;
-use crate::model::EnvPaths;
 use crate::wait::{Poll, Schedule, Wait};
 
 /// How often the guest's sshd is asked for its banner while it boots: the
@@ -113,58 +112,20 @@ pub fn console_tail(path: &Path, lines: usize) -> String {
 }
 
 /// After a restore the guest's clock lags by the time spent suspended (it
-/// was frozen), while its RTC follows the host: set the clock from the RTC
-/// with one SSH command, logging in as the transport does (the environment's
-/// key, its pinned host key). The guest needs `/sys/class/rtc/rtc0` and, for
-/// a user other than root, passwordless sudo (cloud images' default user has
-/// both). A failure is a warning: the environment works with a late clock.
-pub async fn set_clock_from_rtc(
-    paths: &EnvPaths,
-    user: &str,
-    port: u16,
-    ctx: &Ctx,
-) -> Result<String> {
+/// was frozen), while its RTC follows the host. This snippet, run by the SSH
+/// transport right after its login in the same command as its probes (see
+/// `SshTarget::on_login`: no second connection), sets the clock from the RTC
+/// when they are 2 s or more apart, which is only ever after a restore. The
+/// guest needs `/sys/class/rtc/rtc0` and, for a user other than root,
+/// passwordless sudo (cloud images' default user has both). A failure is a
+/// warning: the environment works with a late clock.
+pub fn clock_from_rtc(user: &str) -> String {
     let sudo = if user == "root" { "" } else { "sudo -n " };
-    let script = format!(
-        "before=$(date +%s); {sudo}date -u -s @$(cat /sys/class/rtc/rtc0/since_epoch) >/dev/null && \
-         echo $(( $(date +%s) - before ))"
-    );
-    let mut cmd = tokio::process::Command::new("ssh");
-    cmd.arg("-F")
-        .arg("/dev/null")
-        .arg("-i")
-        .arg(&paths.ssh_key)
-        .args(["-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes"])
-        .arg("-o")
-        .arg(format!(
-            "UserKnownHostsFile={}",
-            paths.known_hosts.display()
-        ))
-        .args([
-            "-o",
-            "GlobalKnownHostsFile=/dev/null",
-            "-o",
-            "StrictHostKeyChecking=yes",
-        ])
-        .arg("-o")
-        .arg(format!("HostKeyAlias=dormant-{}", paths.id))
-        .args(["-o", "ConnectTimeout=10", "-o", "LogLevel=ERROR", "-p"])
-        .arg(port.to_string())
-        .arg(format!("{user}@127.0.0.1"))
-        .arg(script)
-        .stdin(std::process::Stdio::null())
-        .kill_on_drop(true);
-    let limit = Duration::from_secs(30).min(ctx.remaining());
-    let out = match tokio::time::timeout(limit, cmd.output()).await {
-        Ok(r) => r?,
-        Err(_) => bail!("no answer within {} s", limit.as_secs()),
-    };
-    if !out.status.success() {
-        bail!(
-            "ssh exited with {}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    format!(
+        r#"if r=$(cat /sys/class/rtc/rtc0/since_epoch 2>/dev/null); then b=$(date +%s); d=$((r - b));
+if [ "$d" -ge 2 ] || [ "$d" -le -2 ]; then
+if {sudo}date -u -s "@$r" >/dev/null 2>&1; then echo "say:guest clock set from its RTC (it was $d s behind after the hibernation)";
+else echo "warn:could not set the guest's clock from its RTC: it lags by $d s, the time the environment was hibernated; the guest needs passwordless sudo for {user} (see docs/qemu.md)"; fi; fi;
+else echo "warn:the guest has no /sys/class/rtc/rtc0: its clock is not set after a hibernation (see docs/qemu.md)"; fi"#
+    )
 }

@@ -53,8 +53,9 @@ impl Transport for SshTransport {
         let workdir = self.master.target.workdir.clone().unwrap_or_default();
         let probe = format!(
             "for t in bash git gitlab-runner; do command -v $t >/dev/null 2>&1 || echo missing:$t; done; \
-             if [ -n {w} ] && [ ! -d {w} ]; then echo missing:workdir; fi; true",
-            w = remote::shell_quote(&workdir)
+             if [ -n {w} ] && [ ! -d {w} ]; then echo missing:workdir; fi; {on_login}\ntrue",
+            w = remote::shell_quote(&workdir),
+            on_login = self.master.target.on_login.as_deref().unwrap_or(""),
         );
         let out = tokio::time::timeout(
             ctx.remaining().min(Duration::from_secs(60)),
@@ -70,7 +71,15 @@ impl Transport for SshTransport {
                 String::from_utf8_lossy(&out.stderr).trim()
             );
         }
-        for missing in String::from_utf8_lossy(&out.stdout)
+        let said = String::from_utf8_lossy(&out.stdout);
+        for line in said.lines() {
+            if let Some(text) = line.strip_prefix("say:") {
+                ctx.log.info(crate::text::excerpt(text));
+            } else if let Some(text) = line.strip_prefix("warn:") {
+                ctx.log.warn(crate::text::excerpt(text));
+            }
+        }
+        for missing in said
             .split_whitespace()
             .filter_map(|w| w.strip_prefix("missing:"))
         {
