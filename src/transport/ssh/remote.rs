@@ -18,13 +18,25 @@
 //!
 //! Nothing touches the host's disk: the script is read into a shell variable
 //! with bash's own `read -N` (all of it, checked complete: a connection lost
-//! while it arrives must not run half a script) and handed to a new bash
-//! through a pipe (`. /dev/fd/3`, which reads it whole before running it), with
+//! while it arrives must not run half a script) and run by `eval` in a
+//! subshell of the wrapper — a fork, no new bash, no pipe, no file — with
 //! stdin from /dev/null so a command that reads stdin cannot swallow anything.
-//! Apart from that bash, the wrapper starts no programs (no `mktemp`, `head`,
-//! `wc` or `setsid`): each would cost a fork and exec on every stage. The
-//! script's process group comes from job control (`set -m`). When the login
-//! shell is bash, it runs the wrapper itself (see [`command_line`]).
+//! The wrapper starts no programs at all (no `mktemp`, `head`, `wc`, `setsid`,
+//! not even a second bash): each exec cost 1–3 ms on every stage, the bulk of
+//! a stage's cost over a bare `ssh -S … true` (see the README's performance
+//! section). The script's process group comes from job control (`set -m`,
+//! turned off again inside the subshell so the script's own pipelines stay in
+//! its group). When the login shell is bash, it runs the wrapper itself (see
+//! [`command_line`]).
+//!
+//! What a subshell changes for the script, and how the wrapper keeps it as a
+//! shell of its own would see it: the wrapper's variables and positional
+//! parameters are cleared first (the script's first line unsets the copy of
+//! itself, `eval` has already taken it); `$$` is the wrapper's pid, as in any
+//! subshell (`$BASHPID` is the script's), so a signal the script sends to
+//! `$$` is passed on by the wrapper to the script's shell — `kill $$` ends
+//! the script (or runs its trap) as it would in a bash of its own, and is
+//! reported as its exit.
 
 /// The wrapper, run with `$1` = the script's length in bytes, `$2` = the
 /// work directory and `$3` = the file to watch (see [`command_line`]).
@@ -33,20 +45,22 @@ if ! r "$1"; then echo "dormant-error the stage script arrived incomplete: not r
 unset -f r
 if [ -n "$2" ] && ! cd -- "$2" 2>/dev/null; then echo "dormant-error the work directory $2 does not exist on the host" >&2; exit 97; fi
 set -m
-bash -c '. /dev/fd/3' dormant 3< <(printf %s "$s") </dev/null 2>&1 &
+( set +m; unset w; set --; eval "$s" ) </dev/null 2>&1 &
 p=$!
 set +m
 unset s
 # Only now (the script must keep the default): a lost connection must not
 # kill the wrapper before it has reported and cleaned up.
 trap '' PIPE
+# `$$` in the script is this wrapper: pass what the script sends it on.
+for g in TERM INT HUP QUIT USR1 USR2; do trap "kill -s $g \$p 2>/dev/null" "$g"; done
 echo "dormant-pgid $p" >&2
 ( while IFS= read -r c; do case $c in TERM|KILL) kill -s "$c" -- "-$p";; esac; done
   kill -s TERM -- "-$p"; sleep 5; kill -s KILL -- "-$p" ) <&0 >/dev/null 2>&1 &
 w=$!
 disown "$w"
-wait "$p"
-rc=$?
+# A trapped signal ends `wait` early: wait again until the script is gone.
+while :; do wait "$p"; rc=$?; kill -0 "$p" 2>/dev/null || break; done
 kill -s KILL -- "-$p" "$w" 2>/dev/null
 if [ -n "$3" ]; then
   if [ -e "$3" ] || [ -L "$3" ]; then echo "dormant-watched present" >&2; else echo "dormant-watched absent" >&2; fi
@@ -55,10 +69,9 @@ echo "dormant-exit $rc" >&2
 exit "$rc"
 "#;
 
-/// The first line of every uploaded script: the script's bash closes the
-/// pipe it was read from (`.` has read all of it by then), so nothing the
-/// script starts inherits it.
-const PRELUDE: &str = "exec 3<&-\n";
+/// The first line of every uploaded script: the wrapper's copy of the script
+/// goes (`eval` already holds it), so the script sees no variable it did not set.
+const PRELUDE: &str = "unset s\n";
 
 /// The control line that sends `signal` (`TERM` or `KILL`) to the script's group.
 pub fn signal_line(signal: &str) -> Vec<u8> {

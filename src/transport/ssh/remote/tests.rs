@@ -37,7 +37,7 @@ fn env_is_exported_quoted_before_the_script() {
     let s = script_with_env(b"echo hi\n", &[("K".into(), "a'b $x".into())]).unwrap();
     assert_eq!(
         String::from_utf8(s).unwrap(),
-        "exec 3<&-\nexport K='a'\\''b $x'\necho hi\n"
+        "unset s\nexport K='a'\\''b $x'\necho hi\n"
     );
     assert!(script_with_env(b"", &[("A-B".into(), "x".into())]).is_err());
     assert!(script_with_env(b"echo \0", &[]).is_err());
@@ -146,7 +146,7 @@ fn the_wrapper_runs_under_a_bash_login_shell_and_under_sh() {
     for shell in ["sh", "bash"] {
         let run = Run::start_in(
             shell,
-            "echo $BASH_VERSION; ps -o comm= -p $PPID; exit 3\n",
+            "echo \"bash=$BASH_VERSION\"; exit 3\n",
             None,
             tmp.path(),
         );
@@ -157,22 +157,25 @@ fn the_wrapper_runs_under_a_bash_login_shell_and_under_sh() {
             "{shell}: {reports:?}"
         );
         // bash runs the wrapper itself, sh starts a bash for it: either way
-        // the script's parent is a bash.
-        assert!(out.ends_with("bash\n"), "{shell}: {out}");
+        // the script runs in bash.
+        assert!(
+            out.starts_with("bash=") && out.len() > "bash=\n".len(),
+            "{shell}: {out}"
+        );
     }
 }
 
 #[test]
 fn the_script_runs_as_its_own_process_group_leader_with_nothing_inherited() {
     let tmp = tempfile::tempdir().unwrap();
-    // $$ is the script's own shell (so `kill $$` means the script), which
-    // leads the reported group; stdin is /dev/null (a `read` cannot eat the
-    // control line); the pipe the script came through is closed.
+    // The script's shell ($BASHPID) leads the reported group; stdin is
+    // /dev/null (a `read` cannot eat the control line); no descriptor but
+    // the three standard ones; none of the wrapper's variables or arguments.
     let run = Run::start(
-        "echo \"pid=$$ pgid=$(ps -o pgid= -p $$ | tr -d ' ')\"\n\
+        "echo \"pid=$BASHPID pgid=$(ps -o pgid= -p $BASHPID | tr -d ' ')\"\n\
          if read -r x; then echo \"read: $x\"; else echo stdin-empty; fi\n\
          test -e /dev/fd/3 && echo fd3-open\n\
-         echo \"zero=$0 args=$#\"\n",
+         echo \"args=$# s=${s-unset} w=${w-unset}\"\n",
         None,
         tmp.path(),
     );
@@ -181,8 +184,38 @@ fn the_script_runs_as_its_own_process_group_leader_with_nothing_inherited() {
     assert!(out.contains(&format!("pid={p} pgid={p}\n")), "{out}");
     assert!(out.contains("stdin-empty\n"), "{out}");
     assert!(!out.contains("fd3-open"), "{out}");
-    assert!(out.contains("zero=dormant args=0\n"), "{out}");
+    assert!(out.contains("args=0 s=unset w=unset\n"), "{out}");
     assert_eq!(reports.last(), Some(&Report::Exit(0)));
+}
+
+#[test]
+fn kill_dollar_dollar_ends_the_script_as_it_would_end_a_shell_of_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    // `$$` is the wrapper (a subshell's `$$`): the wrapper passes the signal
+    // on to the script's group, and reports the script's end by it.
+    for (signal, code) in [("TERM", 143), ("HUP", 129), ("USR1", 138)] {
+        let run = Run::start(
+            &format!("echo before; kill -s {signal} $$; sleep 5; echo after\n"),
+            None,
+            tmp.path(),
+        );
+        let (reports, out) = run.finish();
+        assert_eq!(out, "before\n", "{signal}");
+        assert_eq!(
+            reports.last(),
+            Some(&Report::Exit(code)),
+            "{signal}: {reports:?}"
+        );
+    }
+    // A script that traps it handles it itself, as a shell of its own would.
+    let run = Run::start(
+        "trap 'echo trapped; exit 7' TERM; kill $$; sleep 1; echo after\n",
+        None,
+        tmp.path(),
+    );
+    let (reports, out) = run.finish();
+    assert_eq!(out, "trapped\n");
+    assert_eq!(reports.last(), Some(&Report::Exit(7)));
 }
 
 #[test]
@@ -202,9 +235,9 @@ fn the_wrapper_says_whether_the_watched_file_exists_after_the_script() {
             let (reports, _) =
                 Run::start_full(shell, &script, None, Some(watch), tmp.path()).finish();
             assert_eq!(
-                reports[1..],
+                reports[reports.len().saturating_sub(2)..],
                 [Report::Watched(want), Report::Exit(0)],
-                "{shell}: {script}"
+                "{shell}: {script}: {reports:?}"
             );
         }
     }
