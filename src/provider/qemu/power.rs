@@ -24,6 +24,7 @@ use super::vm::{self, Launch, VmDir};
 use super::{capacity, QemuProvider};
 use crate::context::Ctx;
 use crate::settings::qemu::{BootImage, QemuSuspendMode};
+use crate::wait::{Poll, Schedule, Wait};
 
 /// `quit` ends QEMU in milliseconds; past this it is killed.
 const QUIT_WAIT: Duration = Duration::from_secs(10);
@@ -106,7 +107,7 @@ pub async fn resume(
             vm.name(),
             pid.0
         ));
-        ensure_running(vm, ctx)?;
+        ensure_running(vm, ctx).await?;
         return Ok((pid, launch.port, false));
     }
     if vm.state().exists() {
@@ -114,8 +115,18 @@ pub async fn resume(
             Some(launch) => match restore(p, vm, image, &launch, ctx).await {
                 Ok((pid, port)) => return Ok((pid, port, true)),
                 Err(e) => {
+                    // QEMU exits on an image it cannot load; its own message
+                    // went to /dev/null with the rest of its stderr.
+                    let why = if process::find(vm).is_none() {
+                        format!(
+                            "QEMU exited while loading it: the image is damaged or was saved by another \
+                             QEMU version; {e:#}"
+                        )
+                    } else {
+                        format!("{e:#}")
+                    };
                     ctx.log.warn(format!(
-                        "restoring the saved memory of VM {} failed ({e:#}): booting from its disk instead \
+                        "restoring the saved memory of VM {} failed ({why}): booting from its disk instead \
                          (memory lost, disk kept)",
                         vm.name()
                     ));
@@ -194,23 +205,66 @@ async fn restore(
 
 /// A live QEMU that a killed stage left paused (mid-save, or restored and
 /// not continued) is continued; its state files are stale.
-pub fn ensure_running(vm: &VmDir, ctx: &Ctx) -> Result<()> {
+pub async fn ensure_running(vm: &VmDir, ctx: &Ctx) -> Result<()> {
     let mut q = Qmp::connect(&vm.qmp())?;
+    continue_after_interrupted_save(&mut q, vm, ctx).await?;
+    vm.remove_durably(&vm.partial_state())?;
+    vm.remove_durably(&vm.state())?;
+    Ok(())
+}
+
+/// Migration states in which no save is running.
+const NO_SAVE_RUNNING: &[&str] = &["none", "completed", "failed", "cancelled"];
+
+fn migration_status(q: &mut Qmp) -> Result<String> {
+    let m = q.execute("query-migrate", None)?;
+    Ok(m.get("status")
+        .and_then(Value::as_str)
+        .unwrap_or("none")
+        .to_string())
+}
+
+/// A save started by a dormant process that was then killed goes on without
+/// it: QEMU is still writing (and refuses another `migrate` while it does),
+/// or it finished and left the VM in `postmigrate` (and refuses another save
+/// of it: "Can't migrate the vm that was paused due to previous migration").
+/// Nobody vouches for that image: a running save is cancelled, and the VM is
+/// continued, so the caller starts from a running VM (a hibernation then
+/// saves anew).
+async fn continue_after_interrupted_save(q: &mut Qmp, vm: &VmDir, ctx: &Ctx) -> Result<()> {
+    let saving = migration_status(q)?;
+    if !NO_SAVE_RUNNING.contains(&saving.as_str()) {
+        ctx.log.info(format!(
+            "VM {} is still saving its memory for an interrupted hibernation ({saving}): cancelling that save",
+            vm.name()
+        ));
+        if saving != "cancelling" {
+            q.execute("migrate_cancel", None)?;
+        }
+        Wait::new(
+            ctx,
+            format!("the interrupted save of VM {} to stop", vm.name()),
+            Schedule::fixed(Duration::from_millis(100)),
+        )
+        .quiet_for(Duration::from_secs(2))
+        .until(|| {
+            let probe = migration_status(q).map(|s| {
+                if NO_SAVE_RUNNING.contains(&s.as_str()) {
+                    Poll::Ready(())
+                } else {
+                    Poll::Pending(s)
+                }
+            });
+            std::future::ready(probe)
+        })
+        .await?;
+    }
     let status = q.status()?;
     if status != "running" {
-        let migrating = q
-            .execute("query-migrate", None)
-            .ok()
-            .and_then(|m| m.get("status").and_then(Value::as_str).map(str::to_string));
-        if migrating.as_deref() == Some("active") {
-            let _ = q.execute("migrate_cancel", None);
-        }
         ctx.log
             .info(format!("VM {} was {status}: continuing it", vm.name()));
         q.execute("cont", None)?;
     }
-    vm.remove_durably(&vm.partial_state())?;
-    vm.remove_durably(&vm.state())?;
     Ok(())
 }
 
@@ -271,16 +325,19 @@ async fn powerdown(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<
 /// Pause, save memory next to the disk, quit.
 async fn hibernate(vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
     let started = Instant::now();
+    let mut q = Qmp::connect(&vm.qmp())?;
+    continue_after_interrupted_save(&mut q, vm, ctx).await?;
     vm.remove_durably(&vm.state())?;
     vm.remove_durably(&vm.partial_state())?;
     ctx.log
         .info(format!("hibernating VM {}: saving its memory", vm.name()));
-    let mut q = Qmp::connect(&vm.qmp())?;
     q.execute("stop", None)?;
     q.execute(
         "migrate",
         Some(json!({ "uri": format!("file:{}", vm.partial_state().display()) })),
     )?;
+    // QEMU saves on without dormant from here.
+    crate::failpoint!("qemu:hibernate-saving");
     loop {
         let m = q.execute("query-migrate", None)?;
         match m.get("status").and_then(Value::as_str).unwrap_or("") {
