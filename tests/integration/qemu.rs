@@ -509,19 +509,38 @@ fn migration_status(env: &EnvPaths) -> String {
         .to_string()
 }
 
-/// Arms the `qemu:hibernate-saving` failpoint for the next cleanup (once), or disarms it.
-fn arm_hibernate_saving(rig: &mut Rig, armed: bool) {
+/// Arms the `qemu:hibernate-saving` failpoint for this rig's jobs, held
+/// back: it fires once, at the first hibernation after the returned marker
+/// file is removed (so a job's cleanup is killed, not the hibernation its
+/// prepare may do while recovering the environment).
+fn arm_hibernate_saving(rig: &mut Rig) -> PathBuf {
+    let marker = rig.dir.path().join(format!("fired-{}", job_id()));
+    std::fs::write(&marker, "").unwrap();
+    rig.runner
+        .env
+        .insert("DORMANT_FAILPOINT".into(), "qemu:hibernate-saving".into());
+    rig.runner.env.insert(
+        "DORMANT_FAILPOINT_ONCE".into(),
+        marker.display().to_string(),
+    );
+    marker
+}
+
+fn disarm(rig: &mut Rig) {
     rig.runner.env.remove("DORMANT_FAILPOINT");
     rig.runner.env.remove("DORMANT_FAILPOINT_ONCE");
-    if armed {
-        let marker = rig.dir.path().join(format!("fired-{}", job_id()));
-        rig.runner
-            .env
-            .insert("DORMANT_FAILPOINT".into(), "qemu:hibernate-saving".into());
-        rig.runner.env.insert(
-            "DORMANT_FAILPOINT_ONCE".into(),
-            marker.display().to_string(),
-        );
+}
+
+/// Kills this environment's QEMU when a test ends, so a failed assertion
+/// leaves no VM behind (release does it on success).
+struct NoVmLeft(EnvPaths);
+
+impl Drop for NoVmLeft {
+    fn drop(&mut self) {
+        for pid in qemu_pids(&self.0) {
+            // SAFETY: kill(2) on a QEMU whose command line names this test's environment.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
     }
 }
 
@@ -588,16 +607,18 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
     // Job 1: a counter, a file; its cleanup is killed mid-save. The save is
     // slowed (QEMU's migration bandwidth, a QMP setting of this process) so it
     // is still running when job 2 comes: like a large guest's.
-    arm_hibernate_saving(&mut rig, true);
+    let fire = arm_hibernate_saving(&mut rig);
     let first = job(94).suspend_on(true, false).script(&format!(
         "{COUNTER} echo kept-on-disk > kept.txt; sleep 3; echo \"counter-at-suspend $(cat /tmp/counter)\""
     ));
     let env = env_paths(&rig, &first);
+    let _no_vm_left = NoVmLeft(env.clone());
     let r1 = run_observed(&rig, &first, &mut || {
+        std::fs::remove_file(&fire).unwrap();
         qmp(&env)
             .execute(
                 "migrate-set-parameters",
-                Some(serde_json::json!({ "max-bandwidth": 20_000_000 })),
+                Some(serde_json::json!({ "max-bandwidth": 40_000_000 })),
             )
             .unwrap();
     });
@@ -623,14 +644,15 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
     // cleanup (cancels the save, continues, hibernates anew), then restores it.
     // Its own cleanup is killed mid-save too; this save is not slowed (a
     // restored QEMU is a new process, with default settings).
-    arm_hibernate_saving(&mut rig, true);
+    let fire = arm_hibernate_saving(&mut rig);
     let second = job(94)
         .resume(&key)
         .suspend_on(true, false)
         .script(READ_COUNTER);
     let mut seen = (0, Vec::new());
     let r2 = run_observed(&rig, &second, &mut || {
-        seen = (qemu_pids(&env).len(), memory_images(&env))
+        seen = (qemu_pids(&env).len(), memory_images(&env));
+        std::fs::remove_file(&fire).unwrap();
     });
     assert_result(&r2, JobResult::Success);
     let log2 = r2.log();
@@ -678,7 +700,7 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
 
     // Job 3: recovered again (the paused VM continued, hibernated anew),
     // restored, the counter still going; its own cleanup hibernates cleanly.
-    arm_hibernate_saving(&mut rig, false);
+    disarm(&mut rig);
     let third = job(94)
         .resume(&key)
         .suspend_on(true, false)
