@@ -114,8 +114,7 @@ pub fn console_tail(path: &Path, lines: usize) -> String {
 
 /// After a restore the guest's clock lags by the time spent suspended (it
 /// was frozen), while its RTC follows the host: set the clock from the RTC
-/// with one SSH command, logging in as the transport does (the environment's
-/// key, its pinned host key). The guest needs `/sys/class/rtc/rtc0` and, for
+/// with one SSH command. The guest needs `/sys/class/rtc/rtc0` and, for
 /// a user other than root, passwordless sudo (cloud images' default user has
 /// both). A failure is a warning: the environment works with a late clock.
 pub async fn set_clock_from_rtc(
@@ -129,6 +128,20 @@ pub async fn set_clock_from_rtc(
         "before=$(date +%s); {sudo}date -u -s @$(cat /sys/class/rtc/rtc0/since_epoch) >/dev/null && \
          echo $(( $(date +%s) - before ))"
     );
+    run(paths, user, port, &script, ctx).await
+}
+
+/// Before a hibernation: the guest writes what it holds in its page cache to
+/// its disk, so that if the memory image is ever lost (a damaged file, a QEMU
+/// upgrade, a host crash while saving) the disk booted instead has every file
+/// the job wrote, not only those Linux had written back (it waits up to 30 s).
+pub async fn sync_disks(paths: &EnvPaths, user: &str, port: u16, ctx: &Ctx) -> Result<()> {
+    run(paths, user, port, "sync", ctx).await.map(drop)
+}
+
+/// One command in the guest, logging in as the transport does (the
+/// environment's key, its pinned host key); its stdout, trimmed.
+async fn run(paths: &EnvPaths, user: &str, port: u16, script: &str, ctx: &Ctx) -> Result<String> {
     let mut cmd = tokio::process::Command::new("ssh");
     cmd.arg("-F")
         .arg("/dev/null")

@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use super::process::{self, Pid};
 use super::qmp::Qmp;
 use super::vm::{self, Launch, VmDir};
-use super::{capacity, QemuProvider};
+use super::{capacity, guest, QemuProvider};
 use crate::context::Ctx;
 use crate::settings::qemu::{BootImage, QemuSuspendMode};
 use crate::wait::{Poll, Schedule, Wait};
@@ -281,7 +281,7 @@ pub async fn suspend(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<()> {
         return Ok(());
     };
     if p.settings.suspend_mode == QemuSuspendMode::Hibernate {
-        match hibernate(vm, pid, ctx).await {
+        match hibernate(p, vm, pid, ctx).await {
             Ok(()) => return Ok(()),
             Err(e) => {
                 ctx.log.warn(format!(
@@ -322,13 +322,23 @@ async fn powerdown(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<
     quit(vm, ctx).await
 }
 
-/// Pause, save memory next to the disk, quit.
-async fn hibernate(vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
+/// Sync the guest's disks, pause, save memory next to the disk, quit.
+async fn hibernate(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
     let started = Instant::now();
     let mut q = Qmp::connect(&vm.qmp())?;
     continue_after_interrupted_save(&mut q, vm, ctx).await?;
     vm.remove_durably(&vm.state())?;
     vm.remove_durably(&vm.partial_state())?;
+    if let Some(launch) = vm.read_launch()? {
+        let paths = p.store.env_paths(vm.env_id);
+        if let Err(e) = guest::sync_disks(&paths, &p.settings.ssh_user, launch.port, ctx).await {
+            ctx.log.warn(format!(
+                "VM {} did not write its cached files to its disk ({e:#}): hibernating anyway; should \
+                 its memory image be lost, the disk lacks what the guest wrote in its last ~30 s",
+                vm.name()
+            ));
+        }
+    }
     ctx.log
         .info(format!("hibernating VM {}: saving its memory", vm.name()));
     q.execute("stop", None)?;
