@@ -595,7 +595,8 @@ const PAST_GRACE: Duration = Duration::from_millis(2100);
 /// 2. cleanup SIGKILLed after QEMU finished the save on its own (the VM left
 ///    in `postmigrate`, which refuses a second save until continued): the same;
 /// 3. a clean hibernation, its image then damaged: the resume warns, boots the
-///    disk (memory lost, disk kept), and the job runs.
+///    disk (memory lost, disk kept: with the files written just before the
+///    suspend, which the guest synced), and the job runs.
 ///
 /// In 1 and 2 the background counter started in job 1 still runs, and no
 /// image is left once a VM runs.
@@ -701,10 +702,13 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
     // Job 3: recovered again (the paused VM continued, hibernated anew),
     // restored, the counter still going; its own cleanup hibernates cleanly.
     disarm(&mut rig);
+    // Its last write is still in the guest's page cache when cleanup begins.
     let third = job(94)
         .resume(&key)
         .suspend_on(true, false)
-        .script(READ_COUNTER);
+        .script(&format!(
+            "{READ_COUNTER}; echo written-just-before-suspend > fresh.txt"
+        ));
     let r3 = run_observed(&rig, &third, &mut || {
         seen = (qemu_pids(&env).len(), memory_images(&env))
     });
@@ -733,7 +737,10 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
     );
     assert_eq!(field(&log3, "counters-running"), 1, "{log3}");
     assert!(
-        r3.cleanup_output().contains("hibernated"),
+        r3.cleanup_output().contains("hibernated")
+            && !r3
+                .cleanup_output()
+                .contains("did not write its cached files"),
         "{}",
         r3.cleanup_output()
     );
@@ -752,7 +759,7 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
         .unwrap();
     let fourth = job(94)
         .resume(&key)
-        .script(&format!("cat kept.txt; {READ_COUNTER}"));
+        .script(&format!("cat kept.txt fresh.txt; {READ_COUNTER}"));
     let r4 = run_observed(&rig, &fourth, &mut || {
         seen = (qemu_pids(&env).len(), memory_images(&env))
     });
@@ -763,6 +770,8 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
         "QEMU exited while loading it",
         "booting from its disk instead (memory lost, disk kept)",
         "kept-on-disk",
+        // Synced before the save: the disk has what the guest wrote last.
+        "written-just-before-suspend",
     ] {
         assert!(log4.contains(line), "{line:?} not in the job log:\n{log4}");
     }
