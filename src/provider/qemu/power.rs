@@ -4,10 +4,13 @@
 //! - boot: `launch.json` is written before QEMU starts; a QEMU left running by
 //!   a killed prepare is found by its command line (cleanup quits it, a retried
 //!   prepare adopts it).
-//! - hibernate: the memory goes to `memory.state.partial`, renamed to
-//!   `memory.state` only once QEMU reports the save complete and the file is
-//!   synced. A killed save leaves a partial file that is never restored: the
-//!   next resume boots the disk (memory lost, disk kept) and says so.
+//! - hibernate: the guest syncs its disks first (the disk is the fallback if
+//!   the image is ever lost); the memory goes to `memory.state.partial`,
+//!   renamed to `memory.state` only once QEMU reports the save complete and
+//!   the file is synced. QEMU finishes a save whose dormant was killed and
+//!   keeps the VM paused: the recovery's hibernation cancels or drops that
+//!   save, continues the VM and saves anew. A partial file is never restored:
+//!   a resume that finds one boots the disk (memory lost, disk kept) and says so.
 //! - restore: `memory.state` is deleted (durably) as soon as the restored VM
 //!   runs, since the overlay changes from then on and the image would no
 //!   longer match it. Whenever a live QEMU owns the overlay, a leftover state
