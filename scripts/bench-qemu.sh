@@ -25,7 +25,9 @@ ACCEL=${QEMU_ACCEL:-tcg}
 BIN=${DORMANT_BIN:-target/debug/dormant}
 [ -x "$BIN" ] || cargo build --quiet
 IMG=$(scripts/build-test-image.sh | tail -1)
-work=$(mktemp -d /tmp/dormant-bench-qemu.XXXXXX)
+# Short: a VM's QMP socket path (<state dir>/environments/<id>/vm/qmp.sock)
+# must fit in 107 bytes.
+work=$(mktemp -d /tmp/dbq.XXXXXX)
 cleanup() { # the bench's own QEMU, by its pidfile, if it still runs
   local pid; pid=$(cat "$work/qemu.pid" 2>/dev/null || true)
   if [ -n "$pid" ] && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "dormant-bench-$$"; then
@@ -80,7 +82,7 @@ start_vm() { # start_vm PORT [EXTRA...]: the command line the qemu provider buil
     -drive "file=$work/seed.iso,if=virtio,format=raw,readonly=on" "$@"
 }
 
-declare -A M
+declare -A M D
 for run in $(seq 1 "$RUNS"); do
   rm -f "$work"/overlay.qcow2 "$work"/state
   ssh-keygen -q -t ed25519 -N "" -f "$work/key" <<<y >/dev/null
@@ -109,12 +111,9 @@ for run in $(seq 1 "$RUNS"); do
   qmp "$work/qmp.sock" cont >/dev/null; wait_banner "$port"; t1=$(now)
   M[restore]+="$(secs "$t0" "$t1") "
   pid=$(cat "$work/qemu.pid"); qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"
-done
 
-# --- dormant ------------------------------------------------------------------
-declare -A D
-for mode in shutdown hibernate; do
-  for run in $(seq 1 "$RUNS"); do
+  # --- dormant, in the same run (so both sides see the same machine load) ----
+  for mode in shutdown hibernate; do
     cat >"$work/dormant.toml" <<EOF
 provider = "qemu"
 system_id = "s_bench"
@@ -129,7 +128,7 @@ boot_timeout = "10m"
 suspend_mode = "$mode"
 image = { disk = "$IMG/base.qcow2", kernel = "$IMG/vmlinuz", initrd = "$IMG/initrd.img" }
 EOF
-    out=$(DORMANT_STATE_DIR="$work/state-$mode-$run" "$BIN" --config "$work/dormant.toml" try 2>&1) || {
+    out=$(DORMANT_STATE_DIR="$work/${mode:0:1}$run" "$BIN" --config "$work/dormant.toml" try 2>&1) || {
       echo "$out" >&2; echo "bench-qemu: dormant try failed ($mode)" >&2; exit 1; }
     # "  prepare#1   exit   0    45.123 s" — job 1's prepare and cleanup, then job 2's prepare.
     p1=$(echo "$out" | awk '/^  prepare#/ {print $4; exit}')
@@ -138,6 +137,7 @@ EOF
     [ "$mode" = shutdown ] && D[new]+="$p1 "
     D["resume-$mode"]+="$p2 "
     D["suspend-$mode"]+="$c1 "
+    rm -rf "${work:?}/${mode:0:1}$run"
   done
 done
 

@@ -101,18 +101,6 @@ impl Ctx {
         self.deadline.saturating_duration_since(Instant::now())
     }
 
-    /// Sleeps `d` (cut short by the deadline); fails if cancelled or out of time.
-    pub async fn sleep(&self, d: Duration, what: &str) -> Result<()> {
-        let left = self.remaining();
-        if left.is_zero() {
-            bail!("timed out {what}");
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(d.min(left)) => Ok(()),
-            _ = self.cancel.cancelled() => bail!("cancelled (termination signal) while {what}"),
-        }
-    }
-
     pub fn check(&self, what: &str) -> Result<()> {
         if self.cancel.is_cancelled() {
             bail!("cancelled (termination signal) while {what}");
@@ -143,37 +131,5 @@ mod tests {
         let inner = ctx.within(Duration::MAX);
         assert!(inner.remaining() > Duration::from_secs(365 * 86400));
         assert!(ctx.within(Duration::from_secs(1)).remaining() <= Duration::from_secs(1));
-    }
-
-    #[tokio::test]
-    async fn sleep_is_cut_by_cancel_and_deadline() {
-        let ctx = Ctx::new(
-            JobLog::capture().0,
-            CancellationToken::new(),
-            Duration::from_millis(30),
-        );
-        let t = Instant::now();
-        ctx.sleep(Duration::from_secs(10), "waiting").await.unwrap();
-        assert!(t.elapsed() < Duration::from_secs(5));
-        assert!(format!(
-            "{:#}",
-            ctx.sleep(Duration::from_secs(1), "waiting")
-                .await
-                .unwrap_err()
-        )
-        .contains("timed out"));
-        let ctx = Ctx::new(
-            JobLog::capture().0,
-            CancellationToken::new(),
-            Duration::from_secs(60),
-        );
-        ctx.cancel.cancel();
-        assert!(format!(
-            "{:#}",
-            ctx.sleep(Duration::from_secs(10), "waiting")
-                .await
-                .unwrap_err()
-        )
-        .contains("cancelled"));
     }
 }

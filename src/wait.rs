@@ -160,6 +160,20 @@ impl<'a> Wait<'a> {
         }
     }
 
+    /// Waits for something that announces itself (a future: a process's
+    /// report, a pipe closing) instead of being probed, bounded by the
+    /// deadline and SIGTERM like every other wait and ending with the same
+    /// errors. For grace periods: "the script gets 5 s to exit after SIGTERM".
+    pub async fn event<T>(&mut self, happened: impl Future<Output = T>) -> Result<T> {
+        self.check()?;
+        tokio::select! {
+            biased;
+            v = happened => Ok(v),
+            _ = self.ctx.cancel.cancelled() => Err(self.ended("cancelled (termination signal) while waiting for")),
+            _ = tokio::time::sleep_until(self.deadline()) => Err(self.ended("timed out waiting for")),
+        }
+    }
+
     /// Sleeps until `at` (cut short by the deadline, which the next check reports).
     pub async fn sleep_until(&self, at: Instant) -> Result<()> {
         let at = at.min(self.deadline());
@@ -356,6 +370,48 @@ mod tests {
             .unwrap_err();
         assert!(
             format!("{e:#}").contains("cancelled (termination signal) while waiting for a lock"),
+            "{e:#}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_event_wait_returns_the_event_or_fails_at_the_deadline_or_on_sigterm() {
+        let (short, _) = ctx(Duration::from_millis(300));
+        let mut wait = Wait::new(
+            &short,
+            "the report",
+            Schedule::fixed(Duration::from_secs(1)),
+        );
+        let v = wait
+            .event(async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                7
+            })
+            .await
+            .unwrap();
+        assert_eq!(v, 7);
+
+        let t = Instant::now();
+        let e = wait.event(std::future::pending::<()>()).await.unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(
+            format!("{e:#}").starts_with("timed out waiting for the report after 0 s"),
+            "{e:#}"
+        );
+
+        let (long, _) = ctx(Duration::from_secs(600));
+        let cancel = long.cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            cancel.cancel();
+        });
+        let e = Wait::new(&long, "the report", Schedule::fixed(Duration::from_secs(1)))
+            .event(std::future::pending::<()>())
+            .await
+            .unwrap_err();
+        assert!(
+            format!("{e:#}")
+                .contains("cancelled (termination signal) while waiting for the report"),
             "{e:#}"
         );
     }

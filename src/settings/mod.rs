@@ -305,6 +305,19 @@ impl Settings {
                 dir.display()
             );
         }
+        if self.provider == ProviderKind::Qemu && dir.as_os_str().len() > qemu::max_state_dir_len()
+        {
+            bail!(
+                "state dir {} is {} bytes long; the qemu provider needs one of at most {} bytes (each VM's \
+                 QMP socket, <state dir>/environments/<id>/{}, must fit in a Unix socket path of {} bytes): \
+                 set state_dir (or DORMANT_STATE_DIR) to a shorter path such as /var/lib/dormant",
+                dir.display(),
+                dir.as_os_str().len(),
+                qemu::max_state_dir_len(),
+                qemu::QMP_SOCKET,
+                qemu::MAX_SOCKET_PATH
+            );
+        }
         let runner_tmp = job
             .driver_var("TMPDIR")
             .filter(|s| !s.is_empty())

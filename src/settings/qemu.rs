@@ -11,6 +11,7 @@ use serde::Deserialize;
 
 use super::HumanDuration;
 use crate::model::{Dirs, EnvPaths};
+use uuid::Uuid;
 
 /// The kernel command line when `kernel` is set and `kernel_args` is not: root
 /// on the whole first virtio disk, console on the serial port (the console
@@ -183,6 +184,21 @@ fn valid_size(s: &str) -> bool {
         && !digits.is_empty()
         && digits.chars().all(|c| c.is_ascii_digit())
         && digits.parse::<u64>().is_ok_and(|n| n > 0)
+}
+
+/// Where a VM's QMP socket lives, inside its environment dir.
+pub const QMP_SOCKET: &str = "vm/qmp.sock";
+/// A Unix socket path must fit in 108 bytes with its NUL.
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// The longest state dir the qemu provider can use: every VM's QMP socket,
+/// `<state dir>/environments/<id>/vm/qmp.sock`, must fit in a socket path.
+pub fn max_state_dir_len() -> usize {
+    let tail = EnvPaths::new(Path::new(""), Uuid::nil())
+        .dir
+        .join(QMP_SOCKET);
+    // The separator between the state dir and `environments`.
+    MAX_SOCKET_PATH - 1 - tail.as_os_str().len()
 }
 
 impl QemuSettings {

@@ -143,3 +143,30 @@ fn state_dir_env_overrides_and_runner_tmpdir_is_refused() {
     ]);
     assert!(format!("{:#}", s.state_dir(&job).unwrap_err()).contains("deleted after"));
 }
+
+#[test]
+fn a_state_dir_too_long_for_qemu_sockets_fails_naming_the_limit() {
+    let max = super::qemu::max_state_dir_len();
+    // <dir>/environments/<36-char id>/vm/qmp.sock fills a 107-byte socket path exactly.
+    assert_eq!(
+        max + "/environments/".len() + 36 + "/vm/qmp.sock".len(),
+        107
+    );
+    let fits = format!("/{}", "d".repeat(max - 1));
+    let too_long = format!("/{}", "d".repeat(max));
+    let qemu =
+        Settings::parse_str("provider = \"qemu\"\n[qemu]\nimage = \"/img/base.qcow2\"\n").unwrap();
+    let job = Job::from_map([("DORMANT_STATE_DIR", fits.as_str())]);
+    assert_eq!(qemu.state_dir(&job).unwrap(), PathBuf::from(&fits));
+    let job = Job::from_map([("DORMANT_STATE_DIR", too_long.as_str())]);
+    let e = format!("{:#}", qemu.state_dir(&job).unwrap_err());
+    assert!(
+        e.contains(&too_long)
+            && e.contains(&format!("at most {max} bytes"))
+            && e.contains("shorter path"),
+        "{e}"
+    );
+    // Other providers have no such socket.
+    let local = Settings::parse_str("").unwrap();
+    assert!(local.state_dir(&job).is_ok());
+}

@@ -86,11 +86,8 @@ impl Provider for FakeProvider {
             token.cancel();
         }
         // A real stop waits; it must not be cut short by the SIGTERM above.
-        ctx.sleep(
-            std::time::Duration::from_millis(20),
-            "stopping the fake machine",
-        )
-        .await?;
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        ctx.check("stopping the fake machine")?;
         if fail {
             bail!("fake stop failure");
         }

@@ -272,6 +272,47 @@ fn sigterm_mid_script_kills_the_remote_process_group() {
     }
 }
 
+/// A script that ignores SIGTERM gets the grace, then SIGKILL: the stage
+/// still ends, says so, and nothing of the script survives on the host.
+#[test]
+fn a_script_ignoring_sigterm_is_killed_after_the_grace() {
+    let sshd = Sshd::start();
+    let (rig, _ws) = ssh_rig(&sshd);
+    let pids = sshd.dir.path().join("pids");
+    let mut j = job(49).script(&format!(
+        "trap '' TERM; echo $$ > '{p}'; echo stubborn running; while :; do sleep 0.2; done",
+        p = pids.display()
+    ));
+    j.cancel = Some(("build_script".into(), Duration::from_secs(2)));
+    let r = rig.run(&j);
+    assert_result(&r, JobResult::Canceled);
+    let build = r.call("build_script").unwrap();
+    assert!(
+        build.output.contains("stubborn running"),
+        "{}",
+        build.output
+    );
+    assert!(
+        build
+            .output
+            .contains("build_script did not stop within 5 s of SIGTERM: killing it"),
+        "{}",
+        build.output
+    );
+    // The wrapper reported the end after SIGKILL: no "may still be running".
+    assert!(
+        !build.output.contains("may still be running"),
+        "{}",
+        build.output
+    );
+    let pid: u32 = std::fs::read_to_string(&pids)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(!alive(pid), "the script's shell {pid} survived SIGKILL");
+}
+
 #[test]
 fn a_script_writing_to_both_streams_keeps_its_order() {
     let sshd = Sshd::start();

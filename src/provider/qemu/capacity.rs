@@ -2,7 +2,7 @@
 //! suspended environment holds disk only and does not count). The count is
 //! the live QEMU processes, taken under a lock that is held until the new
 //! QEMU runs, so two prepares cannot both take the last slot; a prepare that
-//! finds no slot waits with a progress line per check, within its deadline.
+//! finds no slot waits with progress lines (the one wait helper), within its deadline.
 
 use std::future::Future;
 use std::path::Path;
@@ -16,8 +16,9 @@ use crate::state::store::ensure_private_dir;
 use crate::state::FileLock;
 use crate::wait::{Poll, Schedule, Wait};
 
-const FIRST_CHECK: Duration = Duration::from_secs(2);
-const MAX_CHECK: Duration = Duration::from_secs(15);
+/// A look is a lock and a scan of this host's /proc, nothing remote: a VM
+/// that exits frees its slot for a waiter within this much.
+const SLOT_POLL: Duration = Duration::from_millis(250);
 
 /// Runs `start` once fewer than `max` VMs run (0: no limit); returns its pid.
 pub async fn start_when_free<F, Fut>(
@@ -39,11 +40,7 @@ where
     let environments = state_root.join("environments");
     // One look: a slot (then QEMU is started under the lock, so two prepares
     // cannot both take the last one), or how many run.
-    let mut wait = Wait::new(
-        ctx,
-        "a free VM slot",
-        Schedule::backoff(FIRST_CHECK, MAX_CHECK),
-    );
+    let mut wait = Wait::new(ctx, "a free VM slot", Schedule::fixed(SLOT_POLL));
     let _lock = wait
         .until(|| async {
             let lock = FileLock::acquire(&lock_path, ctx, "waiting for the VM capacity lock")

@@ -33,6 +33,11 @@ use crate::wait::{Poll, Schedule, Wait};
 const QUIT_WAIT: Duration = Duration::from_secs(10);
 /// Loading a memory image takes seconds; a stuck one is given up after this.
 const RESTORE_LIMIT: Duration = Duration::from_secs(300);
+/// How often a restore and a save are looked at over QMP.
+const RESTORE_POLL: Duration = Duration::from_millis(100);
+const SAVE_POLL: Duration = Duration::from_millis(50);
+/// Restores and saves take seconds: a progress line only past this.
+const PROGRESS_QUIET: Duration = Duration::from_secs(5);
 /// Tries at starting QEMU when its forwarded port was taken in between.
 const PORT_TRIES: usize = 3;
 
@@ -117,6 +122,12 @@ pub async fn resume(
         match vm.read_launch()? {
             Some(launch) => match restore(p, vm, image, &launch, ctx).await {
                 Ok((pid, port)) => return Ok((pid, port, true)),
+                // Terminated while loading: the VM never ran, so the image
+                // still matches the disk; keep it for the next resume.
+                Err(e) if ctx.cancel.is_cancelled() => {
+                    quit(vm, &ctx.uncancellable()).await?;
+                    return Err(e);
+                }
                 Err(e) => {
                     // QEMU exits on an image it cannot load; its own message
                     // went to /dev/null with the rest of its stderr.
@@ -175,27 +186,14 @@ async fn restore(
     ));
     let (pid, port) = boot(p, vm, image, Some(launch), ctx).await?;
     let started = Instant::now();
-    loop {
-        let status = Qmp::connect(&vm.qmp())?.status()?;
-        match status.as_str() {
-            "running" => break,
-            "inmigrate" => {}
-            // Loaded as it was saved: paused (hibernate stops the VM first).
-            "paused" | "postmigrate" | "prelaunch" => {
-                Qmp::connect(&vm.qmp())?.execute("cont", None)?;
-                break;
-            }
-            other => bail!("the restored VM is {other:?}, not running"),
-        }
-        if started.elapsed() > RESTORE_LIMIT {
-            bail!(
-                "loading the memory image took more than {} s",
-                RESTORE_LIMIT.as_secs()
-            );
-        }
-        ctx.sleep(Duration::from_millis(100), "restoring the VM's memory")
-            .await?;
-    }
+    Wait::new(
+        &ctx.within(RESTORE_LIMIT),
+        format!("VM {} to load its saved memory", vm.name()),
+        Schedule::fixed(RESTORE_POLL),
+    )
+    .quiet_for(PROGRESS_QUIET)
+    .until(|| std::future::ready(loaded(vm)))
+    .await?;
     // From here the overlay changes: the image must never be restored again.
     vm.remove_durably(&vm.state())?;
     ctx.log.info(format!(
@@ -204,6 +202,37 @@ async fn restore(
         started.elapsed().as_secs_f64()
     ));
     Ok((pid, port))
+}
+
+/// One look at a restoring VM: loaded and paused (as hibernate saved it)
+/// is continued; still loading is "not yet".
+fn loaded(vm: &VmDir) -> Result<Poll<()>> {
+    let status = Qmp::connect(&vm.qmp())?.status()?;
+    match status.as_str() {
+        "running" => Ok(Poll::Ready(())),
+        "inmigrate" => Ok(Poll::Pending("loading (inmigrate)".into())),
+        // Loaded as it was saved: paused (hibernate stops the VM first).
+        "paused" | "postmigrate" | "prelaunch" => {
+            Qmp::connect(&vm.qmp())?.execute("cont", None)?;
+            Ok(Poll::Ready(()))
+        }
+        other => bail!("the restored VM is {other:?}, not running"),
+    }
+}
+
+/// One look at a save in progress.
+fn saved(q: &mut Qmp) -> Result<Poll<()>> {
+    let m = q.execute("query-migrate", None)?;
+    match m.get("status").and_then(Value::as_str).unwrap_or("") {
+        "completed" => Ok(Poll::Ready(())),
+        "failed" | "cancelled" => bail!(
+            "QEMU could not save the memory: {}",
+            m.get("error-desc")
+                .and_then(Value::as_str)
+                .unwrap_or("no reason given")
+        ),
+        other => Ok(Poll::Pending(format!("saving ({other})"))),
+    }
 }
 
 /// A live QEMU that a killed stage left paused (mid-save, or restored and
@@ -247,9 +276,9 @@ async fn continue_after_interrupted_save(q: &mut Qmp, vm: &VmDir, ctx: &Ctx) -> 
         Wait::new(
             ctx,
             format!("the interrupted save of VM {} to stop", vm.name()),
-            Schedule::fixed(Duration::from_millis(100)),
+            Schedule::fixed(SAVE_POLL),
         )
-        .quiet_for(Duration::from_secs(2))
+        .quiet_for(PROGRESS_QUIET)
         .until(|| {
             let probe = migration_status(q).map(|s| {
                 if NO_SAVE_RUNNING.contains(&s.as_str()) {
@@ -351,21 +380,14 @@ async fn hibernate(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<
     )?;
     // QEMU saves on without dormant from here.
     crate::failpoint!("qemu:hibernate-saving");
-    loop {
-        let m = q.execute("query-migrate", None)?;
-        match m.get("status").and_then(Value::as_str).unwrap_or("") {
-            "completed" => break,
-            "failed" | "cancelled" => bail!(
-                "QEMU could not save the memory: {}",
-                m.get("error-desc")
-                    .and_then(Value::as_str)
-                    .unwrap_or("no reason given")
-            ),
-            _ => {}
-        }
-        ctx.sleep(Duration::from_millis(50), "saving the VM's memory")
-            .await?;
-    }
+    Wait::new(
+        ctx,
+        format!("VM {} to save its memory", vm.name()),
+        Schedule::fixed(SAVE_POLL),
+    )
+    .quiet_for(PROGRESS_QUIET)
+    .until(|| std::future::ready(saved(&mut q)))
+    .await?;
     std::fs::File::open(vm.partial_state())
         .and_then(|f| f.sync_all())
         .with_context(|| format!("syncing {}", vm.partial_state().display()))?;

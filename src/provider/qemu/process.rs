@@ -12,6 +12,12 @@ use uuid::Uuid;
 
 use super::vm::{vm_name, write_atomic, VmDir};
 use crate::context::Ctx;
+use crate::wait::{Poll, Schedule, Wait};
+
+/// How often an exiting QEMU is looked at (a `kill(pid, 0)`).
+const EXIT_POLL: Duration = Duration::from_millis(50);
+/// An exit taking longer than this (an ACPI power-off) gets progress lines.
+const EXIT_QUIET: Duration = Duration::from_secs(5);
 
 /// A running QEMU of one environment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,18 +106,26 @@ pub fn scan(environments: &Path) -> Vec<(Uuid, Pid)> {
     found
 }
 
-/// Waits until the process is gone, up to `limit` (and the context's deadline).
+/// Waits until the process is gone, up to `limit` (and the context's
+/// deadline). Not ended by SIGTERM: every caller bounds it by `limit` and
+/// goes on to a harder stop, which is what a terminated job needs too.
 pub async fn wait_gone(pid: Pid, limit: Duration, ctx: &Ctx) -> bool {
-    let until = std::time::Instant::now() + limit.min(ctx.remaining());
-    loop {
-        if !alive(pid.0) {
-            return true;
-        }
-        if std::time::Instant::now() >= until {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let bounded = ctx.uncancellable().within(limit);
+    Wait::new(
+        &bounded,
+        format!("QEMU (pid {}) to exit", pid.0),
+        Schedule::fixed(EXIT_POLL),
+    )
+    .quiet_for(EXIT_QUIET)
+    .until(|| async {
+        Ok(if alive(pid.0) {
+            Poll::Pending("still running".into())
+        } else {
+            Poll::Ready(())
+        })
+    })
+    .await
+    .is_ok()
 }
 
 /// SIGKILL, only after confirming the pid is still this VM's QEMU.

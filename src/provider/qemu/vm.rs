@@ -22,11 +22,8 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::settings::qemu::{Accel, BootImage, QemuSettings};
+use crate::settings::qemu::{Accel, BootImage, QemuSettings, MAX_SOCKET_PATH};
 use crate::state::EnvPaths;
-
-/// A Unix socket path must fit in 108 bytes with its NUL.
-const MAX_SOCKET_PATH: usize = 107;
 
 #[derive(Debug, Clone)]
 pub struct VmDir {
@@ -268,6 +265,15 @@ mod tests {
         };
         vm.write_launch(&launch).unwrap();
         assert_eq!(vm.read_launch().unwrap(), Some(launch));
+    }
+
+    #[test]
+    fn the_qmp_socket_is_where_the_settings_bound_the_state_dir_for() {
+        let paths = EnvPaths::new(Path::new("/s"), Uuid::new_v4());
+        assert_eq!(
+            VmDir::new(&paths).qmp(),
+            paths.dir.join(crate::settings::qemu::QMP_SOCKET)
+        );
     }
 
     #[test]

@@ -16,11 +16,11 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Result};
 use openssh::{Session, Stdio};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::time::Instant;
 
 use super::remote::{self, Report};
 use crate::context::Ctx;
 use crate::transport::{relay, Script, ScriptExit};
+use crate::wait::{Schedule, Wait};
 
 /// After SIGTERM to the script's group, how long it may take to exit before
 /// SIGKILL (the runner's scripts `trap 'exit 1' TERM`, so this is quick).
@@ -102,38 +102,56 @@ pub async fn run_once(
     let copy = relay::copy_to_stdout(stdout);
     tokio::pin!(writer, reader, copy);
 
+    // The stage ends with the wrapper's reports. SIGTERM escalates: `TERM`
+    // to the script's group, a grace, `KILL`, a last wait for the report.
+    // The writer (control lines) and the relay keep running meanwhile.
+    let stage = async {
+        tokio::select! {
+            biased;
+            reports = &mut reader => return (Some(reports), false),
+            () = ctx.cancel.cancelled() => {}
+        }
+        ctx.log
+            .info(format!("termination: stopping {} on {dest}", script.stage));
+        let _ = control.send("TERM");
+        // Already cancelled: the graces are bounded by their own lengths.
+        let after = ctx.uncancellable();
+        let grace = after.within(TERM_GRACE);
+        let what = format!("{} on {dest} to stop after SIGTERM", script.stage);
+        if let Ok(reports) = Wait::new(&grace, what, Schedule::fixed(TERM_GRACE))
+            .event(&mut reader)
+            .await
+        {
+            return (Some(reports), true);
+        }
+        ctx.log.info(format!(
+            "{} did not stop within {} s of SIGTERM: killing it",
+            script.stage,
+            TERM_GRACE.as_secs()
+        ));
+        let _ = control.send("KILL");
+        let grace = after.within(KILL_STEP);
+        let what = format!("{} on {dest} to report after SIGKILL", script.stage);
+        let reports = Wait::new(&grace, what, Schedule::fixed(KILL_STEP))
+            .event(&mut reader)
+            .await
+            .ok();
+        (reports, true)
+    };
     let mut writing = true;
     let mut copying = true;
-    // Set once cancelled: the next escalation and when it is due.
-    let mut escalation: Option<(&'static str, Instant)> = None;
-    let reports = loop {
-        tokio::select! {
-            reports = &mut reader => break Some(reports),
-            r = &mut writer, if writing => {
-                writing = false;
-                if let Err(e) = r {
-                    tracing::debug!("writing to the {} session: {e}", script.stage);
-                }
-            }
-            () = &mut copy, if copying => copying = false,
-            () = ctx.cancel.cancelled(), if escalation.is_none() => {
-                ctx.log.info(format!("termination: stopping {} on {dest}", script.stage));
-                let _ = control.send("TERM");
-                escalation = Some(("KILL", Instant::now() + TERM_GRACE));
-            }
-            () = sleep_until(escalation.map(|e| e.1)), if escalation.is_some() => {
-                match escalation {
-                    Some(("KILL", _)) => {
-                        ctx.log.info(format!(
-                            "{} did not stop within {} s of SIGTERM: killing it",
-                            script.stage,
-                            TERM_GRACE.as_secs()
-                        ));
-                        let _ = control.send("KILL");
-                        escalation = Some(("give up", Instant::now() + KILL_STEP));
+    let (reports, cancelled) = {
+        tokio::pin!(stage);
+        loop {
+            tokio::select! {
+                ended = &mut stage => break ended,
+                r = &mut writer, if writing => {
+                    writing = false;
+                    if let Err(e) = r {
+                        tracing::debug!("writing to the {} session: {e}", script.stage);
                     }
-                    _ => break None,
                 }
+                () = &mut copy, if copying => copying = false,
             }
         }
     };
@@ -149,7 +167,7 @@ pub async fn run_once(
     drop(control);
     drop(child);
 
-    if escalation.is_some() {
+    if cancelled {
         if reports.as_ref().is_none_or(|r| r.exit.is_none()) {
             ctx.log.warn(format!(
                 "termination during {}: the script on {dest} did not report its end; \
@@ -205,12 +223,5 @@ impl Reports {
                 self.other.push(l);
             }
         }
-    }
-}
-
-async fn sleep_until(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
