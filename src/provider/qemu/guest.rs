@@ -1,5 +1,5 @@
-//! Talking to the guest before the SSH transport takes over: waiting for its
-//! sshd, and setting its clock after a restore.
+//! Talking to the guest outside the SSH transport: waiting for its sshd,
+//! setting its clock after a restore, syncing its disks before a hibernation.
 //!
 //! Readiness is the `SSH-` banner, never a TCP connect: QEMU's user-mode
 //! network accepts on the forwarded port at once, long before the guest runs
