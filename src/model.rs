@@ -89,6 +89,11 @@ pub struct SshTarget {
     pub identity_file: Option<PathBuf>,
     /// Run scripts in this directory (the workspace on an SSH host).
     pub workdir: Option<String>,
+    /// A shell snippet run once after each login, in the same command as the
+    /// readiness probes (no extra round trip); its output lines `say:TEXT`
+    /// and `warn:TEXT` go to the job log. The qemu provider sets the guest's
+    /// clock with it after a restore.
+    pub on_login: Option<String>,
 }
 
 /// Where builds and caches go inside an environment (config's JSON).

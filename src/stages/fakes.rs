@@ -16,7 +16,7 @@ use crate::provider::{
 };
 use crate::settings::Settings;
 use crate::state::{EnvPaths, StateStore};
-use crate::transport::{Script, ScriptExit, Transport};
+use crate::transport::{Ran, Script, ScriptExit, Transport};
 
 use super::{Session, Transports};
 
@@ -135,6 +135,7 @@ impl Provider for FakeProvider {
             user: "u".into(),
             identity_file: None,
             workdir: None,
+            on_login: None,
         }))
     }
 
@@ -171,8 +172,8 @@ impl Transport for FakeTransport {
         }
         Ok(())
     }
-    async fn run_script(&self, _s: &Script<'_>, _ctx: &Ctx) -> Result<ScriptExit> {
-        Ok(ScriptExit::Code(self.exit_code))
+    async fn run_script(&self, _s: &Script<'_>, _ctx: &Ctx) -> Result<Ran> {
+        Ok(Ran::unwatched(ScriptExit::Code(self.exit_code)))
     }
     async fn close(&self, _ctx: &Ctx) -> Result<()> {
         Ok(())

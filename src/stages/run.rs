@@ -15,7 +15,7 @@ use crate::context::Ctx;
 use crate::exit::{write_build_exit_code, Failure};
 use crate::state::job::{hold_job_alive, LockedJob};
 use crate::state::{registry, JobState, Mode, Phase, StageRecord, StageResult};
-use crate::transport::{Script, ScriptExit};
+use crate::transport::{Ran, Script, ScriptExit};
 
 use super::Session;
 
@@ -81,16 +81,15 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         .with_context(|| format!("environment {} has no machine", state.env_id))?;
     let paths = s.store.env_paths(state.env_id);
     let transport = s.transports.open(&s.provider.target(&machine)?, &paths)?;
+    let request_file = crate::job_request::path_for(&s.settings, &paths)?;
     let env = vec![
         (
             "DORMANT_ENVIRONMENT_KEY".to_string(),
             record.key.clone().unwrap_or_default(),
         ),
-        (
-            crate::job_request::VAR.to_string(),
-            crate::job_request::path_for(&s.settings, &paths)?,
-        ),
+        (crate::job_request::VAR.to_string(), request_file.clone()),
     ];
+    let job_code = crate::job_request::runs_job_code(stage);
     let started = Instant::now();
     let result = transport
         .run_script(
@@ -98,16 +97,21 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
                 body: &body,
                 stage,
                 env: &env,
+                watch: job_code.then_some(request_file.as_str()),
             },
             &ctx,
         )
         .await;
     tracing::debug!(stage, elapsed = ?started.elapsed(), "stage finished");
-    // The job may have asked for its own suspension (`crate::job_request`).
+    // The job may have asked for its own suspension (`crate::job_request`):
+    // looked for only when the transport did not already say it is absent.
     let request = match &result {
-        Ok(ScriptExit::Code(_)) if crate::job_request::runs_job_code(stage) => {
-            let file = crate::job_request::path_for(&s.settings, &paths)?;
-            crate::job_request::after_stage(&s.settings, transport.as_ref(), &file, &ctx).await
+        Ok(Ran {
+            exit: ScriptExit::Code(_),
+            watched,
+        }) if job_code && *watched != Some(false) => {
+            crate::job_request::after_stage(&s.settings, transport.as_ref(), &request_file, &ctx)
+                .await
         }
         _ => None,
     };
@@ -120,17 +124,26 @@ fn classify(
     s: &Session,
     state: &JobState,
     stage: &str,
-    result: Result<ScriptExit>,
+    result: Result<Ran>,
 ) -> Result<(StageResult, Result<(), Failure>)> {
     Ok(match result {
-        Ok(ScriptExit::Code(0)) => (StageResult::Ok, Ok(())),
-        Ok(ScriptExit::Code(code)) => {
+        Ok(Ran {
+            exit: ScriptExit::Code(0),
+            ..
+        }) => (StageResult::Ok, Ok(())),
+        Ok(Ran {
+            exit: ScriptExit::Code(code),
+            ..
+        }) => {
             if let Some(file) = s.job.build_exit_code_file() {
                 write_build_exit_code(&file, code)?;
             }
             (StageResult::Build { code }, Err(Failure::Build { code }))
         }
-        Ok(ScriptExit::Cancelled) => (
+        Ok(Ran {
+            exit: ScriptExit::Cancelled,
+            ..
+        }) => (
             StageResult::Terminated,
             Err(Failure::System(anyhow::anyhow!(
                 "job terminated during {stage}: the script's processes in environment {} were stopped",
@@ -167,5 +180,5 @@ async fn record_stage(
     if request.is_some() {
         state.job_request = request;
     }
-    locked.save(&state)
+    locked.save_stage(&state)
 }

@@ -218,6 +218,13 @@ impl LockedJob {
         store::write_json(&self.path, state)
     }
 
+    /// Saves a stage's result: atomic but not fsynced (see
+    /// [`store::write_json_unsynced`]). A host that loses power loses the job
+    /// with it; phases, which crash recovery reads, go through [`Self::save`].
+    pub fn save_stage(&self, state: &JobState) -> Result<()> {
+        store::write_json_unsynced(&self.path, state)
+    }
+
     /// Removes the state file; the lock files go when this value is dropped.
     pub fn remove(&self) -> Result<()> {
         store::remove_file(&self.path)

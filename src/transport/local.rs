@@ -25,8 +25,9 @@ use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 use tokio::process::Command;
 
-use super::{relay, Script, ScriptExit, Transport};
+use super::{relay, Ran, Script, ScriptExit, Transport};
 use crate::context::Ctx;
+use crate::wait::{Schedule, Wait};
 
 /// After SIGTERM to the script's group, how long it may take to exit before
 /// SIGKILL. The runner's scripts `trap 'exit 1' TERM`, so this is quick.
@@ -114,7 +115,7 @@ impl Transport for LocalTransport {
         Ok(())
     }
 
-    async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<ScriptExit> {
+    async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<Ran> {
         self.remove_legacy_script();
         let file = memory_file(script.body)
             .with_context(|| format!("holding the {} script in memory", script.stage))?;
@@ -159,7 +160,12 @@ impl Transport for LocalTransport {
                 () = &mut copy, if copying => copying = false,
                 () = ctx.cancel.cancelled() => {
                     kill_group(pgid, libc::SIGTERM);
-                    if tokio::time::timeout(TERM_GRACE, child.wait()).await.is_err() {
+                    let grace = ctx.uncancellable().within(TERM_GRACE);
+                    let what = format!("{} to stop after SIGTERM", script.stage);
+                    let stopped = Wait::new(&grace, what, Schedule::fixed(TERM_GRACE))
+                        .event(child.wait())
+                        .await;
+                    if stopped.is_err() {
                         kill_group(pgid, libc::SIGKILL);
                         let _ = child.wait().await;
                     }
@@ -176,13 +182,14 @@ impl Transport for LocalTransport {
             );
         }
         let Some(status) = status else {
-            return Ok(ScriptExit::Cancelled);
+            return Ok(Ran::unwatched(ScriptExit::Cancelled));
         };
-        Ok(ScriptExit::Code(
+        // A local look for the watched file is as cheap as any: the caller does it.
+        Ok(Ran::unwatched(ScriptExit::Code(
             status
                 .code()
                 .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)),
-        ))
+        )))
     }
 
     async fn close(&self, _ctx: &Ctx) -> Result<()> {

@@ -24,6 +24,26 @@ pub enum ScriptExit {
     Cancelled,
 }
 
+/// How a stage ended: the script's exit, and whether the file the caller
+/// asked to watch ([`Script::watch`]) exists afterwards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ran {
+    pub exit: ScriptExit,
+    /// `Some(exists)` when the transport looked on its way out of the stage
+    /// at no extra cost; `None` when it did not (the caller looks itself).
+    pub watched: Option<bool>,
+}
+
+impl Ran {
+    /// Ended with `exit`; the watched file was not looked at.
+    pub fn unwatched(exit: ScriptExit) -> Ran {
+        Ran {
+            exit,
+            watched: None,
+        }
+    }
+}
+
 /// One stage script to run.
 #[derive(Debug, Clone)]
 pub struct Script<'a> {
@@ -33,6 +53,10 @@ pub struct Script<'a> {
     pub stage: &'a str,
     /// Extra environment for the script (`DORMANT_ENVIRONMENT_KEY`).
     pub env: &'a [(String, String)],
+    /// A file the script may leave behind (the job's suspend request): the
+    /// SSH wrapper says whether it exists when it reports the exit, so the
+    /// common case (no request) costs no second command per stage.
+    pub watch: Option<&'a str>,
 }
 
 #[async_trait]
@@ -44,7 +68,7 @@ pub trait Transport: Send + Sync {
 
     /// Runs one stage script, streaming its stdout and stderr live to ours.
     /// `Err` means the transport broke (a system failure), never the script.
-    async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<ScriptExit>;
+    async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<Ran>;
 
     /// Suspend or release: closes what `connect` set up. Best effort, idempotent.
     async fn close(&self, ctx: &Ctx) -> Result<()>;

@@ -55,6 +55,7 @@ async fn the_ssh_transport_takes_the_request_on_the_host() {
             user: "root".into(),
             identity_file: Some(sshd.client_key.clone()),
             workdir: None,
+            on_login: None,
         },
         paths.clone(),
         SshSettings::default(),
@@ -217,6 +218,13 @@ fn a_job_on_an_ssh_host_suspends_itself() {
             .contains("suspending: requested by the job: agent waits for a human"),
         "{}",
         r.log()
+    );
+    // Said in the stage that wrote it: the wrapper reported the file, so the
+    // run stage took it (a stage without a request takes no second command).
+    let build = &r.call("build_script").unwrap().output;
+    assert!(
+        build.contains("suspending: requested by the job: agent waits for a human"),
+        "{build}"
     );
     assert_eq!(rig.status(&key_of(&r)).as_deref(), Some("suspended"));
 }

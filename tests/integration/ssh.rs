@@ -556,6 +556,10 @@ async fn the_environments_own_key_and_a_changed_address_keep_the_pin() {
                 user: "root".into(),
                 identity_file: None,
                 workdir: None,
+                // Said in the job log, in the probes' one command.
+                on_login: Some(format!(
+                    "echo 'say:logged in to {address}'; echo 'warn:careful'; echo ignored"
+                )),
             },
             paths.clone(),
             SshSettings::default(),
@@ -567,12 +571,13 @@ async fn the_environments_own_key_and_a_changed_address_keep_the_pin() {
                     body: b"test -n \"$DORMANT_ENVIRONMENT_KEY\" && exit 7\n",
                     stage: "build_script",
                     env: &[("DORMANT_ENVIRONMENT_KEY".into(), "k".into())],
+                    watch: None,
                 },
                 &ctx,
             )
             .await
             .unwrap();
-        assert_eq!(exit, ScriptExit::Code(7));
+        assert_eq!(exit.exit, ScriptExit::Code(7));
         t.close(&ctx).await.unwrap();
         assert!(!paths.control_dir.exists());
     }
@@ -585,6 +590,13 @@ async fn the_environments_own_key_and_a_changed_address_keep_the_pin() {
     let text = String::from_utf8(lines.lock().unwrap().clone()).unwrap();
     assert!(text.contains("pinned for environment"), "{text}");
     assert!(text.contains("host key matches the one pinned"), "{text}");
+    assert!(
+        text.contains("dormant: logged in to 127.0.0.1\n")
+            && text.contains("dormant: logged in to localhost\n")
+            && text.contains("dormant: warning: careful\n")
+            && !text.contains("ignored"),
+        "{text}"
+    );
 }
 
 #[test]

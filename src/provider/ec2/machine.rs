@@ -145,6 +145,7 @@ impl Ec2Provider {
             user: self.settings.ssh_user.clone(),
             identity_file: None,
             workdir: None,
+            on_login: None,
         })
     }
 }

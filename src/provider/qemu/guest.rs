@@ -1,5 +1,6 @@
-//! Talking to the guest outside the SSH transport: waiting for its sshd,
-//! setting its clock after a restore, syncing its disks before a hibernation.
+//! Talking to the guest outside the job's stages: waiting for its sshd, the
+//! snippet that sets its clock after a restore (run by the transport's login),
+//! and syncing its disks before a hibernation.
 //!
 //! Readiness is the `SSH-` banner, never a TCP connect: QEMU's user-mode
 //! network accepts on the forwarded port at once, long before the guest runs
@@ -113,36 +114,52 @@ pub fn console_tail(path: &Path, lines: usize) -> String {
 }
 
 /// After a restore the guest's clock lags by the time spent suspended (it
-/// was frozen), while its RTC follows the host: set the clock from the RTC
-/// with one SSH command. The guest needs `/sys/class/rtc/rtc0` and, for
-/// a user other than root, passwordless sudo (cloud images' default user has
-/// both). A failure is a warning: the environment works with a late clock.
-pub async fn set_clock_from_rtc(
-    paths: &EnvPaths,
-    user: &str,
-    port: u16,
-    ctx: &Ctx,
-) -> Result<String> {
+/// was frozen), while its RTC follows the host. This snippet, run by the SSH
+/// transport right after its login in the same command as its probes (see
+/// `SshTarget::on_login`: no second connection), sets the clock from the RTC
+/// when they are 2 s or more apart, which is only ever after a restore. The
+/// guest needs `/sys/class/rtc/rtc0` and, for a user other than root,
+/// passwordless sudo (cloud images' default user has both). A failure is a
+/// warning: the environment works with a late clock.
+pub fn clock_from_rtc(user: &str) -> String {
     let sudo = if user == "root" { "" } else { "sudo -n " };
-    let script = format!(
-        "before=$(date +%s); {sudo}date -u -s @$(cat /sys/class/rtc/rtc0/since_epoch) >/dev/null && \
-         echo $(( $(date +%s) - before ))"
-    );
-    run(paths, user, port, &script, ctx).await
+    format!(
+        r#"if r=$(cat /sys/class/rtc/rtc0/since_epoch 2>/dev/null); then b=$(date +%s); d=$((r - b));
+if [ "$d" -ge 2 ] || [ "$d" -le -2 ]; then
+if {sudo}date -u -s "@$r" >/dev/null 2>&1; then echo "say:guest clock set from its RTC (it was $d s behind after the hibernation)";
+else echo "warn:could not set the guest's clock from its RTC: it lags by $d s, the time the environment was hibernated; the guest needs passwordless sudo for {user} (see docs/qemu.md)"; fi; fi;
+else echo "warn:the guest has no /sys/class/rtc/rtc0: its clock is not set after a hibernation (see docs/qemu.md)"; fi"#
+    )
 }
 
 /// Before a hibernation: the guest writes what it holds in its page cache to
 /// its disk, so that if the memory image is ever lost (a damaged file, a QEMU
 /// upgrade, a host crash while saving) the disk booted instead has every file
 /// the job wrote, not only those Linux had written back (it waits up to 30 s).
+/// Over the job's SSH master when one runs (cleanup closes it only after the
+/// suspend), so it costs no handshake; else a login of its own.
 pub async fn sync_disks(paths: &EnvPaths, user: &str, port: u16, ctx: &Ctx) -> Result<()> {
     run(paths, user, port, "sync", ctx).await.map(drop)
 }
 
+/// The socket of a master the SSH transport left running for this environment.
+fn master_socket(paths: &EnvPaths) -> Option<std::path::PathBuf> {
+    std::fs::read_dir(&paths.control_dir)
+        .ok()?
+        .filter_map(Result::ok)
+        .map(|e| e.path().join("master"))
+        .find(|socket| socket.exists())
+}
+
 /// One command in the guest, logging in as the transport does (the
-/// environment's key, its pinned host key); its stdout, trimmed.
+/// environment's key, its pinned host key); its stdout, trimmed. ssh falls
+/// back to a login of its own if the master does not answer.
 async fn run(paths: &EnvPaths, user: &str, port: u16, script: &str, ctx: &Ctx) -> Result<String> {
     let mut cmd = tokio::process::Command::new("ssh");
+    if let Some(socket) = master_socket(paths) {
+        cmd.args(["-o", "ControlMaster=no", "-o"])
+            .arg(format!("ControlPath={}", socket.display()));
+    }
     cmd.arg("-F")
         .arg("/dev/null")
         .arg("-i")

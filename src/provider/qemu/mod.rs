@@ -225,22 +225,10 @@ impl Provider for QemuProvider {
         }
         let image_name = machine.field(field::IMAGE).unwrap_or("default").to_string();
         let image = self.image_named(Some(&image_name))?;
-        let (pid, port, restored) = power::resume(self, &vm, &image, ctx).await?;
+        // A restored guest's clock is set by the transport right after its
+        // login (`guest::clock_from_rtc`, in `target`): no second connection.
+        let (pid, port, _restored) = power::resume(self, &vm, &image, ctx).await?;
         self.wait_ready(&vm, pid, port, ctx).await?;
-        if restored {
-            let paths = self.paths(env_id);
-            match guest::set_clock_from_rtc(&paths, &self.settings.ssh_user, port, ctx).await {
-                Ok(behind) => ctx.log.info(format!(
-                    "guest clock set from its RTC (it was {behind} s behind after the hibernation)"
-                )),
-                Err(e) => ctx.log.warn(format!(
-                    "could not set the guest's clock from its RTC ({e:#}): it lags by the time the environment \
-                     was hibernated; the guest needs /sys/class/rtc/rtc0 and passwordless sudo for {} \
-                     (see docs/qemu.md)",
-                    self.settings.ssh_user
-                )),
-            }
-        }
         Ok(self.machine(env_id, port, &image_name))
     }
 
@@ -310,6 +298,7 @@ impl Provider for QemuProvider {
             user: self.settings.ssh_user.clone(),
             identity_file: None,
             workdir: None,
+            on_login: Some(guest::clock_from_rtc(&self.settings.ssh_user)),
         }))
     }
 

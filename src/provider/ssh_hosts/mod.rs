@@ -121,6 +121,7 @@ fn ssh_target(host: &SshHost, workdir: Option<String>) -> SshTarget {
         user: host.user.clone(),
         identity_file: Some(host.identity_file.clone()),
         workdir,
+        on_login: None,
     }
 }
 

@@ -19,7 +19,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use super::remote::{self, Report};
 use crate::context::Ctx;
-use crate::transport::{relay, Script, ScriptExit};
+use crate::transport::{relay, Ran, Script, ScriptExit};
 use crate::wait::{Schedule, Wait};
 
 /// After SIGTERM to the script's group, how long it may take to exit before
@@ -30,7 +30,7 @@ const KILL_STEP: Duration = Duration::from_secs(5);
 
 /// How one attempt at a channel ended.
 pub enum Once {
-    Done(ScriptExit),
+    Done(Ran),
     /// The master's socket did not answer: the script never left this host.
     MasterUnreachable(String),
 }
@@ -40,6 +40,8 @@ pub enum Once {
 struct Reports {
     pgid: Option<i64>,
     exit: Option<i32>,
+    /// The watched file after the script: present or not.
+    watched: Option<bool>,
     error: Option<String>,
     /// The remote shell's own messages, for the error when the channel breaks.
     other: Vec<String>,
@@ -54,7 +56,7 @@ pub async fn run_once(
     script: &Script<'_>,
     ctx: &Ctx,
 ) -> Result<Once> {
-    let line = remote::command_line(body.len(), workdir);
+    let line = remote::command_line(body.len(), workdir, script.watch);
     let spawned = session
         .raw_command(&line)
         .stdin(Stdio::piped())
@@ -175,11 +177,14 @@ pub async fn run_once(
                 script.stage
             ));
         }
-        return Ok(Once::Done(ScriptExit::Cancelled));
+        return Ok(Once::Done(Ran::unwatched(ScriptExit::Cancelled)));
     }
     let reports = reports.unwrap_or_default();
     if let Some(code) = reports.exit {
-        return Ok(Once::Done(ScriptExit::Code(code)));
+        return Ok(Once::Done(Ran {
+            exit: ScriptExit::Code(code),
+            watched: reports.watched,
+        }));
     }
     if let Some(e) = reports.error {
         bail!("{e} ({dest})");
@@ -213,6 +218,7 @@ impl Reports {
                 }
             }
             Report::Exit(c) => self.exit = Some(c),
+            Report::Watched(present) => self.watched = Some(present),
             Report::Error(e) => self.error = Some(e),
             Report::Other(l) => {
                 // The remote shell. Before the script starts it is held back

@@ -410,6 +410,7 @@ mod tests {
                 user: "root".into(),
                 identity_file: None,
                 workdir: None,
+                on_login: None,
             },
             paths.clone(),
             SshSettings::default(),

@@ -27,7 +27,7 @@ use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 
 use self::channel::Once;
-use super::{Script, ScriptExit, Transport};
+use super::{Ran, Script, Transport};
 use crate::context::Ctx;
 use crate::model::EnvPaths;
 use crate::model::SshTarget;
@@ -53,8 +53,9 @@ impl Transport for SshTransport {
         let workdir = self.master.target.workdir.clone().unwrap_or_default();
         let probe = format!(
             "for t in bash git gitlab-runner; do command -v $t >/dev/null 2>&1 || echo missing:$t; done; \
-             if [ -n {w} ] && [ ! -d {w} ]; then echo missing:workdir; fi; true",
-            w = remote::shell_quote(&workdir)
+             if [ -n {w} ] && [ ! -d {w} ]; then echo missing:workdir; fi; {on_login}\ntrue",
+            w = remote::shell_quote(&workdir),
+            on_login = self.master.target.on_login.as_deref().unwrap_or(""),
         );
         let out = tokio::time::timeout(
             ctx.remaining().min(Duration::from_secs(60)),
@@ -70,7 +71,15 @@ impl Transport for SshTransport {
                 String::from_utf8_lossy(&out.stderr).trim()
             );
         }
-        for missing in String::from_utf8_lossy(&out.stdout)
+        let said = String::from_utf8_lossy(&out.stdout);
+        for line in said.lines() {
+            if let Some(text) = line.strip_prefix("say:") {
+                ctx.log.info(crate::text::excerpt(text));
+            } else if let Some(text) = line.strip_prefix("warn:") {
+                ctx.log.warn(crate::text::excerpt(text));
+            }
+        }
+        for missing in said
             .split_whitespace()
             .filter_map(|w| w.strip_prefix("missing:"))
         {
@@ -90,7 +99,7 @@ impl Transport for SshTransport {
         Ok(())
     }
 
-    async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<ScriptExit> {
+    async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<Ran> {
         let body = remote::script_with_env(script.body, script.env)?;
         // No `-O check` round trip first: the channel itself finds out, and a
         // master whose socket does not answer cannot have started the script.
@@ -103,7 +112,7 @@ impl Transport for SshTransport {
         let workdir = self.master.target.workdir.as_deref();
         loop {
             match channel::run_once(&session, &dest, workdir, &body, script, ctx).await? {
-                Once::Done(exit) => return Ok(exit),
+                Once::Done(ran) => return Ok(ran),
                 Once::MasterUnreachable(why) if !reconnected => {
                     tracing::debug!("master unreachable: {why}");
                     reconnected = true;

@@ -6,6 +6,8 @@
 //! - `dormant-pgid <pgid>`: the script started, in this process group;
 //! - `dormant-exit <code>`: the script's exit code, the authoritative result
 //!   (a script's own 255 is not confused with ssh's 255);
+//! - `dormant-watched present|absent`: after the script, whether the file
+//!   named by `$3` exists (a shell test, no fork; only when `$3` is set);
 //! - `dormant-error <text>`: the wrapper could not run the script.
 //!
 //! After the script's bytes, the wrapper's stdin stays open as a control
@@ -24,8 +26,8 @@
 //! script's process group comes from job control (`set -m`). When the login
 //! shell is bash, it runs the wrapper itself (see [`command_line`]).
 
-/// The wrapper, run with `$1` = the script's length in bytes and `$2` = the
-/// work directory (see [`command_line`]).
+/// The wrapper, run with `$1` = the script's length in bytes, `$2` = the
+/// work directory and `$3` = the file to watch (see [`command_line`]).
 pub const WRAPPER: &str = r#"r() { local LC_ALL=C; IFS= read -r -N "$1" s && [ "${#s}" -eq "$1" ]; }
 if ! r "$1"; then echo "dormant-error the stage script arrived incomplete: not run" >&2; exit 97; fi
 unset -f r
@@ -46,6 +48,9 @@ disown "$w"
 wait "$p"
 rc=$?
 kill -s KILL -- "-$p" "$w" 2>/dev/null
+if [ -n "$3" ]; then
+  if [ -e "$3" ] || [ -L "$3" ]; then echo "dormant-watched present" >&2; else echo "dormant-watched absent" >&2; fi
+fi
 echo "dormant-exit $rc" >&2
 exit "$rc"
 "#;
@@ -63,12 +68,13 @@ pub fn signal_line(signal: &str) -> Vec<u8> {
 /// The remote command line, interpreted by the user's login shell: a bash
 /// (not in POSIX mode) runs the wrapper itself, any other shell starts one —
 /// a bash start saved on every stage for the common case.
-pub fn command_line(script_len: usize, workdir: Option<&str>) -> String {
+pub fn command_line(script_len: usize, workdir: Option<&str>, watch: Option<&str>) -> String {
     format!(
-        "set -- {script_len} {workdir}; w={wrapper}; \
+        "set -- {script_len} {workdir} {watch}; w={wrapper}; \
          if [ -n \"${{BASH_VERSION-}}\" ] && ! shopt -oq posix; then eval \"$w\"; \
          else exec bash -c \"$w\" dormant \"$@\"; fi",
         workdir = shell_quote(workdir.unwrap_or("")),
+        watch = shell_quote(watch.unwrap_or("")),
         wrapper = shell_quote(WRAPPER),
     )
 }
@@ -101,6 +107,8 @@ pub fn script_with_env(body: &[u8], env: &[(String, String)]) -> anyhow::Result<
 pub enum Report {
     Pgid(i64),
     Exit(i32),
+    /// Whether the watched file exists after the script.
+    Watched(bool),
     Error(String),
     /// Anything else: the wrapper's shell complaining (e.g. no bash).
     Other(String),
@@ -117,6 +125,11 @@ pub fn parse_report(line: &str) -> Report {
         if let Ok(c) = rest.trim().parse() {
             return Report::Exit(c);
         }
+    }
+    match line.strip_prefix("dormant-watched ") {
+        Some("present") => return Report::Watched(true),
+        Some("absent") => return Report::Watched(false),
+        _ => {}
     }
     if let Some(rest) = line.strip_prefix("dormant-error ") {
         return Report::Error(rest.to_string());

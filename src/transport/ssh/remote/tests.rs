@@ -15,6 +15,14 @@ fn reports_are_parsed_and_anything_else_passes_through() {
         Report::Error("no dir".into())
     );
     assert_eq!(
+        parse_report("dormant-watched present"),
+        Report::Watched(true)
+    );
+    assert_eq!(
+        parse_report("dormant-watched absent"),
+        Report::Watched(false)
+    );
+    assert_eq!(
         parse_report("dormant-exit x"),
         Report::Other("dormant-exit x".into())
     );
@@ -51,10 +59,20 @@ impl Run {
 
     /// As [`Run::start`], with `shell` as the login shell.
     fn start_in(shell: &str, script: &str, workdir: Option<&str>, tmp: &std::path::Path) -> Run {
+        Run::start_full(shell, script, workdir, None, tmp)
+    }
+
+    fn start_full(
+        shell: &str,
+        script: &str,
+        workdir: Option<&str>,
+        watch: Option<&str>,
+        tmp: &std::path::Path,
+    ) -> Run {
         let body = script_with_env(script.as_bytes(), &[]).unwrap();
         let mut child = Command::new(shell)
             .arg("-c")
-            .arg(command_line(body.len(), workdir))
+            .arg(command_line(body.len(), workdir, watch))
             .env("TMPDIR", tmp)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -168,11 +186,43 @@ fn the_script_runs_as_its_own_process_group_leader_with_nothing_inherited() {
 }
 
 #[test]
+fn the_wrapper_says_whether_the_watched_file_exists_after_the_script() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("it's a request");
+    let watch = file.to_str().unwrap();
+    for (script, want) in [
+        (
+            format!("echo 'which schema?' > {}", shell_quote(watch)),
+            true,
+        ),
+        ("true".to_string(), false),
+    ] {
+        let _ = std::fs::remove_file(&file);
+        for shell in ["sh", "bash"] {
+            let (reports, _) =
+                Run::start_full(shell, &script, None, Some(watch), tmp.path()).finish();
+            assert_eq!(
+                reports[1..],
+                [Report::Watched(want), Report::Exit(0)],
+                "{shell}: {script}"
+            );
+        }
+    }
+    // Not asked: not said.
+    let (reports, _) =
+        Run::start(&format!("touch {}", shell_quote(watch)), None, tmp.path()).finish();
+    assert!(
+        !reports.iter().any(|r| matches!(r, Report::Watched(_))),
+        "{reports:?}"
+    );
+}
+
+#[test]
 fn a_truncated_script_is_not_run() {
     let tmp = tempfile::tempdir().unwrap();
     let mut child = Command::new("sh")
         .arg("-c")
-        .arg(command_line(100, None))
+        .arg(command_line(100, None, None))
         .env("TMPDIR", tmp.path())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
