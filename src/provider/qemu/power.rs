@@ -409,11 +409,30 @@ async fn hibernate(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<
 }
 
 /// Ends QEMU now (`quit`, then SIGKILL to a process confirmed to be it).
-/// Not running is success.
+/// Not running is success. A QEMU caught while it daemonizes (a prepare
+/// killed right after starting it) is two processes: the parent, which exits
+/// once its child runs the VM, and that child. So every one found is ended,
+/// until none is left.
 pub async fn quit(vm: &VmDir, ctx: &Ctx) -> Result<()> {
-    let Some(pid) = process::find(vm) else {
-        return Ok(());
-    };
+    // The parent and the child of one daemonizing QEMU, and a spare look.
+    for _ in 0..3 {
+        let Some(pid) = process::find(vm) else {
+            return Ok(());
+        };
+        quit_one(vm, pid, ctx).await?;
+    }
+    match process::find(vm) {
+        None => Ok(()),
+        Some(pid) => bail!(
+            "QEMU of VM {} is running again (pid {}) after being stopped 3 times: is another \
+             dormant process starting it?",
+            vm.name(),
+            pid.0
+        ),
+    }
+}
+
+async fn quit_one(vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
     ctx.log
         .info(format!("stopping QEMU of VM {} (pid {})", vm.name(), pid.0));
     if let Err(e) = Qmp::connect(&vm.qmp()).and_then(Qmp::quit) {
@@ -432,3 +451,7 @@ pub async fn quit(vm: &VmDir, ctx: &Ctx) -> Result<()> {
         vm.name()
     )
 }
+
+#[cfg(test)]
+#[path = "power_tests.rs"]
+mod tests;
