@@ -248,14 +248,6 @@ pub async fn ensure_running(vm: &VmDir, ctx: &Ctx) -> Result<()> {
 /// Migration states in which no save is running.
 const NO_SAVE_RUNNING: &[&str] = &["none", "completed", "failed", "cancelled"];
 
-fn migration_status(q: &mut Qmp) -> Result<String> {
-    let m = q.execute("query-migrate", None)?;
-    Ok(m.get("status")
-        .and_then(Value::as_str)
-        .unwrap_or("none")
-        .to_string())
-}
-
 /// A save started by a dormant process that was then killed goes on without
 /// it: QEMU is still writing (and refuses another `migrate` while it does),
 /// or it finished and left the VM in `postmigrate` (and refuses another save
@@ -264,7 +256,7 @@ fn migration_status(q: &mut Qmp) -> Result<String> {
 /// continued, so the caller starts from a running VM (a hibernation then
 /// saves anew).
 async fn continue_after_interrupted_save(q: &mut Qmp, vm: &VmDir, ctx: &Ctx) -> Result<()> {
-    let saving = migration_status(q)?;
+    let saving = q.migration_status()?;
     if !NO_SAVE_RUNNING.contains(&saving.as_str()) {
         ctx.log.info(format!(
             "VM {} is still saving its memory for an interrupted hibernation ({saving}): cancelling that save",
@@ -280,14 +272,10 @@ async fn continue_after_interrupted_save(q: &mut Qmp, vm: &VmDir, ctx: &Ctx) -> 
         )
         .quiet_for(PROGRESS_QUIET)
         .until(|| {
-            let probe = migration_status(q).map(|s| {
-                if NO_SAVE_RUNNING.contains(&s.as_str()) {
-                    Poll::Ready(())
-                } else {
-                    Poll::Pending(s)
-                }
-            });
-            std::future::ready(probe)
+            std::future::ready(q.migration_status().map(|s| match s.as_str() {
+                done if NO_SAVE_RUNNING.contains(&done) => Poll::Ready(()),
+                _ => Poll::Pending(s),
+            }))
         })
         .await?;
     }
