@@ -138,6 +138,8 @@ struct State {
     transitions: Vec<Transition>,
     /// `public_ip`: the address DescribeInstances reports as every instance's public IP.
     public_ip: Option<String>,
+    /// `public_ip_once_running`: no public IP while a start is held `pending`.
+    ip_once_running: bool,
 }
 
 /// The recording, fault-injecting proxy. Stops on drop.
@@ -223,6 +225,13 @@ impl Proxy {
     /// 127.0.0.1, so `ec2.address = "public"` reaches a loopback sshd).
     pub fn public_ip(&self, ip: &str) {
         self.state.lock().unwrap().public_ip = Some(ip.to_string());
+    }
+
+    /// While a start is held `pending`, DescribeInstances shows no public IP
+    /// (EC2 usually shows the new one during `pending`; this is the case
+    /// where it does not, so a resume must wait for `running` to learn it).
+    pub fn public_ip_once_running(&self, on: bool) {
+        self.state.lock().unwrap().ip_once_running = on;
     }
 
     /// When the proxy received the first `action` after `since`, waiting for it up to `timeout`.
@@ -420,7 +429,15 @@ fn serve(mut conn: TcpStream, upstream: u16, state: &Mutex<State>) -> std::io::R
             xml = show_state(&xml, &t.id, t.real, t.shown);
         }
         if let Some(ip) = &st.public_ip {
-            xml = replace_elements(&xml, "ipAddress", ip);
+            let starting = st
+                .transitions
+                .iter()
+                .any(|t| now < t.until && t.shown.1 == "pending");
+            xml = if st.ip_once_running && starting {
+                remove_elements(&xml, "ipAddress")
+            } else {
+                replace_elements(&xml, "ipAddress", ip)
+            };
         }
         resp_body = xml.into_bytes();
     }
@@ -468,6 +485,21 @@ fn show_state(xml: &str, id: &str, real: (u8, &str), shown: (u8, &str)) -> Strin
 }
 
 /// Replaces the text of every `<tag>...</tag>` with `value`.
+fn remove_elements(xml: &str, tag: &str) -> String {
+    let (open, close) = (format!("<{tag}>"), format!("</{tag}>"));
+    let mut out = String::new();
+    let mut rest = xml;
+    while let Some(i) = rest.find(&open) {
+        let Some(j) = rest[i..].find(&close) else {
+            break;
+        };
+        out.push_str(&rest[..i]);
+        rest = &rest[i + j + close.len()..];
+    }
+    out.push_str(rest);
+    out
+}
+
 fn replace_elements(xml: &str, tag: &str, value: &str) -> String {
     let (open, close) = (format!("<{tag}>"), format!("</{tag}>"));
     let mut out = String::new();

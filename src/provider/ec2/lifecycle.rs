@@ -5,8 +5,10 @@
 //! waits run side by side, the instance's state (DescribeInstances once a
 //! second, the first at once) and, where the address is known before the
 //! instance runs (private IP, `connect_address`), sshd's banner every 200 ms.
-//! Whichever says "log in now" first ends the resume; a public address is
-//! re-read once EC2 reports the instance running.
+//! Whichever says "log in now" first ends the resume. A public address is
+//! new at every start: the state polls re-read it, and the banner probes
+//! start on it as soon as a describe shows it, which on EC2 is usually while
+//! the instance is still pending (no extra API call: the same polls).
 
 use anyhow::{bail, Context, Result};
 use aws_sdk_ec2::Client;
@@ -15,7 +17,8 @@ use super::call::call;
 use super::capacity::{self, retry_capacity};
 use super::errors::{api_error, is_not_found};
 use super::instance;
-use super::wait::{wait_for, Want};
+use super::instance::InstanceInfo;
+use super::wait::{wait_for, wait_for_seeing, Want};
 use super::{field, Ec2Provider};
 use crate::context::Ctx;
 use crate::provider::{Machine, MachineGone, MachineState};
@@ -78,11 +81,12 @@ impl Ec2Provider {
         ctx: &Ctx,
     ) -> Result<Machine> {
         let id = &machine.id;
-        let running = wait_for(client, id, Want::Running, ctx);
         if !self.address_is_stable() {
-            let info = running.await?;
-            return self.refreshed(machine, region, &info);
+            return self
+                .until_reachable_at_a_new_address(client, region, machine, ctx)
+                .await;
         }
+        let running = wait_for(client, id, Want::Running, ctx);
         let target = self.ssh_target(machine)?;
         let dest = format!("{}:{} (instance {id})", target.host, target.port);
         let answers = ready::wait_for_banner(ctx, &dest, &target.host, target.port);
@@ -95,6 +99,49 @@ impl Ec2Provider {
                 ));
                 Ok(machine.clone())
             }
+        }
+    }
+
+    /// A public address: the first describe after the start that shows one
+    /// starts the banner probes on it, beside the state polls. The old
+    /// address is never probed: EC2 released it at the stop and may have
+    /// given it to someone else (the pinned host key would refuse it anyway).
+    async fn until_reachable_at_a_new_address(
+        &self,
+        client: &Client,
+        region: &str,
+        machine: &Machine,
+        ctx: &Ctx,
+    ) -> Result<Machine> {
+        let id = &machine.id;
+        let (shown, mut address) = tokio::sync::watch::channel::<Option<InstanceInfo>>(None);
+        let note = |info: &InstanceInfo| {
+            if info.public_ip.is_some() && shown.borrow().is_none() {
+                shown.send_replace(Some(info.clone()));
+            }
+        };
+        let running = wait_for_seeing(client, id, Want::Running, ctx, &note);
+        let answers = async {
+            let info = loop {
+                if let Some(info) = address.borrow_and_update().clone() {
+                    break info;
+                }
+                // The sender lives as long as this function.
+                let _ = address.changed().await;
+            };
+            let fresh = self.refreshed(machine, region, &info)?;
+            let target = self.ssh_target(&fresh)?;
+            let dest = format!("{}:{} (instance {id})", target.host, target.port);
+            ready::wait_for_banner(ctx, &dest, &target.host, target.port).await?;
+            ctx.log.info(format!(
+                "instance {id} answers SSH at its new address {dest} while EC2 still says {}: logging in now",
+                info.state_name
+            ));
+            Ok::<_, anyhow::Error>(fresh)
+        };
+        tokio::select! {
+            info = running => self.refreshed(machine, region, &info?),
+            fresh = answers => fresh,
         }
     }
 

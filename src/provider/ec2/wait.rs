@@ -41,6 +41,18 @@ impl Want {
 /// Polls until the instance is in the wanted state; returns what the last
 /// describe saw (with fresh addresses).
 pub async fn wait_for(client: &Client, id: &str, want: Want, ctx: &Ctx) -> Result<InstanceInfo> {
+    wait_for_seeing(client, id, want, ctx, &|_| {}).await
+}
+
+/// As [`wait_for`], showing `seen` every describe on the way (a resume
+/// learns a new public address from them while the instance is pending).
+pub async fn wait_for_seeing(
+    client: &Client,
+    id: &str,
+    want: Want,
+    ctx: &Ctx,
+    seen: &(dyn Fn(&InstanceInfo) + Sync),
+) -> Result<InstanceInfo> {
     let mut wait = Wait::new(
         ctx,
         format!("instance {id} to be {}", want.as_str()),
@@ -49,10 +61,13 @@ pub async fn wait_for(client: &Client, id: &str, want: Want, ctx: &Ctx) -> Resul
     let started = Instant::now();
     let info = wait
         .until(|| async {
-            let seen = instance::describe(client, id, ctx)
+            let info = instance::describe(client, id, ctx)
                 .await
                 .with_context(|| format!("waiting for instance {id} to be {}", want.as_str()))?;
-            check(id, want, seen, started.elapsed())
+            if let Some(info) = &info {
+                seen(info);
+            }
+            check(id, want, info, started.elapsed())
         })
         .await?;
     ctx.log.info(format!(
