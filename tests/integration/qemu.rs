@@ -14,6 +14,7 @@ use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::harness::*;
+use dormant::provider::qemu::qmp::Qmp;
 use dormant::runner_sim::SimJob;
 use dormant::state::EnvPaths;
 
@@ -57,6 +58,11 @@ fn image_dir() -> PathBuf {
 }
 
 fn qemu_rig(suspend_mode: &str) -> Rig {
+    qemu_rig_with(suspend_mode, "")
+}
+
+/// `extra`: settings appended after the `[qemu]` table (other tables).
+fn qemu_rig_with(suspend_mode: &str, extra: &str) -> Rig {
     let img = image_dir();
     for f in ["base.qcow2", "vmlinuz", "initrd.img"] {
         assert!(
@@ -81,7 +87,8 @@ fn qemu_rig(suspend_mode: &str) -> Rig {
              [qemu]\naccel = \"tcg\"\ncpus = 2\nmemory_mib = 1024\nrestrict_network = true\n\
              boot_timeout = \"400s\"\nshutdown_timeout = \"90s\"\nmax_environments = 1\n\
              suspend_mode = \"{suspend_mode}\"\n\
-             image = {{ disk = \"{d}/base.qcow2\", kernel = \"{d}/vmlinuz\", initrd = \"{d}/initrd.img\" }}\n",
+             image = {{ disk = \"{d}/base.qcow2\", kernel = \"{d}/vmlinuz\", initrd = \"{d}/initrd.img\" }}\n\
+             {extra}",
             d = img.display()
         ),
     )
@@ -487,4 +494,305 @@ fn prepare_killed_mid_boot_leaves_no_qemu_after_the_runners_cleanup() {
         "cleanup released the VM: {}",
         r.cleanup_output()
     );
+}
+
+/// The test's own look at a VM's QEMU over its QMP socket (dormant's client).
+fn qmp(env: &EnvPaths) -> Qmp {
+    Qmp::connect(&env.dir.join("vm/qmp.sock")).unwrap()
+}
+
+/// QEMU's migration (memory save) status: `active`, `completed`, ...
+fn migration_status(env: &EnvPaths) -> String {
+    qmp(env).execute("query-migrate", None).unwrap()["status"]
+        .as_str()
+        .unwrap_or("none")
+        .to_string()
+}
+
+/// Arms the `qemu:hibernate-saving` failpoint for this rig's jobs, held
+/// back: it fires once, at the first hibernation after the returned marker
+/// file is removed (so a job's cleanup is killed, not the hibernation its
+/// prepare may do while recovering the environment).
+fn arm_hibernate_saving(rig: &mut Rig) -> PathBuf {
+    let marker = rig.dir.path().join(format!("fired-{}", job_id()));
+    std::fs::write(&marker, "").unwrap();
+    rig.runner
+        .env
+        .insert("DORMANT_FAILPOINT".into(), "qemu:hibernate-saving".into());
+    rig.runner.env.insert(
+        "DORMANT_FAILPOINT_ONCE".into(),
+        marker.display().to_string(),
+    );
+    marker
+}
+
+fn disarm(rig: &mut Rig) {
+    rig.runner.env.remove("DORMANT_FAILPOINT");
+    rig.runner.env.remove("DORMANT_FAILPOINT_ONCE");
+}
+
+/// Kills this environment's QEMU when a test ends, so a failed assertion
+/// leaves no VM behind (release does it on success).
+struct NoVmLeft(EnvPaths);
+
+impl Drop for NoVmLeft {
+    fn drop(&mut self) {
+        for pid in qemu_pids(&self.0) {
+            // SAFETY: kill(2) on a QEMU whose command line names this test's environment.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+/// Runs `job`; just before its build_script, `at_build` sees the VM from the host.
+fn run_observed(rig: &Rig, job: &SimJob, at_build: &mut dyn FnMut()) -> JobReport {
+    let mut ran = false;
+    let r = rig
+        .runner
+        .run_job_with(job, &mut |stage| {
+            if stage == "build_script" {
+                at_build();
+                ran = true;
+            }
+        })
+        .unwrap();
+    assert!(ran, "the job never reached build_script: {}", r.log());
+    r
+}
+
+/// The files of the VM directory whose name starts with `memory.state`.
+fn memory_images(env: &EnvPaths) -> Vec<String> {
+    let mut found: Vec<String> = std::fs::read_dir(env.dir.join("vm"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("memory.state"))
+                .collect()
+        })
+        .unwrap_or_default();
+    found.sort();
+    found
+}
+
+/// The background counter of the hibernation tests, recognisable by its `$0`.
+const COUNTER: &str =
+    "setsid bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 1; done' \
+     dormant-counter </dev/null >/dev/null 2>&1 &";
+/// A job step printing the counter twice, 2 s apart, and how many counters run
+/// (the `[r]` keeps pgrep from matching this very script).
+const READ_COUNTER: &str = "a=$(cat /tmp/counter 2>/dev/null || echo 0); sleep 2; \
+     b=$(cat /tmp/counter 2>/dev/null || echo 0); echo \"counter-before $a\"; echo \"counter-after $b\"; \
+     echo \"counters-running $(pgrep -cf 'dormant-counte[r]')\"";
+
+/// Claims whose holder died count as gone after this (`suspend.claim_grace`).
+const GRACE: &str = "[suspend]\nclaim_grace = \"1s\"\n";
+const PAST_GRACE: Duration = Duration::from_millis(2100);
+
+/// One VM through every way a hibernation can be cut short:
+/// 1. cleanup SIGKILLed while QEMU still writes the memory (a save slowed down
+///    so it outlasts the grace): the next job's recovery cancels that save,
+///    continues the VM, hibernates it anew and restores it;
+/// 2. cleanup SIGKILLed after QEMU finished the save on its own (the VM left
+///    in `postmigrate`, which refuses a second save until continued): the same;
+/// 3. a clean hibernation, its image then damaged: the resume warns, boots the
+///    disk (memory lost, disk kept: with the files written just before the
+///    suspend, which the guest synced), and the job runs.
+///
+/// In 1 and 2 the background counter started in job 1 still runs, and no
+/// image is left once a VM runs.
+#[test]
+fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
+    let _one = one_vm();
+    let mut rig = qemu_rig_with("hibernate", GRACE);
+
+    // Job 1: a counter, a file; its cleanup is killed mid-save. The save is
+    // slowed (QEMU's migration bandwidth, a QMP setting of this process) so it
+    // is still running when job 2 comes: like a large guest's.
+    let fire = arm_hibernate_saving(&mut rig);
+    let first = job(94).suspend_on(true, false).script(&format!(
+        "{COUNTER} echo kept-on-disk > kept.txt; sleep 3; echo \"counter-at-suspend $(cat /tmp/counter)\""
+    ));
+    let env = env_paths(&rig, &first);
+    let _no_vm_left = NoVmLeft(env.clone());
+    let r1 = run_observed(&rig, &first, &mut || {
+        std::fs::remove_file(&fire).unwrap();
+        qmp(&env)
+            .execute(
+                "migrate-set-parameters",
+                Some(serde_json::json!({ "max-bandwidth": 40_000_000 })),
+            )
+            .unwrap();
+    });
+    assert_result(&r1, JobResult::Success);
+    let key = r1.key.clone().expect("the key is printed");
+    let at_suspend: u64 = field(&r1.log(), "counter-at-suspend");
+    assert!(
+        r1.cleanup_output()
+            .contains("failpoint qemu:hibernate-saving"),
+        "{}",
+        r1.cleanup_output()
+    );
+    assert_eq!(rig.status(&key).as_deref(), Some("suspending"));
+    std::thread::sleep(PAST_GRACE);
+    assert_eq!(qemu_pids(&env).len(), 1, "QEMU lives on without dormant");
+    assert_eq!(
+        migration_status(&env),
+        "active",
+        "the slowed save still runs past the grace"
+    );
+
+    // Job 2 resumes: its prepare recovers the environment from the dead
+    // cleanup (cancels the save, continues, hibernates anew), then restores it.
+    // Its own cleanup is killed mid-save too; this save is not slowed (a
+    // restored QEMU is a new process, with default settings).
+    let fire = arm_hibernate_saving(&mut rig);
+    let second = job(94)
+        .resume(&key)
+        .suspend_on(true, false)
+        .script(READ_COUNTER);
+    let mut seen = (0, Vec::new());
+    let r2 = run_observed(&rig, &second, &mut || {
+        seen = (qemu_pids(&env).len(), memory_images(&env));
+        std::fs::remove_file(&fire).unwrap();
+    });
+    assert_result(&r2, JobResult::Success);
+    let log2 = r2.log();
+    for line in [
+        "which has no process left",
+        "still saving its memory for an interrupted hibernation (active): cancelling that save",
+        "hibernated",
+        "restored",
+    ] {
+        assert!(log2.contains(line), "{line:?} not in the job log:\n{log2}");
+    }
+    assert_eq!(
+        seen,
+        (1, Vec::new()),
+        "one QEMU, no memory image while it runs"
+    );
+    let (a, b): (u64, u64) = (
+        field(&log2, "counter-before"),
+        field(&log2, "counter-after"),
+    );
+    assert!(
+        a >= at_suspend && b > a,
+        "the counter went on: {at_suspend}, {a}, {b}\n{log2}"
+    );
+    assert_eq!(field(&log2, "counters-running"), 1, "{log2}");
+    assert!(
+        r2.cleanup_output()
+            .contains("failpoint qemu:hibernate-saving"),
+        "{}",
+        r2.cleanup_output()
+    );
+
+    // QEMU finishes that save by itself and keeps the VM paused.
+    let until = std::time::Instant::now() + Duration::from_secs(120);
+    while migration_status(&env) != "completed" {
+        assert!(
+            std::time::Instant::now() < until,
+            "QEMU never finished the save"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(qmp(&env).status().unwrap(), "postmigrate");
+    assert_eq!(memory_images(&env), vec!["memory.state.partial"]);
+    std::thread::sleep(PAST_GRACE);
+
+    // Job 3: recovered again (the paused VM continued, hibernated anew),
+    // restored, the counter still going; its own cleanup hibernates cleanly.
+    disarm(&mut rig);
+    // Its last write is still in the guest's page cache when cleanup begins.
+    let third = job(94)
+        .resume(&key)
+        .suspend_on(true, false)
+        .script(&format!(
+            "{READ_COUNTER}; echo written-just-before-suspend > fresh.txt"
+        ));
+    let r3 = run_observed(&rig, &third, &mut || {
+        seen = (qemu_pids(&env).len(), memory_images(&env))
+    });
+    assert_result(&r3, JobResult::Success);
+    let log3 = r3.log();
+    for line in [
+        "which has no process left",
+        "was postmigrate: continuing it",
+        "hibernated",
+        "restored",
+    ] {
+        assert!(log3.contains(line), "{line:?} not in the job log:\n{log3}");
+    }
+    assert_eq!(
+        seen,
+        (1, Vec::new()),
+        "one QEMU, no memory image while it runs"
+    );
+    let (a3, b3): (u64, u64) = (
+        field(&log3, "counter-before"),
+        field(&log3, "counter-after"),
+    );
+    assert!(
+        a3 >= b && b3 > a3,
+        "the counter went on: {b}, {a3}, {b3}\n{log3}"
+    );
+    assert_eq!(field(&log3, "counters-running"), 1, "{log3}");
+    assert!(
+        r3.cleanup_output().contains("hibernated")
+            && !r3
+                .cleanup_output()
+                .contains("did not write its cached files"),
+        "{}",
+        r3.cleanup_output()
+    );
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert!(qemu_pids(&env).is_empty(), "hibernation quits QEMU");
+    assert_eq!(memory_images(&env), vec!["memory.state"]);
+
+    // Job 4: the image is damaged (cut in half): the disk is booted instead.
+    let image = env.dir.join("vm/memory.state");
+    let size = std::fs::metadata(&image).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&image)
+        .unwrap()
+        .set_len(size / 2)
+        .unwrap();
+    let fourth = job(94)
+        .resume(&key)
+        .script(&format!("cat kept.txt fresh.txt; {READ_COUNTER}"));
+    let r4 = run_observed(&rig, &fourth, &mut || {
+        seen = (qemu_pids(&env).len(), memory_images(&env))
+    });
+    assert_result(&r4, JobResult::Success);
+    let log4 = r4.log();
+    for line in [
+        "restoring the saved memory of VM",
+        "QEMU exited while loading it",
+        "booting from its disk instead (memory lost, disk kept)",
+        "kept-on-disk",
+        // Synced before the save: the disk has what the guest wrote last.
+        "written-just-before-suspend",
+    ] {
+        assert!(log4.contains(line), "{line:?} not in the job log:\n{log4}");
+    }
+    assert!(!log4.contains(" restored in "), "{log4}");
+    assert_eq!(seen, (1, Vec::new()), "one QEMU, no memory image left");
+    assert_eq!(
+        field(&log4, "counters-running"),
+        0,
+        "memory lost: the counter is gone\n{log4}"
+    );
+    eprintln!(
+        "job 1:\n{}\n{}\njob 2:\n{log2}\n{}\njob 3:\n{log3}\n{}\njob 4:\n{log4}\n{}",
+        r1.log(),
+        r1.cleanup_output(),
+        r2.cleanup_output(),
+        r3.cleanup_output(),
+        r4.cleanup_output()
+    );
+
+    // No trigger in job 4: released.
+    assert!(qemu_pids(&env).is_empty(), "{}", r4.cleanup_output());
+    assert!(!env.dir.exists(), "release left {}", env.dir.display());
+    assert!(rig.status(&key).is_none());
 }

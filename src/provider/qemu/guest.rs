@@ -1,5 +1,6 @@
-//! Talking to the guest before the SSH transport takes over: waiting for its
-//! sshd, and setting its clock after a restore.
+//! Talking to the guest outside the job's stages: waiting for its sshd, the
+//! snippet that sets its clock after a restore (run by the transport's login),
+//! and syncing its disks before a hibernation.
 //!
 //! Readiness is the `SSH-` banner, never a TCP connect: QEMU's user-mode
 //! network accepts on the forwarded port at once, long before the guest runs
@@ -15,6 +16,7 @@ use tokio::io::AsyncReadExt;
 use super::process::{self, Pid};
 use super::vm::VmDir;
 use crate::context::Ctx;
+use crate::model::EnvPaths;
 use crate::wait::{Poll, Schedule, Wait};
 
 /// How often the guest's sshd is asked for its banner while it boots: the
@@ -128,4 +130,71 @@ if {sudo}date -u -s "@$r" >/dev/null 2>&1; then echo "say:guest clock set from i
 else echo "warn:could not set the guest's clock from its RTC: it lags by $d s, the time the environment was hibernated; the guest needs passwordless sudo for {user} (see docs/qemu.md)"; fi; fi;
 else echo "warn:the guest has no /sys/class/rtc/rtc0: its clock is not set after a hibernation (see docs/qemu.md)"; fi"#
     )
+}
+
+/// Before a hibernation: the guest writes what it holds in its page cache to
+/// its disk, so that if the memory image is ever lost (a damaged file, a QEMU
+/// upgrade, a host crash while saving) the disk booted instead has every file
+/// the job wrote, not only those Linux had written back (it waits up to 30 s).
+/// Over the job's SSH master when one runs (cleanup closes it only after the
+/// suspend), so it costs no handshake; else a login of its own.
+pub async fn sync_disks(paths: &EnvPaths, user: &str, port: u16, ctx: &Ctx) -> Result<()> {
+    run(paths, user, port, "sync", ctx).await.map(drop)
+}
+
+/// The socket of a master the SSH transport left running for this environment.
+fn master_socket(paths: &EnvPaths) -> Option<std::path::PathBuf> {
+    std::fs::read_dir(&paths.control_dir)
+        .ok()?
+        .filter_map(Result::ok)
+        .map(|e| e.path().join("master"))
+        .find(|socket| socket.exists())
+}
+
+/// One command in the guest, logging in as the transport does (the
+/// environment's key, its pinned host key); its stdout, trimmed. ssh falls
+/// back to a login of its own if the master does not answer.
+async fn run(paths: &EnvPaths, user: &str, port: u16, script: &str, ctx: &Ctx) -> Result<String> {
+    let mut cmd = tokio::process::Command::new("ssh");
+    if let Some(socket) = master_socket(paths) {
+        cmd.args(["-o", "ControlMaster=no", "-o"])
+            .arg(format!("ControlPath={}", socket.display()));
+    }
+    cmd.arg("-F")
+        .arg("/dev/null")
+        .arg("-i")
+        .arg(&paths.ssh_key)
+        .args(["-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes"])
+        .arg("-o")
+        .arg(format!(
+            "UserKnownHostsFile={}",
+            paths.known_hosts.display()
+        ))
+        .args([
+            "-o",
+            "GlobalKnownHostsFile=/dev/null",
+            "-o",
+            "StrictHostKeyChecking=yes",
+        ])
+        .arg("-o")
+        .arg(format!("HostKeyAlias=dormant-{}", paths.id))
+        .args(["-o", "ConnectTimeout=10", "-o", "LogLevel=ERROR", "-p"])
+        .arg(port.to_string())
+        .arg(format!("{user}@127.0.0.1"))
+        .arg(script)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let limit = Duration::from_secs(30).min(ctx.remaining());
+    let out = match tokio::time::timeout(limit, cmd.output()).await {
+        Ok(r) => r?,
+        Err(_) => bail!("no answer within {} s", limit.as_secs()),
+    };
+    if !out.status.success() {
+        bail!(
+            "ssh exited with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }

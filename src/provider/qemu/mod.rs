@@ -155,7 +155,7 @@ impl QemuProvider {
             let launch = vm
                 .read_launch()?
                 .context("the running VM has no launch.json")?;
-            power::ensure_running(&vm, ctx)?;
+            power::ensure_running(&vm, ctx).await?;
             self.wait_ready(&vm, pid, launch.port, ctx).await?;
             return Ok(self.machine(spec.env_id, launch.port, &image_name));
         }

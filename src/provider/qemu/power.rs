@@ -4,10 +4,13 @@
 //! - boot: `launch.json` is written before QEMU starts; a QEMU left running by
 //!   a killed prepare is found by its command line (cleanup quits it, a retried
 //!   prepare adopts it).
-//! - hibernate: the memory goes to `memory.state.partial`, renamed to
-//!   `memory.state` only once QEMU reports the save complete and the file is
-//!   synced. A killed save leaves a partial file that is never restored: the
-//!   next resume boots the disk (memory lost, disk kept) and says so.
+//! - hibernate: the guest syncs its disks first (the disk is the fallback if
+//!   the image is ever lost); the memory goes to `memory.state.partial`,
+//!   renamed to `memory.state` only once QEMU reports the save complete and
+//!   the file is synced. QEMU finishes a save whose dormant was killed and
+//!   keeps the VM paused: the recovery's hibernation cancels or drops that
+//!   save, continues the VM and saves anew. A partial file is never restored:
+//!   a resume that finds one boots the disk (memory lost, disk kept) and says so.
 //! - restore: `memory.state` is deleted (durably) as soon as the restored VM
 //!   runs, since the overlay changes from then on and the image would no
 //!   longer match it. Whenever a live QEMU owns the overlay, a leftover state
@@ -21,7 +24,7 @@ use serde_json::{json, Value};
 use super::process::{self, Pid};
 use super::qmp::Qmp;
 use super::vm::{self, Launch, VmDir};
-use super::{capacity, QemuProvider};
+use super::{capacity, guest, QemuProvider};
 use crate::context::Ctx;
 use crate::settings::qemu::{BootImage, QemuSuspendMode};
 use crate::wait::{Poll, Schedule, Wait};
@@ -112,7 +115,7 @@ pub async fn resume(
             vm.name(),
             pid.0
         ));
-        ensure_running(vm, ctx)?;
+        ensure_running(vm, ctx).await?;
         return Ok((pid, launch.port, false));
     }
     if vm.state().exists() {
@@ -126,8 +129,18 @@ pub async fn resume(
                     return Err(e);
                 }
                 Err(e) => {
+                    // QEMU exits on an image it cannot load; its own message
+                    // went to /dev/null with the rest of its stderr.
+                    let why = if process::find(vm).is_none() {
+                        format!(
+                            "QEMU exited while loading it: the image is damaged or was saved by another \
+                             QEMU version; {e:#}"
+                        )
+                    } else {
+                        format!("{e:#}")
+                    };
                     ctx.log.warn(format!(
-                        "restoring the saved memory of VM {} failed ({e:#}): booting from its disk instead \
+                        "restoring the saved memory of VM {} failed ({why}): booting from its disk instead \
                          (memory lost, disk kept)",
                         vm.name()
                     ));
@@ -224,23 +237,54 @@ fn saved(q: &mut Qmp) -> Result<Poll<()>> {
 
 /// A live QEMU that a killed stage left paused (mid-save, or restored and
 /// not continued) is continued; its state files are stale.
-pub fn ensure_running(vm: &VmDir, ctx: &Ctx) -> Result<()> {
+pub async fn ensure_running(vm: &VmDir, ctx: &Ctx) -> Result<()> {
     let mut q = Qmp::connect(&vm.qmp())?;
+    continue_after_interrupted_save(&mut q, vm, ctx).await?;
+    vm.remove_durably(&vm.partial_state())?;
+    vm.remove_durably(&vm.state())?;
+    Ok(())
+}
+
+/// Migration states in which no save is running.
+const NO_SAVE_RUNNING: &[&str] = &["none", "completed", "failed", "cancelled"];
+
+/// A save started by a dormant process that was then killed goes on without
+/// it: QEMU is still writing (and refuses another `migrate` while it does),
+/// or it finished and left the VM in `postmigrate` (and refuses another save
+/// of it: "Can't migrate the vm that was paused due to previous migration").
+/// Nobody vouches for that image: a running save is cancelled, and the VM is
+/// continued, so the caller starts from a running VM (a hibernation then
+/// saves anew).
+async fn continue_after_interrupted_save(q: &mut Qmp, vm: &VmDir, ctx: &Ctx) -> Result<()> {
+    let saving = q.migration_status()?;
+    if !NO_SAVE_RUNNING.contains(&saving.as_str()) {
+        ctx.log.info(format!(
+            "VM {} is still saving its memory for an interrupted hibernation ({saving}): cancelling that save",
+            vm.name()
+        ));
+        if saving != "cancelling" {
+            q.execute("migrate_cancel", None)?;
+        }
+        Wait::new(
+            ctx,
+            format!("the interrupted save of VM {} to stop", vm.name()),
+            Schedule::fixed(SAVE_POLL),
+        )
+        .quiet_for(PROGRESS_QUIET)
+        .until(|| {
+            std::future::ready(q.migration_status().map(|s| match s.as_str() {
+                done if NO_SAVE_RUNNING.contains(&done) => Poll::Ready(()),
+                _ => Poll::Pending(s),
+            }))
+        })
+        .await?;
+    }
     let status = q.status()?;
     if status != "running" {
-        let migrating = q
-            .execute("query-migrate", None)
-            .ok()
-            .and_then(|m| m.get("status").and_then(Value::as_str).map(str::to_string));
-        if migrating.as_deref() == Some("active") {
-            let _ = q.execute("migrate_cancel", None);
-        }
         ctx.log
             .info(format!("VM {} was {status}: continuing it", vm.name()));
         q.execute("cont", None)?;
     }
-    vm.remove_durably(&vm.partial_state())?;
-    vm.remove_durably(&vm.state())?;
     Ok(())
 }
 
@@ -257,7 +301,7 @@ pub async fn suspend(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<()> {
         return Ok(());
     };
     if p.settings.suspend_mode == QemuSuspendMode::Hibernate {
-        match hibernate(vm, pid, ctx).await {
+        match hibernate(p, vm, pid, ctx).await {
             Ok(()) => return Ok(()),
             Err(e) => {
                 ctx.log.warn(format!(
@@ -298,19 +342,32 @@ async fn powerdown(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<
     quit(vm, ctx).await
 }
 
-/// Pause, save memory next to the disk, quit.
-async fn hibernate(vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
+/// Sync the guest's disks, pause, save memory next to the disk, quit.
+async fn hibernate(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
     let started = Instant::now();
+    let mut q = Qmp::connect(&vm.qmp())?;
+    continue_after_interrupted_save(&mut q, vm, ctx).await?;
     vm.remove_durably(&vm.state())?;
     vm.remove_durably(&vm.partial_state())?;
+    if let Some(launch) = vm.read_launch()? {
+        let paths = p.store.env_paths(vm.env_id);
+        if let Err(e) = guest::sync_disks(&paths, &p.settings.ssh_user, launch.port, ctx).await {
+            ctx.log.warn(format!(
+                "VM {} did not write its cached files to its disk ({e:#}): hibernating anyway; should \
+                 its memory image be lost, the disk lacks what the guest wrote in its last ~30 s",
+                vm.name()
+            ));
+        }
+    }
     ctx.log
         .info(format!("hibernating VM {}: saving its memory", vm.name()));
-    let mut q = Qmp::connect(&vm.qmp())?;
     q.execute("stop", None)?;
     q.execute(
         "migrate",
         Some(json!({ "uri": format!("file:{}", vm.partial_state().display()) })),
     )?;
+    // QEMU saves on without dormant from here.
+    crate::failpoint!("qemu:hibernate-saving");
     Wait::new(
         ctx,
         format!("VM {} to save its memory", vm.name()),
@@ -340,11 +397,30 @@ async fn hibernate(vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
 }
 
 /// Ends QEMU now (`quit`, then SIGKILL to a process confirmed to be it).
-/// Not running is success.
+/// Not running is success. A QEMU caught while it daemonizes (a prepare
+/// killed right after starting it) is two processes: the parent, which exits
+/// once its child runs the VM, and that child. So every one found is ended,
+/// until none is left.
 pub async fn quit(vm: &VmDir, ctx: &Ctx) -> Result<()> {
-    let Some(pid) = process::find(vm) else {
-        return Ok(());
-    };
+    // The parent and the child of one daemonizing QEMU, and a spare look.
+    for _ in 0..3 {
+        let Some(pid) = process::find(vm) else {
+            return Ok(());
+        };
+        quit_one(vm, pid, ctx).await?;
+    }
+    match process::find(vm) {
+        None => Ok(()),
+        Some(pid) => bail!(
+            "QEMU of VM {} is running again (pid {}) after being stopped 3 times: is another \
+             dormant process starting it?",
+            vm.name(),
+            pid.0
+        ),
+    }
+}
+
+async fn quit_one(vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
     ctx.log
         .info(format!("stopping QEMU of VM {} (pid {})", vm.name(), pid.0));
     if let Err(e) = Qmp::connect(&vm.qmp()).and_then(Qmp::quit) {
@@ -363,3 +439,7 @@ pub async fn quit(vm: &VmDir, ctx: &Ctx) -> Result<()> {
         vm.name()
     )
 }
+
+#[cfg(test)]
+#[path = "power_tests.rs"]
+mod tests;

@@ -312,6 +312,37 @@ pub(crate) mod fake {
         }
     }
 
+    impl FakeQemu {
+        /// A QEMU caught while it daemonizes: a parent (returned) that exits
+        /// after `parent_for`, and its child, which goes on like the VM's QEMU.
+        /// Both carry the VM's `-name` and `-pidfile`; the child is found through
+        /// [`super::find`] once the parent is gone.
+        pub fn start_daemonizing(bin_dir: &Path, vm: &VmDir, parent_for: &str) -> FakeQemu {
+            let sh = bin_dir.join("qemu-system-fake");
+            if !sh.exists() {
+                std::os::unix::fs::symlink("/bin/sh", &sh).unwrap();
+            }
+            let name = vm.name();
+            let pidfile = vm.pidfile().display().to_string();
+            let child = Command::new(&sh)
+            .arg("-c")
+            .arg(format!(
+                "\"$0\" -c 'sleep 60; true' -name {name} -pidfile {pidfile} & sleep {parent_for}; true"
+            ))
+            .arg(&sh)
+            .args(["-name", &name, "-pidfile", &pidfile])
+            .spawn()
+            .unwrap();
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            while super::scan(vm.dir.parent().unwrap().parent().unwrap()).len() < 2
+                && std::time::Instant::now() < until
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            FakeQemu(child)
+        }
+    }
+
     impl Drop for FakeQemu {
         fn drop(&mut self) {
             let _ = self.0.kill();

@@ -108,6 +108,15 @@ impl Qmp {
         }
     }
 
+    /// The memory save's state (`none`, `active`, `cancelling`, `completed`, ...).
+    pub fn migration_status(&mut self) -> Result<String> {
+        let r = self.execute("query-migrate", None)?;
+        Ok(r.get("status")
+            .and_then(Value::as_str)
+            .unwrap_or("none")
+            .to_string())
+    }
+
     /// The run state (`running`, `paused`, `inmigrate`, `postmigrate`, ...).
     pub fn status(&mut self) -> Result<String> {
         let r = self.execute("query-status", None)?;
