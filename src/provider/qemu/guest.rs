@@ -11,55 +11,18 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Result};
-use tokio::io::AsyncReadExt;
 
 use super::process::{self, Pid};
 use super::vm::VmDir;
 use crate::context::Ctx;
 use crate::model::EnvPaths;
+use crate::transport::ssh::ready;
 use crate::wait::{Poll, Schedule, Wait};
 
-/// How often the guest's sshd is asked for its banner while it boots: the
-/// same short interval as every SSH readiness probe (see docs/waits.md).
-const BANNER_POLL: Duration = Duration::from_millis(200);
-/// One banner read: the guest's sshd answers in milliseconds once it runs.
+/// One banner read (the same probe as every SSH readiness wait,
+/// `transport::ssh::ready`): the guest's sshd answers in milliseconds once
+/// it runs, but an emulated CPU under load may take seconds.
 const BANNER_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The first line the server sends, if it is an SSH banner.
-async fn banner(port: u16) -> Result<String, String> {
-    let connect = tokio::net::TcpStream::connect(("127.0.0.1", port));
-    let mut stream = match tokio::time::timeout(BANNER_TIMEOUT, connect).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => return Err(format!("port {port}: {e}")),
-        Err(_) => return Err(format!("port {port}: connect timed out")),
-    };
-    let mut buf = [0u8; 64];
-    let mut got = Vec::new();
-    let read = async {
-        while got.len() < 4 {
-            match stream.read(&mut buf).await {
-                Ok(0) => {
-                    return Err(
-                        "closed before the SSH banner (the guest's sshd is not up yet)".to_string(),
-                    )
-                }
-                Ok(n) => got.extend_from_slice(&buf[..n]),
-                Err(e) => return Err(format!("{e}")),
-            }
-        }
-        Ok(())
-    };
-    match tokio::time::timeout(BANNER_TIMEOUT, read).await {
-        Ok(Ok(())) if got.starts_with(b"SSH-") => Ok(String::from_utf8_lossy(&got)
-            .lines()
-            .next()
-            .unwrap_or("")
-            .to_string()),
-        Ok(Ok(())) => Err(format!("port {port} answered something that is not SSH")),
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err("no SSH banner yet".into()),
-    }
-}
 
 /// Waits for the guest's sshd banner, with progress lines in the job log,
 /// failing at once if QEMU exits (the console log's tail says why).
@@ -74,11 +37,11 @@ pub async fn wait_for_sshd(
     let mut wait = Wait::new(
         &ctx,
         format!("the VM's sshd on 127.0.0.1:{port}"),
-        Schedule::fixed(BANNER_POLL),
+        Schedule::fixed(ready::READY_POLL),
     );
     let waited = wait
         .until(|| async {
-            match banner(port).await {
+            match ready::banner("127.0.0.1", port, BANNER_TIMEOUT.min(ctx.remaining())).await {
                 Ok(_) => Ok(Poll::Ready(())),
                 Err(reason) => {
                     if process::find(vm) != Some(pid) {
