@@ -44,16 +44,21 @@ pub const WRAPPER: &str = r#"r() { local LC_ALL=C; IFS= read -r -N "$1" s && [ "
 if ! r "$1"; then echo "dormant-error the stage script arrived incomplete: not run" >&2; exit 97; fi
 unset -f r
 if [ -n "$2" ] && ! cd -- "$2" 2>/dev/null; then echo "dormant-error the work directory $2 does not exist on the host" >&2; exit 97; fi
-set -m
-( set +m; unset w; set --; eval "$s" ) </dev/null 2>&1 &
-p=$!
-set +m
+# `$$` in the script is this wrapper: what the script sends it is passed on
+# to the script. Set before the script starts (a subshell starts with them
+# reset), so a signal sent at once is kept until the script's pid is known.
+p= q=
+for g in TERM INT HUP QUIT USR1 USR2; do
+  trap "if [ -n \"\$p\" ]; then kill -s $g \$p; else q=$g; fi 2>/dev/null" "$g"
+done
+# Job control only to start the script in a group of its own; its messages
+# ("[1]+ Exit 3 ...", when the script ends at once) must not reach stderr.
+{ set -m; ( set +m; unset w p q g; set --; eval "$s" ) </dev/null 2>&1 & p=$!; set +m; } 2>/dev/null
 unset s
+[ -z "$q" ] || kill -s "$q" "$p" 2>/dev/null
 # Only now (the script must keep the default): a lost connection must not
 # kill the wrapper before it has reported and cleaned up.
 trap '' PIPE
-# `$$` in the script is this wrapper: pass what the script sends it on.
-for g in TERM INT HUP QUIT USR1 USR2; do trap "kill -s $g \$p 2>/dev/null" "$g"; done
 echo "dormant-pgid $p" >&2
 ( while IFS= read -r c; do case $c in TERM|KILL) kill -s "$c" -- "-$p";; esac; done
   kill -s TERM -- "-$p"; sleep 5; kill -s KILL -- "-$p" ) <&0 >/dev/null 2>&1 &
