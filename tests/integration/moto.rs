@@ -433,11 +433,8 @@ fn serve(mut conn: TcpStream, upstream: u16, state: &Mutex<State>) -> std::io::R
                 .transitions
                 .iter()
                 .any(|t| now < t.until && t.shown.1 == "pending");
-            xml = if st.ip_once_running && starting {
-                remove_elements(&xml, "ipAddress")
-            } else {
-                replace_elements(&xml, "ipAddress", ip)
-            };
+            let shown = (!st.ip_once_running || !starting).then_some(ip.as_str());
+            xml = replace_elements(&xml, "ipAddress", shown);
         }
         resp_body = xml.into_bytes();
     }
@@ -484,8 +481,9 @@ fn show_state(xml: &str, id: &str, real: (u8, &str), shown: (u8, &str)) -> Strin
     out
 }
 
-/// Replaces the text of every `<tag>...</tag>` with `value`.
-fn remove_elements(xml: &str, tag: &str) -> String {
+/// Replaces the text of every `<tag>...</tag>` with `value`; `None` removes
+/// the elements.
+fn replace_elements(xml: &str, tag: &str, value: Option<&str>) -> String {
     let (open, close) = (format!("<{tag}>"), format!("</{tag}>"));
     let mut out = String::new();
     let mut rest = xml;
@@ -493,24 +491,14 @@ fn remove_elements(xml: &str, tag: &str) -> String {
         let Some(j) = rest[i..].find(&close) else {
             break;
         };
-        out.push_str(&rest[..i]);
-        rest = &rest[i + j + close.len()..];
-    }
-    out.push_str(rest);
-    out
-}
-
-fn replace_elements(xml: &str, tag: &str, value: &str) -> String {
-    let (open, close) = (format!("<{tag}>"), format!("</{tag}>"));
-    let mut out = String::new();
-    let mut rest = xml;
-    while let Some(i) = rest.find(&open) {
-        let Some(j) = rest[i..].find(&close) else {
-            break;
-        };
-        out.push_str(&rest[..i + open.len()]);
-        out.push_str(value);
-        out.push_str(&close);
+        match value {
+            Some(value) => {
+                out.push_str(&rest[..i + open.len()]);
+                out.push_str(value);
+                out.push_str(&close);
+            }
+            None => out.push_str(&rest[..i]),
+        }
         rest = &rest[i + j + close.len()..];
     }
     out.push_str(rest);
