@@ -363,7 +363,22 @@ fn bench_resume_and_suspend() {
             added.push(r.ready.saturating_sub(r.limit));
             ready.push(r.ready);
             limit.push(r.limit);
-            suspends.push(cleanup_time(&r.report).saturating_sub(stop_hold));
+            let suspend = cleanup_time(&r.report).saturating_sub(stop_hold);
+            if suspend > Duration::from_secs(2) {
+                // A slow suspend: where its time went, line by line.
+                for c in r
+                    .report
+                    .calls
+                    .iter()
+                    .filter(|c| c.name.starts_with("cleanup"))
+                {
+                    for (at, line) in &c.arrivals {
+                        eprintln!("  slow cleanup +{:.3} s: {line}", at.as_secs_f64());
+                    }
+                    eprintln!("  slow cleanup exited +{:.3} s", c.elapsed.as_secs_f64());
+                }
+            }
+            suspends.push(suspend);
         }
         let max_added = *added.iter().max().unwrap();
         rows.push(format!(
