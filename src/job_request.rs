@@ -78,7 +78,8 @@ pub async fn take(transport: &dyn Transport, path: &str, ctx: &Ctx) -> Result<Op
 
 /// Whether the job's own code runs in this stage (`build_script`, the
 /// `step_*` of multi-step jobs, `after_script`): after those, the run stage
-/// looks for a request, one command over the open connection (about 10 ms on SSH).
+/// looks for a request: over SSH only when the stage's wrapper reported the
+/// file present (`Script::watch`), then one command over the open connection.
 pub fn runs_job_code(stage: &str) -> bool {
     stage == "build_script" || stage == "after_script" || stage.starts_with("step_")
 }
