@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The Debian package (cargo-deb; scripts/install-test-deps.sh installs the pinned version).
 #
-#   scripts/package.sh           the package to ship: a release build (10-20 min
-#                                cold on 2 cores), stripped, in target/debian/.
+#   scripts/package.sh           the package to ship: a release build with fat LTO
+#                                (10-20 min cold on 2 cores), stripped, in target/debian/.
 #   scripts/package.sh --check   what CI runs: packages the debug binary the test
 #                                suite already built (no second build), then checks
 #                                the file list, the control data, the units
@@ -15,7 +15,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" != "--check" ]; then
-  cargo deb
+  # Fat LTO for the shipped binary only: a cold build costs the same with it
+  # (729 s against 737 s on 2 cores) and the binary is 28 % smaller (16.9 MB
+  # against 23.6 MB); a developer's rebuild after a change would be 8x slower
+  # (233 s against 29 s), so the release profile itself keeps it off. See the
+  # README's performance section.
+  CARGO_PROFILE_RELEASE_LTO=fat cargo deb
   exit
 fi
 
