@@ -34,9 +34,10 @@
 //! parameters are cleared first (the script's first line unsets the copy of
 //! itself, `eval` has already taken it); `$$` is the wrapper's pid, as in any
 //! subshell (`$BASHPID` is the script's), so a signal the script sends to
-//! `$$` is passed on by the wrapper to the script's shell — `kill $$` ends
-//! the script (or runs its trap) as it would in a bash of its own, and is
-//! reported as its exit.
+//! `$$` is passed on by the wrapper to the script's shell (INT to its whole
+//! group, as a Ctrl-C would) — `kill $$` ends the script, runs its trap or
+//! is ignored (QUIT) as it would in a bash of its own, and is reported as its
+//! exit.
 
 /// The wrapper, run with `$1` = the script's length in bytes, `$2` = the
 /// work directory and `$3` = the file to watch (see [`command_line`]).
@@ -47,13 +48,17 @@ if [ -n "$2" ] && ! cd -- "$2" 2>/dev/null; then echo "dormant-error the work di
 # `$$` in the script is this wrapper: what the script sends it is passed on
 # to the script. Set before the script starts (a subshell starts with them
 # reset), so a signal sent at once is kept until the script's pid is known.
+# INT goes to the whole group, as a Ctrl-C would: bash ignores an INT that
+# arrives while it waits for a command the INT did not reach. The script
+# starts with QUIT ignored but trappable, as a bash of its own does.
 p= q=
-for g in TERM INT HUP QUIT USR1 USR2; do
+for g in TERM HUP QUIT USR1 USR2; do
   trap "if [ -n \"\$p\" ]; then kill -s $g \$p; else q=$g; fi 2>/dev/null" "$g"
 done
+trap "if [ -n \"\$p\" ]; then kill -s INT -- -\$p; else q=INT; fi 2>/dev/null" INT
 # Job control only to start the script in a group of its own; its messages
 # ("[1]+ Exit 3 ...", when the script ends at once) must not reach stderr.
-{ set -m; ( set +m; unset w p q g; set --; eval "$s" ) </dev/null 2>&1 & p=$!; set +m; } 2>/dev/null
+{ set -m; ( set +m; trap '' QUIT; unset w p q g; set --; eval "$s" ) </dev/null 2>&1 & p=$!; set +m; } 2>/dev/null
 unset s
 [ -z "$q" ] || kill -s "$q" "$p" 2>/dev/null
 # Only now (the script must keep the default): a lost connection must not

@@ -192,15 +192,23 @@ fn the_script_runs_as_its_own_process_group_leader_with_nothing_inherited() {
 fn kill_dollar_dollar_ends_the_script_as_it_would_end_a_shell_of_its_own() {
     let tmp = tempfile::tempdir().unwrap();
     // `$$` is the wrapper (a subshell's `$$`): the wrapper passes the signal
-    // on to the script's group, and reports the script's end by it.
-    for (signal, code) in [("TERM", 143), ("HUP", 129), ("USR1", 138)] {
+    // on, and the script ends (or not) and reports as a bash of its own did
+    // (checked against the wrapper that ran the script in a new bash).
+    for (signal, out, code) in [
+        ("TERM", "before\n", 143),
+        ("HUP", "before\n", 129),
+        ("INT", "before\n", 130),
+        ("USR1", "before\n", 138),
+        ("USR2", "before\n", 140),
+        ("QUIT", "before\nafter\n", 0),
+    ] {
         let run = Run::start(
-            &format!("echo before; kill -s {signal} $$; sleep 5; echo after\n"),
+            &format!("echo before; kill -s {signal} $$; sleep 1; echo after\n"),
             None,
             tmp.path(),
         );
-        let (reports, out) = run.finish();
-        assert_eq!(out, "before\n", "{signal}");
+        let (reports, got) = run.finish();
+        assert_eq!(got, out, "{signal}");
         assert_eq!(
             reports.last(),
             Some(&Report::Exit(code)),
@@ -208,14 +216,18 @@ fn kill_dollar_dollar_ends_the_script_as_it_would_end_a_shell_of_its_own() {
         );
     }
     // A script that traps it handles it itself, as a shell of its own would.
-    let run = Run::start(
-        "trap 'echo trapped; exit 7' TERM; kill $$; sleep 1; echo after\n",
-        None,
-        tmp.path(),
-    );
-    let (reports, out) = run.finish();
-    assert_eq!(out, "trapped\n");
-    assert_eq!(reports.last(), Some(&Report::Exit(7)));
+    for signal in ["TERM", "INT", "QUIT"] {
+        let run = Run::start(
+            &format!(
+                "trap 'echo trapped; exit 7' {signal}; kill -s {signal} $$; sleep 1; echo after\n"
+            ),
+            None,
+            tmp.path(),
+        );
+        let (reports, out) = run.finish();
+        assert_eq!(out, "trapped\n", "{signal}");
+        assert_eq!(reports.last(), Some(&Report::Exit(7)), "{signal}");
+    }
 }
 
 #[test]
