@@ -270,29 +270,14 @@ impl Ec2Settings {
         }
     }
 
-    /// The ssh user's home directory on a cloud image.
-    fn home(&self) -> String {
-        if self.ssh_user == "root" {
-            "/root".into()
-        } else {
-            format!("/home/{}", self.ssh_user)
-        }
-    }
-
     /// builds_dir / cache_dir for config (no I/O): every instance has its own
     /// disk, so the same paths serve every environment.
     pub fn dirs(&self, _paths: &EnvPaths) -> Result<Dirs> {
-        let home = self.home();
-        Ok(Dirs {
-            builds: self
-                .builds_dir
-                .clone()
-                .unwrap_or_else(|| format!("{home}/builds")),
-            cache: self
-                .cache_dir
-                .clone()
-                .unwrap_or_else(|| format!("{home}/cache")),
-        })
+        Ok(super::own_disk_dirs(
+            &self.ssh_user,
+            self.builds_dir.as_deref(),
+            self.cache_dir.as_deref(),
+        ))
     }
 }
 

@@ -352,3 +352,22 @@ fn default_state_dir() -> Result<PathBuf> {
 #[cfg(test)]
 #[path = "settings_tests.rs"]
 mod tests;
+
+/// builds_dir / cache_dir on a machine of its own (an EC2 instance, a qemu
+/// VM): the configured paths, else `builds` and `cache` in the ssh user's
+/// home on a cloud image. The same paths serve every environment.
+fn own_disk_dirs(
+    ssh_user: &str,
+    builds_dir: Option<&str>,
+    cache_dir: Option<&str>,
+) -> crate::model::Dirs {
+    let home = if ssh_user == "root" {
+        "/root".to_string()
+    } else {
+        format!("/home/{ssh_user}")
+    };
+    crate::model::Dirs {
+        builds: builds_dir.map_or_else(|| format!("{home}/builds"), str::to_string),
+        cache: cache_dir.map_or_else(|| format!("{home}/cache"), str::to_string),
+    }
+}
