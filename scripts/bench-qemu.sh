@@ -25,6 +25,11 @@ ACCEL=${QEMU_ACCEL:-tcg}
 BIN=${DORMANT_BIN:-target/debug/dormant}
 [ -x "$BIN" ] || cargo build --quiet
 IMG=$(scripts/build-test-image.sh | tail -1)
+# One VM at a time on the machine: the same lock file the VM tests take
+# (tests/integration/qemu.rs, one_vm), so a suite running beside the
+# benchmark waits instead of halving both VMs' CPU.
+exec 9>"${TMPDIR:-/tmp}/dormant-tests-one-vm.lock"
+flock 9
 # Short: a VM's QMP socket path (<state dir>/environments/<id>/vm/qmp.sock)
 # must fit in 107 bytes.
 work=$(mktemp -d /tmp/dbq.XXXXXX)

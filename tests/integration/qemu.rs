@@ -25,8 +25,31 @@ const USER: &str = "debian";
 
 static ONE_VM: Mutex<()> = Mutex::new(());
 
-fn one_vm() -> std::sync::MutexGuard<'static, ()> {
-    ONE_VM.lock().unwrap_or_else(|e| e.into_inner())
+/// Held while a test runs its VM: one VM at a time in this test binary (the
+/// mutex) and on the whole machine (a lock file in the temp dir, which the
+/// kernel drops if the holder dies), so two checkouts' suites or a benchmark
+/// run side by side never boot two VMs at once on two cores.
+struct OneVm {
+    _machine: std::fs::File,
+    _binary: std::sync::MutexGuard<'static, ()>,
+}
+
+fn one_vm() -> OneVm {
+    let binary = ONE_VM.lock().unwrap_or_else(|e| e.into_inner());
+    let path = std::env::temp_dir().join("dormant-tests-one-vm.lock");
+    let machine = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
+    machine
+        .lock()
+        .unwrap_or_else(|e| panic!("locking {}: {e}", path.display()));
+    OneVm {
+        _machine: machine,
+        _binary: binary,
+    }
 }
 
 /// The directory holding base.qcow2, vmlinuz and initrd.img.
