@@ -121,6 +121,9 @@ pub struct EnvPaths {
     pub known_hosts: PathBuf,
     /// Short directory for the SSH control socket (Unix socket paths are short).
     pub control_dir: PathBuf,
+    /// Present while a stage runs, and after one that may have left processes
+    /// in the environment: cleanup then stops them before it settles it.
+    pub stages_left: PathBuf,
 }
 
 impl EnvPaths {
@@ -135,6 +138,7 @@ impl EnvPaths {
             ssh_key: dir.join("id_ed25519"),
             known_hosts: dir.join("known_hosts"),
             control_dir: root.join("ctl").join(&short[..12]),
+            stages_left: dir.join("stages-left"),
             dir,
         }
     }

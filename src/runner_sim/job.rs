@@ -3,6 +3,13 @@
 
 use serde_json::{json, Value};
 
+/// When the simulated runner signals a call.
+#[derive(Debug, Clone)]
+pub enum When {
+    After(std::time::Duration),
+    FileExists(std::path::PathBuf),
+}
+
 /// One job: its identity, its `suspend_options`, variables and stages. The
 /// runner skips a stage with nothing to do, so only the stages set here run.
 #[derive(Debug, Clone, Default)]
@@ -30,6 +37,12 @@ pub struct SimJob {
     /// After that SIGTERM, SIGKILL the call's process group this much later
     /// (the runner's `graceful_kill_timeout`); `None`: SIGTERM only.
     pub force_kill: Option<std::time::Duration>,
+    /// Cancel this stage (as `cancel` does) once this file exists: for a test
+    /// that cancels at a moment it makes, not after a guessed delay.
+    pub cancel_on_file: Option<(String, std::path::PathBuf)>,
+    /// SIGKILL this stage's call, without a SIGTERM first, once this file
+    /// exists (the OOM killer, an operator's `kill -9`).
+    pub kill_on_file: Option<(String, std::path::PathBuf)>,
 }
 
 impl SimJob {
@@ -70,12 +83,27 @@ impl SimJob {
         self
     }
 
-    /// The delay after which `stage`'s call gets SIGTERM, if this job is canceled there.
-    pub(super) fn cancel_after(&self, stage: &str) -> Option<std::time::Duration> {
-        self.cancel
+    /// When `stage`'s call gets SIGTERM, if this job is canceled there.
+    pub(super) fn cancel_after(&self, stage: &str) -> Option<When> {
+        let after = self
+            .cancel
             .as_ref()
             .filter(|(s, _)| s == stage)
-            .map(|(_, d)| *d)
+            .map(|(_, d)| When::After(*d));
+        after.or_else(|| {
+            self.cancel_on_file
+                .as_ref()
+                .filter(|(s, _)| s == stage)
+                .map(|(_, f)| When::FileExists(f.clone()))
+        })
+    }
+
+    /// When `stage`'s call gets a SIGKILL alone.
+    pub(super) fn kill_at(&self, stage: &str) -> Option<When> {
+        self.kill_on_file
+            .as_ref()
+            .filter(|(s, _)| s == stage)
+            .map(|(_, f)| When::FileExists(f.clone()))
     }
 
     /// The job payload as GitLab sends it (a subset: what dormant reads, plus

@@ -55,6 +55,8 @@ pub struct Runner {
     /// The job token the payload and `CI_JOB_TOKEN` carry. Random by default;
     /// a test sets a known one to look for leaks.
     pub job_token: String,
+    /// Start every call with SIGHUP ignored: a runner started under `nohup`.
+    pub ignore_sighup: bool,
 }
 
 impl Runner {
@@ -68,6 +70,7 @@ impl Runner {
             retry_pause: crate::contract::PREPARE_RETRY_PAUSE,
             runner_id: runner_id.to_string(),
             job_token: format!("glcbt-simulated-{:016x}", fastrand::u64(..)),
+            ignore_sighup: false,
         }
     }
 
@@ -78,8 +81,9 @@ impl Runner {
     }
 
     /// [`Runner::run_job`] with `before_stage(stage)` called just before the
-    /// runner calls each run stage: the seam tests use to disturb a job
-    /// between two stages (kill a connection, look at the processes).
+    /// runner calls each run stage, and with `"cleanup"` before the job's
+    /// cleanup: the seam tests use to disturb a job between two stages (kill
+    /// a connection, look at the processes, bring a host back).
     pub fn run_job_with(
         &self,
         job: &SimJob,
@@ -95,7 +99,7 @@ impl Runner {
             } => return Ok(JobReport::new(result, calls, config, attempts)),
         };
         let (result, status) = self.run_stages(job, &attempt, &mut calls, before_stage)?;
-        self.cleanup(&attempt, job, status, &mut calls)?;
+        self.cleanup(&attempt, job, status, &mut calls, before_stage)?;
         Ok(JobReport::new(
             result,
             calls,

@@ -49,7 +49,7 @@ impl Runner {
             let Some(config) = config else {
                 // Bad config output counts as a failed attempt, like a failed prepare.
                 // The next config still sees the last valid attempt's dirs.
-                self.cleanup(&attempt, job, JobStatus::Running, calls)?;
+                self.cleanup(&attempt, job, JobStatus::Running, calls, &mut |_| {})?;
                 continue;
             };
             if config.builds_dir.as_deref().unwrap_or("").is_empty() {
@@ -66,10 +66,10 @@ impl Runner {
             };
             if code == contract::DEFAULT_BUILD_FAILURE_EXIT_CODE {
                 let code = attempt.read_exit_code();
-                self.cleanup(&attempt, job, JobStatus::Running, calls)?;
+                self.cleanup(&attempt, job, JobStatus::Running, calls, &mut |_| {})?;
                 return Ok(failed(JobResult::BuildFailure(code)));
             }
-            self.cleanup(&attempt, job, JobStatus::Running, calls)?;
+            self.cleanup(&attempt, job, JobStatus::Running, calls, &mut |_| {})?;
             if job.cancel_after("prepare").is_some() {
                 return Ok(failed(JobResult::Canceled));
             }
@@ -105,6 +105,8 @@ impl Runner {
                 capture_stdout: true,
                 cancel_after: None,
                 force_kill: None,
+                kill_at: None,
+                ignore_sighup: self.ignore_sighup,
             },
         )?;
         let ok = call.exit_code == 0;
@@ -127,6 +129,8 @@ impl Runner {
                 capture_stdout: false,
                 cancel_after: job.cancel_after("prepare"),
                 force_kill: job.force_kill,
+                kill_at: job.kill_at("prepare"),
+                ignore_sighup: self.ignore_sighup,
             },
         )?;
         let code = call.exit_code;
@@ -142,7 +146,9 @@ impl Runner {
         job: &SimJob,
         status: JobStatus,
         calls: &mut Vec<Call>,
+        before_cleanup: &mut dyn FnMut(&str),
     ) -> Result<()> {
+        before_cleanup("cleanup");
         let env = self.call_env(attempt, job, status);
         let mut args = self.args.clone();
         args.push("cleanup".into());
@@ -156,6 +162,8 @@ impl Runner {
                 capture_stdout: false,
                 cancel_after: None,
                 force_kill: None,
+                kill_at: None,
+                ignore_sighup: self.ignore_sighup,
             },
         )?;
         calls.push(call);

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+use super::job::When;
 use super::report::Call;
 
 /// How to make one call.
@@ -25,10 +26,33 @@ pub(super) struct CallSpec<'a> {
     pub env: &'a BTreeMap<String, String>,
     /// Keep stdout apart from the job log (config's JSON).
     pub capture_stdout: bool,
-    /// SIGTERM the call's process group after this long.
-    pub cancel_after: Option<Duration>,
+    /// SIGTERM the call's process group then.
+    pub cancel_after: Option<When>,
     /// Then SIGKILL it this much later (the runner's escalation).
     pub force_kill: Option<Duration>,
+    /// SIGKILL it then, with no SIGTERM first.
+    pub kill_at: Option<When>,
+    /// Start the call with SIGHUP ignored, as a runner started under `nohup`
+    /// (or by a CI agent that ignores it) passes it on.
+    pub ignore_sighup: bool,
+}
+
+/// Blocks until `when` (a file is polled every 20 ms); false if the call
+/// ended first while waiting for a file (one that never comes must not keep
+/// the thread).
+fn wait_for(when: &When, ended: &std::sync::atomic::AtomicBool) -> bool {
+    match when {
+        When::After(d) => std::thread::sleep(*d),
+        When::FileExists(f) => {
+            while !f.exists() {
+                if ended.load(std::sync::atomic::Ordering::Relaxed) {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+    true
 }
 
 /// Runs a call to its end. Returns the call (stdout+stderr in order, or only
@@ -42,6 +66,15 @@ pub(super) fn call(name: &str, spec: CallSpec<'_>) -> Result<(Call, String)> {
         .envs(spec.env)
         .stdin(Stdio::null())
         .process_group(0);
+    if spec.ignore_sighup {
+        // SAFETY: signal(2) is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::signal(libc::SIGHUP, libc::SIG_IGN);
+                Ok(())
+            });
+        }
+    }
     let (reader, writer) = std::io::pipe()?;
     let mut stdout_reader = None;
     if spec.capture_stdout {
@@ -66,9 +99,25 @@ pub(super) fn call(name: &str, spec: CallSpec<'_>) -> Result<(Call, String)> {
         })
     });
     let force_kill = spec.force_kill;
-    let killer = spec.cancel_after.map(|after| {
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let killed_on = spec.kill_at.map(|when| {
+        let done = done.clone();
         std::thread::spawn(move || {
-            std::thread::sleep(after);
+            if !wait_for(&when, &done) {
+                return;
+            }
+            // SAFETY: signals the call's process group, as an operator's kill -9 would.
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+            }
+        })
+    });
+    let killer = spec.cancel_after.map(|after| {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            if !wait_for(&after, &done) {
+                return;
+            }
             // SAFETY: signals the call's process group, as the runner does.
             unsafe {
                 libc::kill(-pid, libc::SIGTERM);
@@ -95,7 +144,11 @@ pub(super) fn call(name: &str, spec: CallSpec<'_>) -> Result<(Call, String)> {
         buf.clear();
     }
     let status = child.wait()?;
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
     if let Some(k) = killer {
+        let _ = k.join();
+    }
+    if let Some(k) = killed_on {
         let _ = k.join();
     }
     let stdout = out_thread

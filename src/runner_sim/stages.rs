@@ -71,6 +71,8 @@ impl Runner {
                 capture_stdout: false,
                 cancel_after: job.cancel_after(name),
                 force_kill: job.force_kill,
+                kill_at: job.kill_at(name),
+                ignore_sighup: self.ignore_sighup,
             },
         )?;
         Ok(call)

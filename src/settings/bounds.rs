@@ -42,6 +42,9 @@ const fn bound(key: &'static str, zero_ok: bool, max: HumanDuration) -> Duration
 ///   two stages of a job is milliseconds.
 /// - `ssh.server_alive_interval`: 1 h; three missed answers declare the
 ///   connection dead, so longer would hide a dead machine for hours.
+/// - `ssh.reconnect_timeout` (a run re-attaching after a lost connection): 0
+///   (off) to 1 h; the script keeps running on the machine meanwhile, and a
+///   job waiting longer than that for a machine is better failed and retried.
 /// - `qemu.shutdown_timeout` (ACPI power-down before QEMU is quit): 1 h; a
 ///   guest that has not powered off by then will not.
 /// - `qemu.boot_timeout`: 24 h, like every prepare bound (the runner's
@@ -62,6 +65,7 @@ pub const DURATION_BOUNDS: &[DurationBound] = &[
     bound("ssh.ready_timeout", false, hours(24)),
     bound("ssh.control_persist", false, hours(24)),
     bound("ssh.server_alive_interval", false, hours(1)),
+    bound("ssh.reconnect_timeout", true, hours(1)),
     bound("ssh.slot_wait", true, hours(24)),
     bound("ec2.image_cache_ttl", true, days(30)),
     bound("ec2.prepare_timeout", false, hours(24)),
@@ -88,6 +92,7 @@ impl Settings {
                 "ssh.server_alive_interval",
                 Some(self.ssh.server_alive_interval),
             ),
+            ("ssh.reconnect_timeout", Some(self.ssh.reconnect_timeout)),
             ("ssh.slot_wait", Some(self.ssh.slot_wait)),
             ("ec2.image_cache_ttl", Some(self.ec2.image_cache_ttl)),
             ("ec2.prepare_timeout", self.ec2.prepare_timeout),

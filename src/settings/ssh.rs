@@ -25,6 +25,14 @@ pub struct SshSettings {
     pub control_persist: HumanDuration,
     /// Keepalive probes on the master (`ServerAliveInterval`, 3 missed = dead).
     pub server_alive_interval: HumanDuration,
+    /// How long `dormant run` tries to reconnect and re-attach to a stage
+    /// whose connection was lost (the script keeps running on the machine
+    /// meanwhile); 0 turns re-attaching off: a lost connection fails the
+    /// stage at once and its script is stopped.
+    pub reconnect_timeout: HumanDuration,
+    /// The bound of a stage's output kept on the machine for a re-attach, in
+    /// MiB: past it the oldest part is dropped (the job log says how much).
+    pub kept_output_mib: u32,
     /// `ssh` provider: the directory on every host under which each environment
     /// gets its workspace `<workspace_root>/<environment id>`.
     pub workspace_root: String,
@@ -41,6 +49,8 @@ impl Default for SshSettings {
             ready_timeout: HumanDuration::from_secs(5 * 60),
             control_persist: HumanDuration::from_secs(10 * 60),
             server_alive_interval: HumanDuration::from_secs(15),
+            reconnect_timeout: HumanDuration::from_secs(2 * 60),
+            kept_output_mib: 16,
             workspace_root: "/var/lib/dormant-workspaces".into(),
             slot_wait: HumanDuration::from_secs(10 * 60),
             hosts: Vec::new(),
@@ -82,10 +92,29 @@ impl SshHost {
     }
 }
 
+/// The range of `ssh.kept_output_mib`: at least what a connection can have
+/// in flight (the SSH channel window and the sockets' buffers, a few MiB),
+/// which must still be on the machine when dormant re-attaches; at most 1 GiB,
+/// as it may live in the machine's memory (a tmpfs).
+pub const KEPT_OUTPUT_MIB: std::ops::RangeInclusive<u32> = 4..=1024;
+
 impl SshSettings {
+    /// `kept_output_mib` in bytes.
+    pub fn kept_output_bytes(&self) -> u64 {
+        u64::from(self.kept_output_mib) << 20
+    }
+
     /// `selected`: the `ssh` provider is the one in use, so its required settings must be there.
     pub fn validate(&self, selected: bool, problems: &mut Vec<String>) {
         // Durations are checked with every other section's (`super::bounds`).
+        if !KEPT_OUTPUT_MIB.contains(&self.kept_output_mib) {
+            problems.push(format!(
+                "ssh.kept_output_mib: {} is out of range: {} to {} (MiB of a stage's output kept on the machine)",
+                self.kept_output_mib,
+                KEPT_OUTPUT_MIB.start(),
+                KEPT_OUTPUT_MIB.end()
+            ));
+        }
         if !self.workspace_root.starts_with('/')
             || self.workspace_root.trim_end_matches('/').is_empty()
         {
@@ -225,12 +254,17 @@ mod tests {
             ("ready_timeout", d.ready_timeout.to_string()),
             ("control_persist", d.control_persist.to_string()),
             ("server_alive_interval", d.server_alive_interval.to_string()),
+            ("reconnect_timeout", d.reconnect_timeout.to_string()),
             ("workspace_root", d.workspace_root.clone()),
             ("slot_wait", d.slot_wait.to_string()),
         ] {
             let line = format!("{key} = \"{default}\"");
             assert!(text.contains(&line), "examples/dormant.toml lacks `{line}`");
         }
+        assert!(
+            text.contains(&format!("kept_output_mib = {}", d.kept_output_mib)),
+            "examples/dormant.toml lacks kept_output_mib"
+        );
         for key in [
             "[[ssh.hosts]]",
             "name =",
@@ -242,6 +276,34 @@ mod tests {
         ] {
             assert!(text.contains(key), "examples/dormant.toml lacks {key}");
         }
+    }
+
+    #[test]
+    fn reconnect_timeout_and_kept_output_are_bounded() {
+        let s = Settings::parse_str("[ssh]\nreconnect_timeout = \"0s\"\nkept_output_mib = 4\n")
+            .unwrap();
+        assert!(s.ssh.reconnect_timeout.is_zero());
+        let s = Settings::parse_str("[ssh]\nreconnect_timeout = \"1h\"\nkept_output_mib = 1024\n")
+            .unwrap();
+        assert_eq!(s.ssh.kept_output_bytes(), 1 << 30);
+        let err = Settings::parse_str("[ssh]\nreconnect_timeout = \"61m\"\nkept_output_mib = 3\n")
+            .unwrap_err();
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("ssh.reconnect_timeout: must be at most"),
+            "{text}"
+        );
+        assert!(
+            text.contains("ssh.kept_output_mib: 3 is out of range: 4 to 1024"),
+            "{text}"
+        );
+        let err = Settings::parse_str("[ssh]\nkept_output_mib = 2000\n").unwrap_err();
+        assert!(
+            format!("{err:#}").contains("ssh.kept_output_mib: 2000"),
+            "{err:#}"
+        );
+        let err = Settings::parse_str("[ssh]\nreconnect_timeout = \"soon\"\n").unwrap_err();
+        assert!(format!("{err:#}").contains("reconnect_timeout"), "{err:#}");
     }
 
     #[test]

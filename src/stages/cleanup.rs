@@ -29,6 +29,10 @@ use crate::transport::Transport;
 use super::outcome::Outcome;
 use super::Session;
 
+/// Upper bound for stopping what the job's stages left in the environment
+/// (reaching the machine, then one command).
+const LEFTOVERS_BUDGET: Duration = Duration::from_secs(60);
+
 /// Upper bound for cleanup's provider calls (a stop waits for the machine to
 /// stop; a terminate for it to go). The runner's own cleanup timeout is 1 h.
 const CLEANUP_BUDGET: Duration = Duration::from_secs(15 * 60);
@@ -170,6 +174,9 @@ async fn settle_environment(
         .and_then(|m| s.provider.target(m).ok())
         .and_then(|t| s.transports.open(&t, paths).ok());
     let transport = transport.as_deref();
+    if settle != Settle::Nothing && paths.stages_left.exists() {
+        stop_leftovers(s, rec, paths, transport, ctx).await;
+    }
     let w = s.world();
     let result = match settle {
         Settle::Nothing => Ok(()),
@@ -209,6 +216,40 @@ async fn settle_environment(
     // Idempotent: a release already closed it before removing the files.
     lifecycle::close(transport, id, ctx).await;
     result
+}
+
+/// A stage of the job did not end cleanly (its `run` was killed, or
+/// terminated without the machine reporting the script's end): its processes
+/// may still run in the environment. They are stopped before the environment
+/// is suspended (a suspended environment never resumes with them) or
+/// released. A machine that cannot be reached is said in the runner's log;
+/// the next prepare of the environment stops them in any case.
+async fn stop_leftovers(
+    s: &Session,
+    rec: &EnvironmentRecord,
+    paths: &EnvPaths,
+    transport: Option<&dyn Transport>,
+    ctx: &Ctx,
+) {
+    let Some(t) = transport else { return };
+    let check = rec.machine.as_ref().map(|machine| super::run::StillThere {
+        provider: s.provider.as_ref(),
+        machine,
+        env: paths.id,
+    });
+    let check = check
+        .as_ref()
+        .map(|c| c as &dyn crate::transport::MachineCheck);
+    let ctx = ctx.uncancellable().within(LEFTOVERS_BUDGET);
+    match t.stop_leftovers(check, &ctx).await {
+        Ok(()) => {
+            let _ = std::fs::remove_file(&paths.stages_left);
+        }
+        Err(e) => s.log.warn(format!(
+            "environment {}: what the job's stages left running could not be stopped: {e:#}",
+            paths.id
+        )),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -10,12 +10,14 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use async_trait::async_trait;
 
 use crate::context::Ctx;
 use crate::exit::{write_build_exit_code, Failure};
+use crate::provider::{Machine, MachineState, Provider};
 use crate::state::job::{hold_job_alive, LockedJob};
 use crate::state::{registry, JobState, Mode, Phase, StageRecord, StageResult};
-use crate::transport::{Ran, Script, ScriptExit};
+use crate::transport::{MachineCheck, Ran, Script, ScriptExit};
 
 use super::Session;
 
@@ -90,6 +92,18 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         (crate::job_request::VAR.to_string(), request_file.clone()),
     ];
     let job_code = crate::job_request::runs_job_code(stage);
+    let id = format!("{stage}.{:016x}", fastrand::u64(..));
+    let check = StillThere {
+        provider: s.provider.as_ref(),
+        machine: &machine,
+        env: state.env_id,
+    };
+    // Intent before effect: a `run` killed from here on leaves the mark, and
+    // cleanup stops whatever the stage left running in the environment. No
+    // fsync: the mark matters to this host's next cleanup, not after a crash
+    // of the host, which takes the stage's connection with it.
+    std::fs::File::create(&paths.stages_left)
+        .with_context(|| format!("marking {} (a stage runs)", paths.stages_left.display()))?;
     let started = Instant::now();
     let result = transport
         .run_script(
@@ -98,17 +112,23 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
                 stage,
                 env: &env,
                 watch: job_code.then_some(request_file.as_str()),
+                id: &id,
+                machine: Some(&check),
             },
             &ctx,
         )
         .await;
     tracing::debug!(stage, elapsed = ?started.elapsed(), "stage finished");
+    if matches!(&result, Ok(ran) if !ran.left_running) {
+        let _ = std::fs::remove_file(&paths.stages_left);
+    }
     // The job may have asked for its own suspension (`crate::job_request`):
     // looked for only when the transport did not already say it is absent.
     let request = match &result {
         Ok(Ran {
             exit: ScriptExit::Code(_),
             watched,
+            ..
         }) if job_code && *watched != Some(false) => {
             crate::job_request::after_stage(&s.settings, transport.as_ref(), &request_file, &ctx)
                 .await
@@ -155,6 +175,38 @@ fn classify(
             Err(Failure::System(e.context(format!("running {stage} in environment {}", state.env_id)))),
         ),
     })
+}
+
+/// The run stage's answer to the transport's question while a connection is
+/// lost: the provider says whether the machine still exists (a terminated
+/// instance, a deleted VM will not come back). An answer it cannot give
+/// (the API throttled, say) keeps the wait going.
+pub(super) struct StillThere<'a> {
+    pub provider: &'a dyn Provider,
+    pub machine: &'a Machine,
+    pub env: uuid::Uuid,
+}
+
+#[async_trait]
+impl MachineCheck for StillThere<'_> {
+    async fn still_there(&self, ctx: &Ctx) -> Result<()> {
+        match self.provider.describe(self.machine, ctx).await {
+            Ok(MachineState::Gone) => anyhow::bail!(
+                "the {} machine {} of environment {} is gone (terminated or deleted)",
+                self.provider.name(),
+                self.machine.id,
+                self.env
+            ),
+            Ok(state) => {
+                tracing::debug!(machine = %self.machine.id, %state, "the machine is still there");
+                Ok(())
+            }
+            Err(e) => {
+                tracing::debug!(machine = %self.machine.id, "describing the machine: {e:#}");
+                Ok(())
+            }
+        }
+    }
 }
 
 async fn record_stage(

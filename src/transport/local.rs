@@ -11,8 +11,17 @@
 //! in blocks and a command in the script that reads stdin cannot swallow the
 //! rest — and that vanishes with the last process holding it, whatever kills
 //! dormant. Its output is relayed through a pipe dormant owns (see
-//! [`super::relay`]), stderr merged into stdout in the order written. The
-//! script's shell is killed if dormant dies (`PR_SET_PDEATHSIG`).
+//! [`super::relay`]), stderr merged into stdout in the order written. It
+//! starts with every signal at its default ([`super::signals`]), whatever
+//! dormant was started with.
+//!
+//! If dormant dies (even by SIGKILL), the script's whole process group goes
+//! with it: the shell by `PR_SET_PDEATHSIG`, and every other member by a
+//! watchdog — a fork of dormant, in the script's group, that holds nothing
+//! but the read end of a pipe only dormant writes to. When dormant goes, the
+//! pipe ends and the watchdog kills the group, itself included. (A member
+//! would otherwise live on until its next write to the closed output fails,
+//! or for ever if it never writes.)
 
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -149,6 +158,9 @@ impl Transport for LocalTransport {
             .id()
             .context("the script's shell exited before it could be tracked")?
             as i32;
+        // Its pipe's write end lives exactly as long as this call.
+        let _watchdog = Watchdog::start(pgid)
+            .with_context(|| format!("guarding the {} script's process group", script.stage))?;
         let out_read = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(out_read))
             .context("reading the script's output")?;
         let copy = relay::copy_to_stdout(out_read);
@@ -274,6 +286,7 @@ fn memory_file(body: &[u8]) -> std::io::Result<OwnedFd> {
 /// In the forked child: the script file as fd 3 (without close-on-exec), and
 /// death with dormant.
 fn child_setup(script_fd: i32, parent: libc::pid_t) -> std::io::Result<()> {
+    super::signals::reset_in_child()?;
     // SAFETY: plain syscalls on descriptors of this process.
     unsafe {
         if script_fd == 3 {
@@ -292,6 +305,86 @@ fn child_setup(script_fd: i32, parent: libc::pid_t) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The watchdog of a script's process group (see the module comment).
+/// Dropped when the stage is over: it reaps the watchdog, which by then has
+/// been killed with the group or sees its pipe end.
+struct Watchdog {
+    pid: libc::pid_t,
+    /// Held only by dormant (close-on-exec): its end is dormant's end.
+    _alive: OwnedFd,
+}
+
+impl Watchdog {
+    fn start(pgid: i32) -> std::io::Result<Watchdog> {
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 writes two descriptors into the array it is given.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: both descriptors were just created and are owned here.
+        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let read_fd = read.as_raw_fd();
+        // SAFETY: the child calls only async-signal-safe functions (setpgid,
+        // sigaction, dup2, close_range, read, kill, _exit) and never returns.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if pid == 0 {
+            // SAFETY: see above.
+            unsafe { watch(pgid, read_fd) }
+        }
+        drop(read);
+        Ok(Watchdog { pid, _alive: write })
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        // Its pipe ends with this value (the field drops after this), so it
+        // may still be alive: killed with the group just before, or about to
+        // see the end of its pipe. Either takes microseconds.
+        // SAFETY: the watchdog is our child; kill and waitpid touch no memory of ours.
+        unsafe {
+            libc::kill(self.pid, libc::SIGKILL);
+            libc::waitpid(self.pid, std::ptr::null_mut(), 0);
+        }
+    }
+}
+
+/// The watchdog's life, in the forked child: join the script's group, ignore
+/// every signal a script sends its group (only SIGKILL ends it), hold
+/// nothing but the pipe, and kill the group when the pipe ends.
+unsafe fn watch(pgid: i32, pipe: i32) -> ! {
+    if libc::setpgid(0, pgid) != 0 {
+        // The group is gone already: nothing to guard.
+        libc::_exit(0);
+    }
+    for signal in 1..libc::SIGRTMAX() {
+        if signal != libc::SIGKILL && signal != libc::SIGSTOP {
+            libc::signal(signal, libc::SIG_IGN);
+        }
+    }
+    if libc::dup2(pipe, 0) < 0 {
+        libc::_exit(1);
+    }
+    // Not the runner's pipes, nor anything else of dormant's.
+    if libc::syscall(libc::SYS_close_range, 1u32, u32::MAX, 0u32) != 0 {
+        for fd in 1..4096 {
+            libc::close(fd);
+        }
+    }
+    let mut byte = 0u8;
+    loop {
+        let n = libc::read(0, (&raw mut byte).cast(), 1);
+        if n == 0 || (n < 0 && *libc::__errno_location() != libc::EINTR) {
+            break;
+        }
+    }
+    libc::kill(-pgid, libc::SIGKILL);
+    libc::_exit(0)
 }
 
 fn kill_group(pgid: i32, signal: i32) {

@@ -4,6 +4,7 @@
 pub mod keys;
 pub mod local;
 mod relay;
+pub mod signals;
 pub mod ssh;
 
 use anyhow::Result;
@@ -32,20 +33,43 @@ pub struct Ran {
     /// `Some(exists)` when the transport looked on its way out of the stage
     /// at no extra cost; `None` when it did not (the caller looks itself).
     pub watched: Option<bool>,
+    /// Something of the stage may still run in the environment (a
+    /// termination whose end the machine never reported): the job's cleanup
+    /// must stop it ([`Transport::stop_leftovers`]) before it suspends or
+    /// releases the environment.
+    pub left_running: bool,
 }
 
 impl Ran {
-    /// Ended with `exit`; the watched file was not looked at.
+    /// Ended with `exit`, nothing left running; the watched file was not looked at.
     pub fn unwatched(exit: ScriptExit) -> Ran {
         Ran {
             exit,
             watched: None,
+            left_running: false,
         }
     }
 }
 
+/// The machine of a lost connection will not come back ([`MachineCheck`]
+/// said so): waiting for it ended at once.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct MachineLost(pub String);
+
+/// Asked between attempts to reach a machine whose connection was lost,
+/// whether waiting can still help. The run stage answers from the provider
+/// (`Provider::describe`): a machine that was terminated or deleted will not
+/// come back, so the wait ends at once instead of after the whole
+/// `ssh.reconnect_timeout`.
+#[async_trait]
+pub trait MachineCheck: Send + Sync {
+    /// `Err`: the machine is gone for good; the error says what happened to it.
+    async fn still_there(&self, ctx: &Ctx) -> Result<()>;
+}
+
 /// One stage script to run.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Script<'a> {
     /// The runner's self-contained bash script.
     pub body: &'a [u8],
@@ -57,6 +81,12 @@ pub struct Script<'a> {
     /// SSH wrapper says whether it exists when it reports the exit, so the
     /// common case (no request) costs no second command per stage.
     pub watch: Option<&'a str>,
+    /// This run of the stage, unique in its environment (`<stage>.<random>`):
+    /// the name its output is kept under on the machine, so a session opened
+    /// after a lost connection finds it again.
+    pub id: &'a str,
+    /// Whether the machine can still come back while its connection is lost.
+    pub machine: Option<&'a dyn MachineCheck>,
 }
 
 #[async_trait]
@@ -72,6 +102,16 @@ pub trait Transport: Send + Sync {
 
     /// Suspend or release: closes what `connect` set up. Best effort, idempotent.
     async fn close(&self, ctx: &Ctx) -> Result<()>;
+
+    /// Cleanup, when a stage of the job did not end cleanly ([`Ran::left_running`],
+    /// or a `run` that was killed): stops every process the job's stages left
+    /// in the environment and removes what was kept of them, so a suspended
+    /// environment never resumes with a job's script still running in it.
+    /// Bounded by `ctx`; `machine` ends a wait for a machine that is gone.
+    async fn stop_leftovers(&self, machine: Option<&dyn MachineCheck>, ctx: &Ctx) -> Result<()> {
+        let _ = (machine, ctx);
+        Ok(())
+    }
 
     /// Reads (at most `max` bytes of) a regular file in the environment and
     /// removes it; `None` if there is none (a symlink is removed, never read).

@@ -26,6 +26,7 @@ mod lifecycle;
 mod moto;
 mod notify;
 mod qemu;
+mod reattach;
 mod shell;
 mod ssh;
 mod sshd;

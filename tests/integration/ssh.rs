@@ -13,12 +13,17 @@ pub const RUNNER: &str = "77";
 
 /// A runner whose provider is `ssh` with the test sshd as its one host.
 pub fn ssh_rig(sshd: &Sshd) -> (Rig, PathBuf) {
+    ssh_rig_with(sshd, "")
+}
+
+/// [`ssh_rig`] with more `[ssh]` settings (`key = value` lines).
+pub fn ssh_rig_with(sshd: &Sshd, ssh: &str) -> (Rig, PathBuf) {
     let ws_root = sshd.dir.path().join("ws");
     let rig = Rig::new(
         RUNNER,
         "s_55aa55aa55aa",
         &format!(
-            "provider = \"ssh\"\n[ssh]\nworkspace_root = \"{}\"\nready_timeout = \"20s\"\n\
+            "provider = \"ssh\"\n[ssh]\nworkspace_root = \"{}\"\nready_timeout = \"20s\"\n{ssh}\n\
              [[ssh.hosts]]\nname = \"test-host\"\naddress = \"127.0.0.1\"\nport = {}\nuser = \"root\"\n\
              identity_file = \"{}\"\nslots = 8\n",
             ws_root.display(),
@@ -193,10 +198,12 @@ fn a_master_killed_between_stages_is_reconnected_and_the_job_succeeds() {
     assert!(!ctl.exists());
 }
 
+/// With re-attaching off, a cut connection fails the stage at once, as it
+/// did before stages outlived their connections.
 #[test]
-fn a_connection_cut_mid_script_is_a_system_failure() {
+fn with_reconnect_timeout_0s_a_connection_cut_mid_script_is_a_system_failure() {
     let sshd = Sshd::start();
-    let (rig, _ws) = ssh_rig(&sshd);
+    let (rig, _ws) = ssh_rig_with(&sshd, "reconnect_timeout = \"0s\"");
     let marker = sshd.dir.path().join("cut-marker");
     let j = job(44).script(&format!(
         "echo started; echo $$ > '{}'; sleep 60; echo not reached",
@@ -224,8 +231,10 @@ fn a_connection_cut_mid_script_is_a_system_failure() {
         build.output
     );
     assert!(build.output.contains("was lost during build_script"));
+    assert!(!build.output.contains("reconnect"), "{}", build.output);
     assert!(!r.log().contains("not reached"));
     assert!(started.elapsed() < Duration::from_secs(50));
+    crate::reattach::assert_nothing_kept(&sshd);
     // Without a connection nobody can stop the script on the host; here the
     // host is this machine, so tidy up its process group.
     if let Ok(pid) = std::fs::read_to_string(&marker)
@@ -572,6 +581,8 @@ async fn the_environments_own_key_and_a_changed_address_keep_the_pin() {
                     stage: "build_script",
                     env: &[("DORMANT_ENVIRONMENT_KEY".into(), "k".into())],
                     watch: None,
+                    id: "build_script.1",
+                    machine: None,
                 },
                 &ctx,
             )

@@ -152,6 +152,62 @@ impl Sshd {
         children.len()
     }
 
+    /// Freezes every established connection (SIGSTOP to its sshd processes:
+    /// the listener's children and their sshd children), as a network that
+    /// stops carrying anything would: nothing reaches either side, and
+    /// neither side sees an end. Returns them for [`Sshd::kill`].
+    pub fn freeze_connections(&self) -> Vec<u32> {
+        let mut pids = Vec::new();
+        for monitor in children_of(self.child.id()) {
+            pids.push(monitor);
+            for child in children_of(monitor) {
+                let comm =
+                    std::fs::read_to_string(format!("/proc/{child}/comm")).unwrap_or_default();
+                if comm.starts_with("sshd") {
+                    pids.push(child);
+                }
+            }
+        }
+        for pid in &pids {
+            // SAFETY: kill(2) on pids just read as this server's connection processes.
+            unsafe {
+                libc::kill(*pid as i32, libc::SIGSTOP);
+            }
+        }
+        pids
+    }
+
+    /// SIGKILLs processes [`Sshd::freeze_connections`] returned (a stopped
+    /// process dies of SIGKILL too): the frozen connections end at once.
+    pub fn kill(&self, pids: &[u32]) {
+        for pid in pids {
+            // SAFETY: as above.
+            unsafe {
+                libc::kill(*pid as i32, libc::SIGKILL);
+            }
+        }
+    }
+
+    /// Where the sessions' stages keep their output (`$TMPDIR/dormant-<uid>`).
+    pub fn kept_dir(&self) -> PathBuf {
+        // SAFETY: getuid has no preconditions.
+        let uid = unsafe { libc::getuid() };
+        self.tmp_dir().join(format!("dormant-{uid}"))
+    }
+
+    /// The files kept there, by name.
+    pub fn kept_files(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(self.kept_dir())
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+
     /// Stops the server (established connections are cut too).
     pub fn stop(&mut self) {
         self.cut_connections();

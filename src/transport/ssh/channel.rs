@@ -1,7 +1,8 @@
-//! One stage over the environment's master: a multiplexed session running the
-//! wrapper of [`super::remote`], opened by dormant itself on the master's
-//! control socket (the `openssh` crate's native mux client), so a stage starts
-//! no local `ssh` process at all.
+//! One stage over the environment's master with the direct wrapper
+//! (`remote/direct.sh`: `ssh.reconnect_timeout = "0s"`, or a host that cannot
+//! keep output; the default is [`super::kept`]): a multiplexed session opened
+//! by dormant itself on the master's control socket (the `openssh` crate's
+//! native mux client), so a stage starts no local `ssh` process at all.
 //!
 //! The session's three streams are pipes dormant owns: stdin carries the
 //! script and then the control lines (`TERM` / `KILL`); stdout is relayed to
@@ -56,7 +57,7 @@ pub async fn run_once(
     script: &Script<'_>,
     ctx: &Ctx,
 ) -> Result<Once> {
-    let line = remote::command_line(body.len(), workdir, script.watch);
+    let line = remote::command_line(body.len(), workdir, script.watch, None);
     let spawned = session
         .raw_command(&line)
         .stdin(Stdio::piped())
@@ -177,13 +178,20 @@ pub async fn run_once(
                 script.stage
             ));
         }
-        return Ok(Once::Done(Ran::unwatched(ScriptExit::Cancelled)));
+        return Ok(Once::Done(Ran {
+            exit: ScriptExit::Cancelled,
+            watched: None,
+            // Without the end, the script may run on (the direct wrapper
+            // stops it when its session goes; cleanup makes sure).
+            left_running: reports.as_ref().is_none_or(|r| r.exit.is_none()),
+        }));
     }
     let reports = reports.unwrap_or_default();
     if let Some(code) = reports.exit {
         return Ok(Once::Done(Ran {
             exit: ScriptExit::Code(code),
             watched: reports.watched,
+            left_running: false,
         }));
     }
     if let Some(e) = reports.error {
@@ -217,9 +225,12 @@ impl Reports {
                     eprintln!("{l}");
                 }
             }
-            Report::Exit(c) => self.exit = Some(c),
+            Report::Exit(c, _) => self.exit = Some(c),
             Report::Watched(present) => self.watched = Some(present),
             Report::Error(e) => self.error = Some(e),
+            // The kept wrapper's reports; the direct one never says them.
+            Report::Kept | Report::At(_) => {}
+            Report::Warn(text) => eprintln!("dormant: warning: {text}"),
             Report::Other(l) => {
                 // The remote shell. Before the script starts it is held back
                 // and quoted in the error if the script never starts.

@@ -30,7 +30,7 @@ use crate::model::EnvPaths;
 use crate::model::SshTarget;
 use crate::settings::ssh::SshSettings;
 use crate::state::store::ensure_private_dir;
-use crate::transport::write_private;
+use crate::transport::{write_private, MachineCheck, MachineLost};
 use crate::wait::{Poll, Schedule, Wait};
 
 /// The prefix of the crate's per-master temp directory inside the control dir.
@@ -43,6 +43,10 @@ const MAX_CONTROL_DIR_LEN: usize = 61;
 /// costs the host a full handshake.
 const LOGIN_RETRY_FIRST: Duration = Duration::from_millis(500);
 const LOGIN_RETRY_MAX: Duration = Duration::from_secs(5);
+/// While reconnecting to a machine whose connection was lost, how often the
+/// provider is asked whether it still exists (an EC2 describe costs an API
+/// call; a terminated machine is noticed within this).
+const MACHINE_CHECK_EVERY: Duration = Duration::from_secs(5);
 
 /// Why a master is being started: the first connection of a prepare, or a
 /// reconnect because the one prepare made is gone.
@@ -144,7 +148,22 @@ impl Master {
             ));
         }
         let ctx = ctx.within(self.settings.ready_timeout.get());
-        self.start(&ctx).await
+        self.start(&ctx, None).await
+    }
+
+    /// The live master, or a new one, within `ctx` (its log gets the wait's
+    /// progress; a re-attach passes one that drops it). `machine` is asked
+    /// between attempts whether the machine still exists: a machine that is
+    /// gone ends the wait at once with a [`MachineLost`] error.
+    pub async fn reconnect(
+        &self,
+        ctx: &Ctx,
+        machine: Option<&dyn MachineCheck>,
+    ) -> Result<Session> {
+        if let Some(s) = self.attach().await {
+            return Ok(s);
+        }
+        self.start(ctx, machine).await
     }
 
     /// Closes the master (if one runs) and removes the control directory.
@@ -201,16 +220,29 @@ impl Master {
     /// [`READY_POLL`] (a TCP accept proves nothing behind a tunnel), and a
     /// login made as soon as it answers. A failed login to a host that
     /// answers (sshd up, the key not installed yet) is retried with backoff.
-    async fn start(&self, ctx: &Ctx) -> Result<Session> {
+    async fn start(&self, ctx: &Ctx, machine: Option<&dyn MachineCheck>) -> Result<Session> {
         self.preflight()?;
         let dest = self.destination();
         let first_pin = !has_content(&self.paths.known_hosts);
         let logins = Schedule::backoff(LOGIN_RETRY_FIRST, LOGIN_RETRY_MAX);
         // (failed logins so far, earliest next login); shared with the probes.
         let gate = std::sync::Mutex::new((0u32, Instant::now()));
+        let checked = std::sync::Mutex::new(None::<Instant>);
         let mut wait = Wait::new(ctx, format!("SSH on {dest}"), Schedule::fixed(READY_POLL));
         let session = wait
             .until(|| async {
+                if let Some(check) = machine {
+                    let due = checked
+                        .lock()
+                        .unwrap()
+                        .is_none_or(|at| at.elapsed() >= MACHINE_CHECK_EVERY);
+                    if due {
+                        *checked.lock().unwrap() = Some(Instant::now());
+                        if let Err(e) = check.still_there(ctx).await {
+                            return Err(MachineLost(format!("{e:#}")).into());
+                        }
+                    }
+                }
                 let limit = BANNER_WAIT.min(ctx.remaining());
                 if let Err(why) = ready::banner(&self.target.host, self.target.port, limit).await {
                     return Ok(Poll::Pending(why));

@@ -3,17 +3,21 @@
 //! (see [`channel`]) running a small wrapper (see [`remote`]).
 //!
 //! Outcomes: the wrapper's `dormant-exit N` is the script's code (build
-//! failure when not 0, including a script's own 255). A session that ends
-//! without it is the transport breaking, a system failure: the master check
-//! tells a dead master (lost connection) from anything else. On SIGTERM the
-//! script's whole remote process group is signalled through the session's
-//! own stdin — closing the session alone would leave it running on the host.
+//! failure when not 0, including a script's own 255). A stage whose
+//! connection is lost is followed again over a new one ([`stage`]); one that
+//! cannot be (re-attaching off, or the machine does not come back in time)
+//! is the transport breaking, a system failure. On SIGTERM the script's whole
+//! remote process group is signalled through the session's own stdin —
+//! closing the session alone would leave it running on the host.
 
 mod channel;
 mod hostkey;
+mod kept;
 mod master;
 pub mod ready;
 mod remote;
+mod stage;
+mod stream;
 
 // The transport's public API for providers that reach machines over SSH (the
 // `ssh` provider removes workspaces over an environment's master); providers
@@ -26,8 +30,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 
-use self::channel::Once;
-use super::{Ran, Script, Transport};
+use super::{write_private, MachineCheck, Ran, Script, Transport};
 use crate::context::Ctx;
 use crate::model::EnvPaths;
 use crate::model::SshTarget;
@@ -35,12 +38,52 @@ use crate::settings::ssh::SshSettings;
 
 pub struct SshTransport {
     master: Master,
+    settings: SshSettings,
 }
+
+/// How long cleanup spends reaching a machine to stop what a job's stages
+/// left there (a handshake or two; a machine that does not answer is being
+/// stopped or deleted anyway, and its next prepare stops them too).
+const LEFTOVERS_REACH: Duration = Duration::from_secs(30);
+/// Bound on the command that stops them (it waits up to 6 s for the groups).
+const LEFTOVERS_BOUND: Duration = Duration::from_secs(30);
 
 impl SshTransport {
     pub fn new(target: SshTarget, paths: EnvPaths, settings: SshSettings) -> Self {
         SshTransport {
-            master: Master::new(target, paths, settings),
+            master: Master::new(target, paths, settings.clone()),
+            settings,
+        }
+    }
+
+    /// Records what prepare's probe found about keeping output on the
+    /// machine, for this environment's stages (`keep:ok` / `keep:no <why>`).
+    fn note_keeping(&self, said: &str, ctx: &Ctx) -> Result<()> {
+        let marker = self.master.paths.dir.join(stage::NO_KEEP_FILE);
+        let why = said
+            .lines()
+            .find_map(|l| l.strip_prefix("keep:no "))
+            .map(str::to_string)
+            .or_else(|| {
+                (!said.lines().any(|l| l == "keep:ok"))
+                    .then(|| "the machine did not say whether it can keep output".to_string())
+            });
+        match why {
+            None => match std::fs::remove_file(&marker) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(e).with_context(|| format!("removing {}", marker.display())),
+            },
+            Some(why) => {
+                ctx.log.warn(format!(
+                    "stages on {} cannot re-attach after a lost connection ({}): a lost \
+                     connection fails the stage, as with ssh.reconnect_timeout = \"0s\"",
+                    self.master.destination(),
+                    crate::text::excerpt(&why)
+                ));
+                write_private(&marker, why.as_bytes())
+                    .with_context(|| format!("writing {}", marker.display()))
+            }
         }
     }
 }
@@ -51,11 +94,16 @@ impl Transport for SshTransport {
         let session = self.master.session(ctx, Purpose::Connect).await?;
         let dest = self.master.destination();
         let workdir = self.master.target.workdir.clone().unwrap_or_default();
+        let keeps = !self.settings.reconnect_timeout.is_zero();
+        // What earlier jobs' stages left on the machine is stopped (a resumed
+        // environment never runs on with them), in the probes' one command.
         let probe = format!(
             "for t in bash git gitlab-runner; do command -v $t >/dev/null 2>&1 || echo missing:$t; done; \
-             if [ -n {w} ] && [ ! -d {w} ]; then echo missing:workdir; fi; {on_login}\ntrue",
+             if [ -n {w} ] && [ ! -d {w} ]; then echo missing:workdir; fi; {on_login}\n\
+             if command -v bash >/dev/null 2>&1; then {leftovers}; fi\ntrue",
             w = remote::shell_quote(&workdir),
             on_login = self.master.target.on_login.as_deref().unwrap_or(""),
+            leftovers = remote::leftovers_command(&self.master.paths.id.simple().to_string(), keeps),
         );
         let out = tokio::time::timeout(
             ctx.remaining().min(Duration::from_secs(60)),
@@ -79,6 +127,9 @@ impl Transport for SshTransport {
                 ctx.log.warn(crate::text::excerpt(text));
             }
         }
+        if keeps && !said.contains("missing:bash") {
+            self.note_keeping(&said, ctx)?;
+        }
         for missing in said
             .split_whitespace()
             .filter_map(|w| w.strip_prefix("missing:"))
@@ -101,33 +152,36 @@ impl Transport for SshTransport {
 
     async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<Ran> {
         let body = remote::script_with_env(script.body, script.env)?;
-        // No `-O check` round trip first: the channel itself finds out, and a
-        // master whose socket does not answer cannot have started the script.
-        let mut session = match self.master.attach_unchecked() {
-            Some(s) => s,
-            None => self.master.session(ctx, Purpose::Reconnect).await?,
-        };
-        let mut reconnected = false;
-        let dest = self.master.destination();
-        let workdir = self.master.target.workdir.as_deref();
-        loop {
-            match channel::run_once(&session, &dest, workdir, &body, script, ctx).await? {
-                Once::Done(ran) => return Ok(ran),
-                Once::MasterUnreachable(why) if !reconnected => {
-                    tracing::debug!("master unreachable: {why}");
-                    reconnected = true;
-                    session = self.master.session(ctx, Purpose::Reconnect).await?;
-                }
-                Once::MasterUnreachable(why) => bail!(
-                    "the new SSH connection to {} does not take sessions: {why}",
-                    self.master.destination()
-                ),
-            }
-        }
+        stage::run(&self.master, &self.settings, &body, script, ctx).await
     }
 
     async fn close(&self, _ctx: &Ctx) -> Result<()> {
         self.master.close().await
+    }
+
+    async fn stop_leftovers(&self, machine: Option<&dyn MachineCheck>, ctx: &Ctx) -> Result<()> {
+        let dest = self.master.destination();
+        let session = self
+            .master
+            .reconnect(&ctx.within(LEFTOVERS_REACH), machine)
+            .await
+            .with_context(|| format!("reaching {dest} to stop what the job's stages left there"))?;
+        let command = remote::leftovers_command(&self.master.paths.id.simple().to_string(), false);
+        let out = tokio::time::timeout(
+            ctx.remaining().min(LEFTOVERS_BOUND),
+            session.raw_command(&command).output(),
+        )
+        .await
+        .with_context(|| format!("stopping what the job's stages left on {dest} timed out"))?
+        .with_context(|| format!("stopping what the job's stages left on {dest}"))?;
+        if !out.status.success() {
+            bail!(
+                "stopping what the job's stages left on {dest} failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(())
     }
 
     async fn take_file(&self, path: &str, max: usize, ctx: &Ctx) -> Result<Option<Vec<u8>>> {

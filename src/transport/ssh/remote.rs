@@ -1,30 +1,63 @@
 //! The remote side of one stage: a small bash wrapper that receives the stage
 //! script on stdin, runs it in its own process group and reports on stderr.
+//! Two wrappers: `remote/kept.sh` (the default) runs the script in its own
+//! process group with its output going into a file on the machine, so a
+//! stage outlives its connection and a later session re-attaches to it;
+//! `remote/direct.sh` (`ssh.reconnect_timeout = "0s"`, or a host that cannot
+//! keep output) runs it with its output going straight into the session, and
+//! a lost connection ends it.
 //!
 //! Protocol (the wrapper's stderr; the script's own stderr is merged into its
 //! stdout so the job log keeps the order the script wrote in):
+//! - `dormant-kept`: (kept) this session claimed the stage and runs it; its
+//!   stdout carries the output from byte 0;
+//! - `dormant-at <offset>`: (kept) this session follows a stage another
+//!   session started; its stdout carries the output from byte `<offset>`,
+//!   which is past what dormant asked for when the bytes between were dropped
+//!   on the machine (the bound);
 //! - `dormant-pgid <pgid>`: the script started, in this process group;
-//! - `dormant-exit <code>`: the script's exit code, the authoritative result
-//!   (a script's own 255 is not confused with ssh's 255);
+//! - `dormant-exit <code> [<length>]`: the script's exit code, the
+//!   authoritative result (a script's own 255 is not confused with ssh's
+//!   255), and (kept) the length of its whole output: the stage is over once
+//!   dormant has that many bytes;
 //! - `dormant-watched present|absent`: after the script, whether the file
 //!   named by `$3` exists (a shell test, no fork; only when `$3` is set);
-//! - `dormant-error <text>`: the wrapper could not run the script.
+//! - `dormant-warn <text>`, `dormant-error <text>`: something for the job
+//!   log; the wrapper could not run or follow the script.
 //!
 //! After the script's bytes, the wrapper's stdin stays open as a control
 //! line: `TERM` or `KILL` signals the script's process group (a termination
-//! needs no second channel), and end of file — dormant died or the connection
-//! was lost — terminates the group (SIGTERM, SIGKILL 5 s later), so a script
-//! never runs on with nobody to report to.
+//! needs no second channel). Direct: end of file — dormant died or the
+//! connection was lost — terminates the group (SIGTERM, SIGKILL 5 s later),
+//! so a script never runs on with nobody to report to. Kept: `ACK` (dormant
+//! has the whole output and the end) removes the stage's files; end of file
+//! without it leaves the script running and its output kept for
+//! `ssh.reconnect_timeout` plus a margin ([`linger`]), for dormant to come
+//! back; then the script is stopped and its files removed. The job's cleanup
+//! stops earlier what a job left ([`LEFTOVERS`]).
 //!
-//! Nothing touches the host's disk: the script is read into a shell variable
+//! Kept, on the machine (`<dir>` is `$TMPDIR`, else `/dev/shm` — a tmpfs —
+//! for users below 1000, else `/tmp`; see docs/ssh.md): `<dir>/dormant-<uid>/`
+//! (0700) holds, per stage, `<env>.<stage id>.out` (the output, 0600),
+//! `.own` (who owns the stage: the owner, its follower, the wrapper, the
+//! script's group), `.exit` (the end) and `.kept` (where the kept output
+//! starts). The script's output goes into `.out` through one open file
+//! description, whose position (`/proc/<pid>/fdinfo`) is the exact length of
+//! the output so far: no program counts it. A `tail -f` per session (the one
+//! program a stage starts, before the script, so it is up by the time the
+//! script prints) copies it into the session. The owner, a subshell reading
+//! the control lines, punches the oldest part out of the file
+//! (`fallocate -p`, offsets stay) when it outgrows `ssh.kept_output_mib`.
+//!
+//! The script itself never touches the host's disk: it is read into a shell variable
 //! with bash's own `read -N` (all of it, checked complete: a connection lost
 //! while it arrives must not run half a script) and run by `eval` in a
 //! subshell of the wrapper — a fork, no new bash, no pipe, no file — with
 //! stdin from /dev/null so a command that reads stdin cannot swallow anything.
-//! The wrapper starts no programs at all (no `mktemp`, `head`, `wc`, `setsid`,
-//! not even a second bash): each exec cost 1–3 ms on every stage, the bulk of
-//! a stage's cost over a bare `ssh -S … true` (see the README's performance
-//! section). The script's process group comes from job control (`set -m`,
+//! The direct wrapper starts no programs at all, the kept one only its
+//! follower (no `mktemp`, `head`, `wc`, `setsid`, not even a second bash):
+//! each exec costs 1–3 ms, the bulk of a stage's cost over a bare
+//! `ssh -S … true` (see the README's performance section). The script's process group comes from job control (`set -m`,
 //! turned off again inside the subshell so the script's own pipelines stay in
 //! its group). When the login shell is bash, it runs the wrapper itself (see
 //! [`command_line`]).
@@ -37,53 +70,62 @@
 //! `$$` is passed on by the wrapper to the script's shell (INT to its whole
 //! group, as a Ctrl-C would) — `kill $$` ends the script, runs its trap or
 //! is ignored (QUIT) as it would in a bash of its own, and is reported as its
-//! exit.
+//! exit. The script's commands start with every signal at its default, as
+//! sshd gives them to the wrapper.
 
-/// The wrapper, run with `$1` = the script's length in bytes, `$2` = the
-/// work directory and `$3` = the file to watch (see [`command_line`]).
-pub const WRAPPER: &str = r#"r() { local LC_ALL=C; IFS= read -r -N "$1" s && [ "${#s}" -eq "$1" ]; }
-if ! r "$1"; then echo "dormant-error the stage script arrived incomplete: not run" >&2; exit 97; fi
-unset -f r
-if [ -n "$2" ] && ! cd -- "$2" 2>/dev/null; then echo "dormant-error the work directory $2 does not exist on the host" >&2; exit 97; fi
-# `$$` in the script is this wrapper: what the script sends it is passed on
-# to the script. Set before the script starts (a subshell starts with them
-# reset), so a signal sent at once is kept until the script's pid is known.
-# INT goes to the whole group, as a Ctrl-C would: bash ignores an INT that
-# arrives while it waits for a command the INT did not reach. The script
-# starts with QUIT ignored but trappable, as a bash of its own does.
-p= q=
-for g in TERM HUP QUIT USR1 USR2; do
-  trap "if [ -n \"\$p\" ]; then kill -s $g \$p; else q=$g; fi 2>/dev/null" "$g"
-done
-trap "if [ -n \"\$p\" ]; then kill -s INT -- -\$p; else q=INT; fi 2>/dev/null" INT
-# Job control only to start the script in a group of its own; its messages
-# ("[1]+ Exit 3 ...", when the script ends at once) must not reach stderr.
-{ set -m; ( set +m; trap '' QUIT; unset w p q g; set --; eval "$s" ) </dev/null 2>&1 & p=$!; set +m; } 2>/dev/null
-unset s
-[ -z "$q" ] || kill -s "$q" "$p" 2>/dev/null
-# Only now (the script must keep the default): a lost connection must not
-# kill the wrapper before it has reported and cleaned up.
-trap '' PIPE
-echo "dormant-pgid $p" >&2
-( while IFS= read -r c; do case $c in TERM|KILL) kill -s "$c" -- "-$p";; esac; done
-  kill -s TERM -- "-$p"; sleep 5; kill -s KILL -- "-$p" ) <&0 >/dev/null 2>&1 &
-w=$!
-disown "$w"
-# A trapped signal ends `wait` early: wait again until the script is gone.
-while :; do wait "$p"; rc=$?; kill -0 "$p" 2>/dev/null || break; done
-kill -s KILL -- "-$p" "$w" 2>/dev/null
-if [ -n "$3" ]; then
-  if [ -e "$3" ] || [ -L "$3" ]; then echo "dormant-watched present" >&2; else echo "dormant-watched absent" >&2; fi
-fi
-echo "dormant-exit $rc" >&2
-exit "$rc"
-"#;
+/// The wrapper without kept output. `$1` = the script's length in bytes,
+/// `$2` = the work directory, `$3` = the file to watch (see [`command_line`]).
+pub const DIRECT: &str = include_str!("remote/direct.sh");
+
+/// The wrapper with kept output; its arguments are [`command_line`]'s.
+pub const KEPT: &str = include_str!("remote/kept.sh");
+
+/// Stops the stages of an environment left on the machine and removes their
+/// kept output (`$1` = the environment); with `$2 = check`, also says
+/// whether output can be kept there (`keep:ok` / `keep:no <why>`).
+pub const LEFTOVERS: &str = include_str!("remote/leftovers.sh");
+
+/// How a session takes part in a stage with kept output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Run the script: the first session of the stage.
+    Start,
+    /// Run the script unless a session did already (one was sent but dormant
+    /// never heard whether it started before the connection was lost): then
+    /// follow it from byte 0.
+    Retry,
+    /// Follow the stage (it started) from this offset.
+    Follow(u64),
+}
+
+/// Where a stage's output is kept on the machine, and for how long.
+#[derive(Debug, Clone, Copy)]
+pub struct Kept<'a> {
+    /// The environment (32 hex digits): the prefix of its stages' files.
+    pub env: &'a str,
+    /// The stage's id ([`crate::transport::Script::id`]).
+    pub stage: &'a str,
+    pub mode: Mode,
+    /// How long a stage nobody follows is kept after its connection was lost.
+    pub linger_secs: u64,
+    /// The bound of the kept output, in bytes.
+    pub bound: u64,
+}
+
+/// How long the machine keeps a stage whose connection was lost, waiting for
+/// dormant to re-attach: dormant's own `reconnect_timeout`, plus the time
+/// dormant may take to notice the loss (three missed keepalives) and a
+/// minute for a last handshake; past it nobody will come back.
+pub fn linger(reconnect_timeout: std::time::Duration, server_alive: std::time::Duration) -> u64 {
+    (reconnect_timeout + server_alive * 3).as_secs() + 60
+}
 
 /// The first line of every uploaded script: the wrapper's copy of the script
 /// goes (`eval` already holds it), so the script sees no variable it did not set.
 const PRELUDE: &str = "unset s\n";
 
-/// The control line that sends `signal` (`TERM` or `KILL`) to the script's group.
+/// A control line: `TERM` or `KILL` (to the script's group), `ACK` (kept:
+/// dormant has the stage's whole output and its end).
 pub fn signal_line(signal: &str) -> Vec<u8> {
     format!("{signal}\n").into_bytes()
 }
@@ -91,14 +133,50 @@ pub fn signal_line(signal: &str) -> Vec<u8> {
 /// The remote command line, interpreted by the user's login shell: a bash
 /// (not in POSIX mode) runs the wrapper itself, any other shell starts one —
 /// a bash start saved on every stage for the common case.
-pub fn command_line(script_len: usize, workdir: Option<&str>, watch: Option<&str>) -> String {
+pub fn command_line(
+    script_len: usize,
+    workdir: Option<&str>,
+    watch: Option<&str>,
+    kept: Option<&Kept<'_>>,
+) -> String {
+    let (wrapper, more) = match kept {
+        None => (DIRECT, String::new()),
+        Some(k) => {
+            let (mode, offset) = match k.mode {
+                Mode::Start => ("start", 0),
+                Mode::Retry => ("retry", 0),
+                Mode::Follow(at) => ("follow", at),
+            };
+            (
+                KEPT,
+                format!(
+                    " {} {} {mode} {offset} {} {}",
+                    shell_quote(k.env),
+                    shell_quote(k.stage),
+                    k.linger_secs,
+                    k.bound
+                ),
+            )
+        }
+    };
     format!(
-        "set -- {script_len} {workdir} {watch}; w={wrapper}; \
+        "set -- {script_len} {workdir} {watch}{more}; w={wrapper}; \
          if [ -n \"${{BASH_VERSION-}}\" ] && ! shopt -oq posix; then eval \"$w\"; \
          else exec bash -c \"$w\" dormant \"$@\"; fi",
         workdir = shell_quote(workdir.unwrap_or("")),
         watch = shell_quote(watch.unwrap_or("")),
-        wrapper = shell_quote(WRAPPER),
+        wrapper = shell_quote(wrapper),
+    )
+}
+
+/// The command that runs [`LEFTOVERS`] for environment `env` (in bash,
+/// whatever the login shell), with `check` for prepare's probe.
+pub fn leftovers_command(env: &str, check: bool) -> String {
+    format!(
+        "bash -c {} dormant {} {}",
+        shell_quote(LEFTOVERS),
+        shell_quote(env),
+        if check { "check" } else { "" }
     )
 }
 
@@ -128,8 +206,14 @@ pub fn script_with_env(body: &[u8], env: &[(String, String)]) -> anyhow::Result<
 /// A line of the wrapper's stderr.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Report {
+    /// Kept: this session runs the stage, its stdout from byte 0.
+    Kept,
+    /// Kept: this session follows the stage, its stdout from this byte.
+    At(u64),
     Pgid(i64),
-    Exit(i32),
+    /// The script's exit code and (kept) the length of its output.
+    Exit(i32, Option<u64>),
+    Warn(String),
     /// Whether the watched file exists after the script.
     Watched(bool),
     Error(String),
@@ -144,10 +228,26 @@ pub fn parse_report(line: &str) -> Report {
             return Report::Pgid(p);
         }
     }
-    if let Some(rest) = line.strip_prefix("dormant-exit ") {
-        if let Ok(c) = rest.trim().parse() {
-            return Report::Exit(c);
+    if line == "dormant-kept" {
+        return Report::Kept;
+    }
+    if let Some(rest) = line.strip_prefix("dormant-at ") {
+        if let Ok(at) = rest.trim().parse() {
+            return Report::At(at);
         }
+    }
+    if let Some(rest) = line.strip_prefix("dormant-exit ") {
+        let mut words = rest.split_whitespace();
+        let code = words.next().map(str::parse::<i32>);
+        let len = words.next().map(str::parse::<u64>);
+        match (code, len, words.next()) {
+            (Some(Ok(c)), None, None) => return Report::Exit(c, None),
+            (Some(Ok(c)), Some(Ok(n)), None) => return Report::Exit(c, Some(n)),
+            _ => {}
+        }
+    }
+    if let Some(rest) = line.strip_prefix("dormant-warn ") {
+        return Report::Warn(rest.to_string());
     }
     match line.strip_prefix("dormant-watched ") {
         Some("present") => return Report::Watched(true),
@@ -165,5 +265,7 @@ pub fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
+#[cfg(test)]
+mod kept_tests;
 #[cfg(test)]
 mod tests;

@@ -1,4 +1,6 @@
-//! The wrapper run under a local `sh`, exactly as sshd would run it.
+//! The direct wrapper run under a local `sh`, exactly as sshd would run it:
+//! with every signal at its default, whatever the test runner inherited (a
+//! suite started under `nohup` has SIGHUP ignored, which bash could not trap).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
@@ -9,7 +11,7 @@ use super::*;
 #[test]
 fn reports_are_parsed_and_anything_else_passes_through() {
     assert_eq!(parse_report("dormant-pgid 4242\n"), Report::Pgid(4242));
-    assert_eq!(parse_report("dormant-exit 255"), Report::Exit(255));
+    assert_eq!(parse_report("dormant-exit 255"), Report::Exit(255, None));
     assert_eq!(
         parse_report("dormant-error no dir"),
         Report::Error("no dir".into())
@@ -70,9 +72,9 @@ impl Run {
         tmp: &std::path::Path,
     ) -> Run {
         let body = script_with_env(script.as_bytes(), &[]).unwrap();
-        let mut child = Command::new(shell)
+        let mut child = as_sshd_would(Command::new(shell))
             .arg("-c")
-            .arg(command_line(body.len(), workdir, watch))
+            .arg(command_line(body.len(), workdir, watch, None))
             .env("TMPDIR", tmp)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -107,7 +109,7 @@ impl Run {
     fn finish(mut self) -> (Vec<Report>, String) {
         let mut reports = Vec::new();
         while let Some(r) = self.next_report() {
-            let done = matches!(r, Report::Exit(_) | Report::Error(_));
+            let done = matches!(r, Report::Exit(..) | Report::Error(_));
             reports.push(r);
             if done {
                 break;
@@ -137,7 +139,7 @@ fn the_wrapper_reports_pgid_and_exit_and_merges_streams_in_order() {
     let (reports, out) = run.finish();
     assert_eq!(out, "one\ntwo\nthree\n");
     assert!(pgid(&reports) > 1, "{reports:?}");
-    assert_eq!(reports.last(), Some(&Report::Exit(255)));
+    assert_eq!(reports.last(), Some(&Report::Exit(255, None)));
 }
 
 #[test]
@@ -153,7 +155,7 @@ fn the_wrapper_runs_under_a_bash_login_shell_and_under_sh() {
         let (reports, out) = run.finish();
         assert_eq!(
             reports.last(),
-            Some(&Report::Exit(3)),
+            Some(&Report::Exit(3, None)),
             "{shell}: {reports:?}"
         );
         // bash runs the wrapper itself, sh starts a bash for it: either way
@@ -185,7 +187,7 @@ fn the_script_runs_as_its_own_process_group_leader_with_nothing_inherited() {
     assert!(out.contains("stdin-empty\n"), "{out}");
     assert!(!out.contains("fd3-open"), "{out}");
     assert!(out.contains("args=0 s=unset w=unset\n"), "{out}");
-    assert_eq!(reports.last(), Some(&Report::Exit(0)));
+    assert_eq!(reports.last(), Some(&Report::Exit(0, None)));
 }
 
 #[test]
@@ -211,7 +213,7 @@ fn kill_dollar_dollar_ends_the_script_as_it_would_end_a_shell_of_its_own() {
         assert_eq!(got, out, "{signal}");
         assert_eq!(
             reports.last(),
-            Some(&Report::Exit(code)),
+            Some(&Report::Exit(code, None)),
             "{signal}: {reports:?}"
         );
     }
@@ -226,7 +228,7 @@ fn kill_dollar_dollar_ends_the_script_as_it_would_end_a_shell_of_its_own() {
         );
         let (reports, out) = run.finish();
         assert_eq!(out, "trapped\n", "{signal}");
-        assert_eq!(reports.last(), Some(&Report::Exit(7)), "{signal}");
+        assert_eq!(reports.last(), Some(&Report::Exit(7, None)), "{signal}");
     }
 }
 
@@ -248,7 +250,7 @@ fn the_wrapper_says_whether_the_watched_file_exists_after_the_script() {
                 Run::start_full(shell, &script, None, Some(watch), tmp.path()).finish();
             assert_eq!(
                 reports[reports.len().saturating_sub(2)..],
-                [Report::Watched(want), Report::Exit(0)],
+                [Report::Watched(want), Report::Exit(0, None)],
                 "{shell}: {script}: {reports:?}"
             );
         }
@@ -265,9 +267,9 @@ fn the_wrapper_says_whether_the_watched_file_exists_after_the_script() {
 #[test]
 fn a_truncated_script_is_not_run() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut child = Command::new("sh")
+    let mut child = as_sshd_would(Command::new("sh"))
         .arg("-c")
-        .arg(command_line(100, None, None))
+        .arg(command_line(100, None, None, None))
         .env("TMPDIR", tmp.path())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -310,7 +312,11 @@ fn a_term_line_stops_the_script_and_its_children_and_nothing_touches_tmpdir() {
     wait_for(|| ready.exists(), "the script to start");
     run.send(&signal_line("TERM"));
     let (reports, out) = run.finish();
-    assert_eq!(reports.last(), Some(&Report::Exit(1)), "{reports:?} {out}");
+    assert_eq!(
+        reports.last(),
+        Some(&Report::Exit(1, None)),
+        "{reports:?} {out}"
+    );
     assert!(out.contains("trapped"), "{out}");
     assert!(!out.contains("tmp: "), "the wrapper wrote to TMPDIR: {out}");
     let child: i32 = out
@@ -341,7 +347,11 @@ fn end_of_stdin_terminates_the_script() {
     wait_for(|| ready.exists(), "the script to start");
     drop(run.child.stdin.take());
     let (reports, out) = run.finish();
-    assert_eq!(reports.last(), Some(&Report::Exit(143)), "{reports:?}");
+    assert_eq!(
+        reports.last(),
+        Some(&Report::Exit(143, None)),
+        "{reports:?}"
+    );
     assert_eq!(out, "started\n");
 }
 
@@ -350,14 +360,24 @@ fn leftovers_in_the_group_are_killed_when_the_script_exits() {
     let tmp = tempfile::tempdir().unwrap();
     let run = Run::start("sleep 300 >/dev/null 2>&1 & echo $!\n", None, tmp.path());
     let (reports, out) = run.finish();
-    assert_eq!(reports.last(), Some(&Report::Exit(0)));
+    assert_eq!(reports.last(), Some(&Report::Exit(0, None)));
     let pid: i32 = out.trim().parse().unwrap();
     wait_for(|| !alive(pid), "the leftover sleep to be killed");
 }
 
+/// `cmd` started as sshd starts a session's shell: every signal at its default.
+pub(super) fn as_sshd_would(mut cmd: Command) -> Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: reset_in_child calls only async-signal-safe functions.
+    unsafe {
+        cmd.pre_exec(crate::transport::signals::reset_in_child);
+    }
+    cmd
+}
+
 /// Polls `done` for up to 10 s (a hang detector, not a speed check).
 #[track_caller]
-fn wait_for(done: impl Fn() -> bool, what: &str) {
+pub(super) fn wait_for(done: impl Fn() -> bool, what: &str) {
     let start = std::time::Instant::now();
     while !done() {
         assert!(
@@ -369,7 +389,7 @@ fn wait_for(done: impl Fn() -> bool, what: &str) {
 }
 
 /// Whether a process exists and is not a zombie.
-fn alive(pid: i32) -> bool {
+pub(super) fn alive(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
         stat.rsplit_once(") ")
             .and_then(|(_, rest)| rest.chars().next())

@@ -1,0 +1,351 @@
+//! One session of a stage whose output is kept on the machine
+//! (`remote/kept.sh`): it starts the stage, or follows one a lost connection
+//! left running, from the byte where the job log stopped ([`Stream`]).
+//!
+//! The session's stdin carries the script (when it starts the stage), then
+//! control lines: `TERM`/`KILL` on SIGTERM, and `ACK` once dormant has the
+//! stage's end and its whole output, so the machine drops what it kept. The
+//! stage is over when the wrapper has reported the exit code with the
+//! output's length and that many bytes have arrived: no end of file is
+//! waited for, so the follower that copies the output costs the stage's end
+//! nothing. A session that ends before that is [`Once::Broken`]: the caller
+//! reconnects if need be and follows again.
+
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use openssh::{ChildStdin, Session, Stdio};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+use super::remote::{self, Kept, Mode, Report};
+use super::stream::Stream;
+use crate::context::Ctx;
+use crate::transport::{Ran, Script, ScriptExit};
+
+/// After SIGTERM to the script's group, how long it may take to exit before
+/// SIGKILL (the runner's scripts `trap 'exit 1' TERM`, so this is quick).
+const TERM_GRACE: Duration = Duration::from_secs(5);
+/// After SIGKILL, how long to wait for the wrapper's exit report.
+const KILL_STEP: Duration = Duration::from_secs(5);
+/// How long the `ACK` may take to leave dormant's pipe for the master: once
+/// the master has read it, it is delivered even as dormant goes (the master
+/// sends what it read before it closes a channel whose client left).
+const ACK_HANDOFF: Duration = Duration::from_millis(200);
+
+/// What dormant knows of a stage across its sessions.
+pub struct Stage<W: std::io::Write> {
+    pub stream: Stream<W>,
+    /// The machine said the stage started (a session claimed it or follows it).
+    pub started: bool,
+    /// A session carrying the script was opened: a later one must not start
+    /// the script again without asking ([`Mode::Retry`]).
+    pub sent: bool,
+    /// When the connection was found lost, until a session follows again.
+    pub lost_since: Option<Instant>,
+}
+
+impl<W: std::io::Write> Stage<W> {
+    pub fn new(out: W) -> Self {
+        Stage {
+            stream: Stream::new(out),
+            started: false,
+            sent: false,
+            lost_since: None,
+        }
+    }
+
+    /// How the next session takes part.
+    pub fn mode(&self) -> Mode {
+        if self.started {
+            Mode::Follow(self.stream.offset())
+        } else if self.sent {
+            Mode::Retry
+        } else {
+            Mode::Start
+        }
+    }
+}
+
+/// How one session ended.
+pub enum Once {
+    Done(Ran),
+    /// The master's socket did not answer: nothing reached the machine.
+    MasterUnreachable(String),
+    /// The session ended before the stage's end was read.
+    Broken(String),
+}
+
+/// The stage's place on the machine, the script and where its output goes.
+pub struct Place<'a> {
+    pub dest: &'a str,
+    pub workdir: Option<&'a str>,
+    /// The script as uploaded ([`remote::script_with_env`]).
+    pub body: &'a [u8],
+    pub env: &'a str,
+    pub linger_secs: u64,
+    pub bound: u64,
+}
+
+/// Opens one session of the stage over `session` and reads it to the stage's
+/// end, or until it breaks.
+pub async fn run_once<W: std::io::Write>(
+    session: &Session,
+    place: &Place<'_>,
+    script: &Script<'_>,
+    st: &mut Stage<W>,
+    ctx: &Ctx,
+) -> Result<Once> {
+    let mode = st.mode();
+    let upload: &[u8] = match mode {
+        Mode::Follow(_) => &[],
+        Mode::Start | Mode::Retry => place.body,
+    };
+    let kept = Kept {
+        env: place.env,
+        stage: script.id,
+        mode,
+        linger_secs: place.linger_secs,
+        bound: place.bound,
+    };
+    let line = remote::command_line(upload.len(), place.workdir, script.watch, Some(&kept));
+    let spawned = session
+        .raw_command(&line)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .await;
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            if session.check().await.is_err() {
+                return Ok(Once::MasterUnreachable(e.to_string()));
+            }
+            bail!(
+                "opening a session on {} for {}: {e}",
+                place.dest,
+                script.stage
+            );
+        }
+    };
+    st.sent |= !upload.is_empty();
+    let (Some(stdin), Some(mut stdout), Some(stderr)) = (
+        child.stdin().take(),
+        child.stdout().take(),
+        child.stderr().take(),
+    ) else {
+        bail!("the SSH session for {} has no pipes", script.stage);
+    };
+    let (control, control_rx) = tokio::sync::mpsc::unbounded_channel::<&'static str>();
+    let writer = write_control(stdin, upload, control_rx);
+    tokio::pin!(writer);
+    let mut lines = BufReader::new(stderr).lines();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut s = Heard::default();
+    let mut writing = true;
+    let (mut stdout_done, mut stderr_done) = (false, false);
+    let mut escalation: Option<(tokio::time::Instant, &'static str)> = None;
+    let ended = loop {
+        if let Some((code, len)) = s.exit {
+            if s.cancelled || st.stream.offset() >= len.unwrap_or(0) {
+                break Some(code);
+            }
+        }
+        if stdout_done || stderr_done {
+            break None;
+        }
+        let next_step = escalation.map(|(at, _)| at);
+        tokio::select! {
+            biased;
+            () = ctx.cancel.cancelled(), if !s.cancelled => {
+                s.cancelled = true;
+                ctx.log.info(format!("termination: stopping {} on {}", script.stage, place.dest));
+                let _ = control.send("TERM");
+                escalation = Some((tokio::time::Instant::now() + TERM_GRACE, "KILL"));
+            }
+            () = sleep_until(next_step), if next_step.is_some() => {
+                match escalation.take() {
+                    Some((_, "KILL")) => {
+                        ctx.log.info(format!(
+                            "{} did not stop within {} s of SIGTERM: killing it",
+                            script.stage,
+                            TERM_GRACE.as_secs()
+                        ));
+                        let _ = control.send("KILL");
+                        escalation = Some((tokio::time::Instant::now() + KILL_STEP, "give up"));
+                    }
+                    _ => break None,
+                }
+            }
+            line = lines.next_line(), if !stderr_done => match line {
+                Ok(Some(line)) => s.take(remote::parse_report(&line), st, place, script),
+                _ => stderr_done = true,
+            },
+            read = stdout.read(&mut buf), if s.attached && !stdout_done => match read {
+                Ok(n) if n > 0 => st.stream.write(&buf[..n]),
+                _ => stdout_done = true,
+            },
+            r = &mut writer, if writing => {
+                writing = false;
+                if let Err(e) = r {
+                    tracing::debug!("writing to the {} session: {e}", script.stage);
+                }
+            }
+        }
+    };
+    if let Some(code) = ended {
+        // The machine may drop what it kept: the end and the whole output are here.
+        let _ = control.send("ACK");
+        drop(control);
+        if writing {
+            let _ = tokio::time::timeout(ACK_HANDOFF * 2, &mut writer).await;
+        }
+        drop(child);
+        let exit = if s.cancelled {
+            ScriptExit::Cancelled
+        } else {
+            ScriptExit::Code(code)
+        };
+        return Ok(Once::Done(Ran {
+            exit,
+            watched: s.watched,
+            left_running: false,
+        }));
+    }
+    drop(control);
+    drop(child);
+    if s.cancelled {
+        st.stream.end_line();
+        ctx.log.warn(format!(
+            "termination during {}: the script on {} did not report its end; it may still be \
+             running there: the job's cleanup stops it",
+            script.stage, place.dest
+        ));
+        return Ok(Once::Done(Ran {
+            exit: ScriptExit::Cancelled,
+            watched: None,
+            left_running: true,
+        }));
+    }
+    if let Some(e) = s.error {
+        st.stream.end_line();
+        bail!("{e} ({})", place.dest);
+    }
+    let said = if s.other.is_empty() {
+        "the session ended".to_string()
+    } else {
+        s.other.join("; ")
+    };
+    Ok(Once::Broken(said))
+}
+
+/// What one session reported so far.
+#[derive(Default)]
+struct Heard {
+    /// The session's stdout carries the stage's output (it said where from).
+    attached: bool,
+    exit: Option<(i32, Option<u64>)>,
+    watched: Option<bool>,
+    error: Option<String>,
+    other: Vec<String>,
+    cancelled: bool,
+}
+
+impl Heard {
+    fn take<W: std::io::Write>(
+        &mut self,
+        report: Report,
+        st: &mut Stage<W>,
+        place: &Place<'_>,
+        script: &Script<'_>,
+    ) {
+        match report {
+            Report::Kept => {
+                self.attached = true;
+                st.started = true;
+            }
+            Report::At(at) => {
+                self.attached = true;
+                st.started = true;
+                let dropped = st.stream.resume_at(at);
+                let gap = if dropped > 0 {
+                    format!(
+                        "; {dropped} bytes of its output were dropped on the machine meanwhile \
+                         (more than ssh.kept_output_mib = {} MiB)",
+                        place.bound >> 20
+                    )
+                } else {
+                    String::new()
+                };
+                match st.lost_since.take() {
+                    Some(since) => st.stream.note(format!(
+                        "the SSH connection to {} was gone for {:.1} s during {}; re-attached, the \
+                         script ran on{gap}",
+                        place.dest,
+                        since.elapsed().as_secs_f64(),
+                        script.stage
+                    )),
+                    None if dropped > 0 => st
+                        .stream
+                        .note(format!("the job log fell behind {}{gap}", script.stage)),
+                    None => {}
+                }
+            }
+            Report::Pgid(_) => {
+                for l in &self.other {
+                    eprintln!("{l}");
+                }
+            }
+            Report::Exit(code, len) => self.exit = Some((code, len)),
+            Report::Watched(present) => self.watched = Some(present),
+            Report::Warn(text) => st.stream.note(format!("warning: {text}")),
+            Report::Error(e) => self.error = Some(e),
+            Report::Other(l) => {
+                if self.attached {
+                    eprintln!("{l}");
+                }
+                self.other.push(l);
+            }
+        }
+    }
+}
+
+/// The session's stdin: the script, then control lines until the sender is
+/// dropped; then it waits (briefly) until the master has taken them.
+async fn write_control(
+    mut stdin: ChildStdin,
+    upload: &[u8],
+    mut lines: tokio::sync::mpsc::UnboundedReceiver<&'static str>,
+) -> std::io::Result<()> {
+    stdin.write_all(upload).await?;
+    while let Some(line) = lines.recv().await {
+        stdin.write_all(&remote::signal_line(line)).await?;
+    }
+    stdin.flush().await?;
+    let started = Instant::now();
+    while pending_in_pipe(&stdin) > 0 && started.elapsed() < ACK_HANDOFF {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    Ok(())
+}
+
+/// Bytes written into the pipe the master reads the session's stdin from,
+/// not read by it yet.
+fn pending_in_pipe(stdin: &ChildStdin) -> i32 {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int through a valid pointer; the fd is ours.
+    let r = unsafe { libc::ioctl(stdin.as_raw_fd(), libc::FIONREAD, &mut n) };
+    if r == 0 {
+        n
+    } else {
+        0
+    }
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,398 @@
+//! The kept wrapper run under a local `sh` as sshd would run it, session by
+//! session: the offset/resume protocol on the machine's side. A "lost
+//! connection" is what sshd's death leaves the wrapper: its stdin at end of
+//! file and its stdout and stderr with nobody reading them.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use super::tests::{alive, as_sshd_would, wait_for};
+use super::*;
+
+const ENV: &str = "0123456789abcdef0123456789abcdef";
+
+/// A machine: its temp dir, where the wrapper keeps output.
+struct Machine {
+    tmp: tempfile::TempDir,
+}
+
+impl Machine {
+    fn new() -> Machine {
+        Machine {
+            tmp: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    /// The stage's files on the machine.
+    fn files(&self, stage: &str) -> Vec<PathBuf> {
+        let dir = self.kept_dir();
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Vec::new();
+        };
+        let mut found: Vec<PathBuf> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(&format!("{ENV}.{stage}.")))
+            })
+            .collect();
+        found.sort();
+        found
+    }
+
+    fn kept_dir(&self) -> PathBuf {
+        // SAFETY: getuid has no preconditions.
+        let uid = unsafe { libc::getuid() };
+        self.tmp.path().join(format!("dormant-{uid}"))
+    }
+
+    fn file(&self, stage: &str, ext: &str) -> PathBuf {
+        self.kept_dir().join(format!("{ENV}.{stage}.{ext}"))
+    }
+
+    /// Opens a session of `stage` in `mode`; `script` is uploaded unless following.
+    fn session(&self, stage: &str, mode: Mode, script: &str, bound: u64, linger: u64) -> Sess {
+        let body = match mode {
+            Mode::Follow(_) => Vec::new(),
+            _ => script_with_env(script.as_bytes(), &[]).unwrap(),
+        };
+        let kept = Kept {
+            env: ENV,
+            stage,
+            mode,
+            linger_secs: linger,
+            bound,
+        };
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(command_line(body.len(), None, None, Some(&kept)))
+            .env("TMPDIR", self.tmp.path())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = as_sshd_would(cmd).spawn().unwrap();
+        child.stdin.as_mut().unwrap().write_all(&body).unwrap();
+        let err = child.stderr.take().unwrap();
+        let (tx, reports) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(parse_report(&line)).is_err() {
+                    break;
+                }
+            }
+        });
+        let out = child.stdout.take();
+        Sess {
+            child,
+            out,
+            reports,
+        }
+    }
+}
+
+/// One session: the wrapper's streams as dormant would see them.
+struct Sess {
+    child: Child,
+    out: Option<std::process::ChildStdout>,
+    reports: mpsc::Receiver<Report>,
+}
+
+impl Sess {
+    /// The next report (waiting up to 20 s: a hang detector).
+    fn report(&self) -> Report {
+        self.reports
+            .recv_timeout(Duration::from_secs(20))
+            .expect("a report from the wrapper")
+    }
+
+    /// Reads reports until one matches.
+    fn until(&self, want: impl Fn(&Report) -> bool) -> Report {
+        loop {
+            let r = self.report();
+            if want(&r) {
+                return r;
+            }
+            assert!(!matches!(r, Report::Error(_)), "{r:?}");
+        }
+    }
+
+    /// Reads exactly `n` bytes of output.
+    fn read(&mut self, n: usize) -> Vec<u8> {
+        let mut buf = vec![0; n];
+        self.out.as_mut().unwrap().read_exact(&mut buf).unwrap();
+        buf
+    }
+
+    fn send(&mut self, line: &str) {
+        self.child
+            .stdin
+            .as_mut()
+            .unwrap()
+            .write_all(&signal_line(line))
+            .unwrap();
+    }
+
+    /// The connection is lost: nobody writes to the session nor reads it
+    /// (and, as for sshd's death, nobody waits for its processes).
+    fn cut(mut self) {
+        drop(self.child.stdin.take());
+        drop(self.out.take());
+        drop(self.reports);
+        std::thread::spawn(move || self.child.wait());
+    }
+
+    /// dormant has everything: ACK, and the session ends.
+    fn ack(mut self) {
+        self.send("ACK");
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// Numbered lines, `n` of them, the last one unfinished, then `exit code`.
+fn counting(n: u32, pause: &str, code: i32) -> (String, String) {
+    let script =
+        format!("for i in $(seq 1 {n}); do echo \"line $i\"; sleep {pause}; done; printf 'partial'; exit {code}");
+    let mut want: String = (1..=n).map(|i| format!("line {i}\n")).collect();
+    want.push_str("partial");
+    (script, want)
+}
+
+#[test]
+fn a_stage_runs_on_after_its_connection_and_a_new_session_continues_at_the_byte() {
+    let m = Machine::new();
+    let (script, want) = counting(20, "0.05", 255);
+    let mut first = m.session("build.1", Mode::Start, &script, 1 << 20, 60);
+    assert_eq!(first.report(), Report::Kept);
+    let got = first.read(23);
+    // Cut in the middle of a line.
+    assert_eq!(String::from_utf8_lossy(&got), &want[..23]);
+    first.cut();
+    wait_for(
+        || m.file("build.1", "exit").exists(),
+        "the script to end on its own",
+    );
+    assert_eq!(
+        std::fs::read_to_string(m.file("build.1", "out")).unwrap(),
+        want,
+        "the whole output kept"
+    );
+    let mut second = m.session("build.1", Mode::Follow(23), "", 1 << 20, 60);
+    assert_eq!(second.report(), Report::At(23));
+    let rest = second.read(want.len() - 23);
+    assert_eq!(String::from_utf8_lossy(&rest), &want[23..]);
+    assert_eq!(
+        second.until(|r| matches!(r, Report::Exit(..))),
+        Report::Exit(255, Some(want.len() as u64)),
+        "the script's own 255, exactly"
+    );
+    second.ack();
+    wait_for(
+        || m.files("build.1").is_empty(),
+        "the stage's files to go after ACK",
+    );
+}
+
+#[test]
+fn a_session_follows_a_stage_still_running_and_three_cuts_lose_nothing() {
+    let m = Machine::new();
+    let (script, want) = counting(40, "0.05", 3);
+    let mut s = m.session("build.2", Mode::Start, &script, 1 << 20, 60);
+    assert_eq!(s.report(), Report::Kept);
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.extend(s.read(30));
+        s.cut();
+        s = m.session("build.2", Mode::Follow(got.len() as u64), "", 1 << 20, 60);
+        assert_eq!(
+            s.until(|r| matches!(r, Report::At(_))),
+            Report::At(got.len() as u64)
+        );
+    }
+    let Report::Exit(code, Some(len)) = s.until(|r| matches!(r, Report::Exit(..))) else {
+        panic!()
+    };
+    got.extend(s.read(len as usize - got.len()));
+    assert_eq!(String::from_utf8_lossy(&got), want);
+    assert_eq!(code, 3);
+    s.ack();
+    wait_for(|| m.files("build.2").is_empty(), "the files to go");
+}
+
+#[test]
+fn a_session_lost_before_dormant_heard_of_the_start_is_followed_not_run_twice() {
+    let m = Machine::new();
+    let marker = m.tmp.path().join("runs");
+    let script = format!("echo run >> '{}'; echo once; sleep 0.5", marker.display());
+    let first = m.session("build.3", Mode::Start, &script, 1 << 20, 60);
+    wait_for(|| marker.exists(), "the script to start");
+    first.cut();
+    // dormant never saw `dormant-kept`: it sends the script again, to retry.
+    let mut retry = m.session("build.3", Mode::Retry, &script, 1 << 20, 60);
+    assert_eq!(retry.until(|r| matches!(r, Report::At(_))), Report::At(0));
+    assert_eq!(retry.read(5), b"once\n");
+    assert!(matches!(
+        retry.until(|r| matches!(r, Report::Exit(..))),
+        Report::Exit(0, Some(5))
+    ));
+    retry.ack();
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "run\n");
+    // A retry whose first session never claimed the stage runs it.
+    let mut fresh = m.session("build.4", Mode::Retry, "echo ran", 1 << 20, 60);
+    assert_eq!(fresh.report(), Report::Kept);
+    assert_eq!(fresh.read(4), b"ran\n");
+    fresh.ack();
+}
+
+#[test]
+fn output_past_the_bound_drops_its_oldest_part_and_says_where_it_resumes() {
+    let m = Machine::new();
+    let bound = 64 * 1024;
+    // 400 000 bytes, then a pause long enough for the owner to trim, then more.
+    let script = "seq 1 60000 | sed 's/^/n/'; echo done".to_string();
+    let full = {
+        let out = Command::new("sh").arg("-c").arg(&script).output().unwrap();
+        out.stdout
+    };
+    let mut s = m.session("build.5", Mode::Start, &script, bound, 60);
+    assert_eq!(s.report(), Report::Kept);
+    assert_eq!(s.read(10), &full[..10]);
+    s.cut();
+    wait_for(|| m.file("build.5", "exit").exists(), "the script to end");
+    wait_for(|| m.file("build.5", "kept").exists(), "the owner to trim");
+    let out = m.file("build.5", "out");
+    let allocated = || {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(&out).unwrap().blocks() * 512
+    };
+    assert!(
+        std::fs::metadata(&out).unwrap().len() > 4 * bound,
+        "the whole output was written"
+    );
+    wait_for(
+        || allocated() <= bound,
+        "the kept output to shrink within its bound",
+    );
+    let mut follow = m.session("build.5", Mode::Follow(10), "", bound, 60);
+    let Report::At(at) = follow.until(|r| matches!(r, Report::At(_))) else {
+        panic!()
+    };
+    assert!(at > 10 && at < full.len() as u64, "{at}");
+    let Report::Exit(0, Some(len)) = follow.until(|r| matches!(r, Report::Exit(..))) else {
+        panic!()
+    };
+    assert_eq!(len, full.len() as u64);
+    let rest = follow.read((len - at) as usize);
+    assert_eq!(
+        rest,
+        &full[at as usize..],
+        "the kept part is the output's exact end"
+    );
+    follow.ack();
+}
+
+#[test]
+fn nobody_coming_back_stops_the_script_and_drops_its_files_after_the_linger() {
+    let m = Machine::new();
+    let pid_file = m.tmp.path().join("pid");
+    let script = format!("echo $BASHPID > '{}'; sleep 300", pid_file.display());
+    let s = m.session("build.6", Mode::Start, &script, 1 << 20, 1);
+    assert_eq!(s.report(), Report::Kept);
+    wait_for(|| pid_file.exists(), "the script to start");
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    s.cut();
+    assert!(alive(pid), "the script runs on without its connection");
+    wait_for(|| !alive(pid), "the script to be stopped after the linger");
+    wait_for(
+        || m.files("build.6").is_empty(),
+        "the files to go after the linger",
+    );
+}
+
+#[test]
+fn a_term_line_and_a_newer_session_are_obeyed() {
+    let m = Machine::new();
+    let script = "trap 'echo trapped; exit 9' TERM; echo up; while :; do sleep 0.1; done";
+    let mut first = m.session("build.7", Mode::Start, script, 1 << 20, 60);
+    assert_eq!(first.report(), Report::Kept);
+    assert_eq!(first.read(3), b"up\n");
+    // A newer session takes the stage over: the old one's output ends.
+    let mut second = m.session("build.7", Mode::Follow(3), "", 1 << 20, 60);
+    assert_eq!(second.until(|r| matches!(r, Report::At(_))), Report::At(3));
+    let mut rest = Vec::new();
+    first.out.take().unwrap().read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "{rest:?}");
+    second.send("TERM");
+    let Report::Exit(9, Some(len)) = second.until(|r| matches!(r, Report::Exit(..))) else {
+        panic!("the script's trap decides the exit")
+    };
+    let rest = second.read(len as usize - 3);
+    // (bash may say its `sleep` was terminated first: the script's own output.)
+    assert!(
+        rest.ends_with(b"trapped\n"),
+        "{}",
+        String::from_utf8_lossy(&rest)
+    );
+    second.ack();
+    first.cut();
+    wait_for(|| m.files("build.7").is_empty(), "the files to go");
+}
+
+#[test]
+fn a_stage_whose_files_are_gone_says_so() {
+    let m = Machine::new();
+    std::fs::create_dir(m.kept_dir()).unwrap();
+    let s = m.session("build.8", Mode::Follow(0), "", 1 << 20, 60);
+    match s.report() {
+        Report::Error(e) => assert!(e.starts_with("gone"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn leftovers_are_stopped_and_their_files_removed() {
+    let m = Machine::new();
+    let pid_file = m.tmp.path().join("pid");
+    let script = format!(
+        "trap '' TERM; sleep 300 & echo \"$BASHPID $!\" > '{}'; wait",
+        pid_file.display()
+    );
+    let s = m.session("build.9", Mode::Start, &script, 1 << 20, 600);
+    assert_eq!(s.report(), Report::Kept);
+    wait_for(|| pid_file.exists(), "the script to start");
+    s.cut();
+    let pids: Vec<i32> = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    let run = |check: bool| {
+        let out = as_sshd_would(Command::new("sh"))
+            .arg("-c")
+            .arg(leftovers_command(ENV, check))
+            .env("TMPDIR", m.tmp.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(run(true), "keep:ok\n");
+    for pid in pids {
+        assert!(!alive(pid), "{pid} survived, even ignoring SIGTERM");
+    }
+    assert!(m.files("build.9").is_empty(), "{:?}", m.files("build.9"));
+    assert!(
+        Path::new(&m.kept_dir()).is_dir(),
+        "the user's directory stays"
+    );
+    assert_eq!(run(false), "", "nothing left: nothing said");
+}

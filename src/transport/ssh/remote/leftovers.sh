@@ -1,0 +1,45 @@
+# Stops every stage of environment $1 left on this machine and removes what
+# was kept of them; with $2 = check, also makes sure output can be kept here.
+# Run by prepare (in its one probe command) and by cleanup when a stage did
+# not end cleanly. Prints `keep:ok`, or `keep:no <why>` when stages here
+# cannot keep their output (then they run without re-attaching).
+umask 077
+if [ "${TMPDIR#/}" != "${TMPDIR-}" ]; then t=$TMPDIR; elif [ "$UID" -lt 1000 ] && [ -d /dev/shm ]; then t=/dev/shm; else t=/tmp; fi
+t=$t/dormant-$UID
+if [ -d "$t" ] && [ -O "$t" ] && [ ! -L "$t" ]; then
+  holds() { local d; for d in /proc/$1/fd/*; do [ "$d" -ef "$o.out" ] && return; done; return 1; }
+  g=
+  for s in "$t/$1".*.own; do
+    [ -e "$s" ] || continue
+    o=${s%.own} w= f= m= p=
+    read -r w f m p < "$s"
+    holds "$w" && kill -s TERM "$w" 2>/dev/null
+    holds "$f" && kill -s KILL "$f" 2>/dev/null
+    # The wrapper that ran the script holds fd 3 while the script's group may
+    # live: only then is the group the stage's (not a reused id).
+    [ "/proc/$m/fd/3" -ef "$o.out" ] && kill -s TERM -- "-$p" 2>/dev/null && g="$g $m:$p:$o"
+  done
+  i=0
+  while [ -n "$g" ] && [ $((i += 1)) -le 60 ]; do
+    l=
+    for x in $g; do
+      m=${x%%:*} p=${x#*:} o=${p#*:} p=${p%%:*}
+      [ "/proc/$m/fd/3" -ef "$o.out" ] || continue
+      [ "$i" -eq 50 ] && kill -s KILL -- "-$p" 2>/dev/null
+      l="$l $x"
+    done
+    g=$l
+    [ -z "$g" ] || sleep 0.1
+  done
+  rm -f -- "$t/$1".*
+fi
+if [ "$2" = check ]; then
+  mkdir -p -- "$t" 2>/dev/null
+  if [ ! -d "$t" ] || [ ! -O "$t" ] || [ -L "$t" ]; then echo "keep:no $t is not a directory of $USER's own"
+  elif [ ! -r /proc/self/fdinfo/0 ]; then echo "keep:no /proc/<pid>/fdinfo is not readable"
+  elif ! command -v tail >/dev/null; then echo "keep:no tail is not installed"
+  elif ! { : > "$t/.punch.$1" && fallocate -p -o 0 -l 1 -- "$t/.punch.$1"; } 2>/dev/null; then echo "keep:no fallocate -p (util-linux) does not work in $t"
+  else echo keep:ok
+  fi
+  rm -f -- "$t/.punch.$1"
+fi

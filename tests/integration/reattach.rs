@@ -1,0 +1,287 @@
+//! A dropped connection never fails a job: a stage's script runs on on the
+//! machine, and `dormant run` re-attaches to it (the `ssh` provider against
+//! the test sshd; `ec2_job.rs` and `qemu.rs` do the same through theirs). The
+//! connection is cut by killing the test sshd's own per-connection processes
+//! (never another sshd on this machine), or frozen with SIGSTOP.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::harness::*;
+use crate::ssh::ssh_rig_with;
+use crate::sshd::{alive, Sshd};
+
+/// A stage printing `line 1` .. `line n` every 100 ms, its line count in
+/// `marker` as it goes, then (after `gate` exists, if given) one unfinished
+/// line, and `exit 3`.
+pub fn counting(n: u32, marker: &Path, gate: Option<&Path>) -> String {
+    let wait = gate.map_or(String::new(), |g| {
+        format!("while [ ! -e '{}' ]; do sleep 0.05; done; ", g.display())
+    });
+    format!(
+        "for i in $(seq 1 {n}); do echo \"line $i\"; echo $i > '{m}.tmp'; mv '{m}.tmp' '{m}'; sleep 0.1; done; \
+         {wait}printf 'the end, unfinished'; exit 3",
+        m = marker.display()
+    )
+}
+
+/// What the marker says (0 before the first line).
+pub fn count(marker: &Path) -> u32 {
+    std::fs::read_to_string(marker)
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Polls until the script has printed `n` lines (a hang detector: 60 s).
+#[track_caller]
+pub fn wait_lines(marker: &Path, n: u32) {
+    let t = Instant::now();
+    while count(marker) < n {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the script never printed {n} lines"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Asserts the stage's output has `line 1` .. `line n` each exactly once, in
+/// order, then the unfinished last line whole, and dormant's line about the
+/// lost connection `cuts` times, each on a line of its own.
+#[track_caller]
+pub fn assert_every_line_once(output: &str, n: u32, cuts: usize) {
+    let lines: Vec<&str> = output.lines().filter(|l| l.starts_with("line ")).collect();
+    let want: Vec<String> = (1..=n).map(|i| format!("line {i}")).collect();
+    assert_eq!(lines, want, "every line once, in order:\n{output}");
+    let notes: Vec<&str> = output
+        .lines()
+        .filter(|l| l.contains("was gone for"))
+        .collect();
+    assert_eq!(notes.len(), cuts, "one line per lost connection:\n{output}");
+    for note in notes {
+        assert!(
+            note.starts_with("dormant: the SSH connection to root@127.0.0.1:")
+                && note.contains("during build_script; re-attached"),
+            "{note}"
+        );
+    }
+    assert!(
+        output.lines().any(|l| l == "the end, unfinished"),
+        "the unfinished last line, whole:\n{output}"
+    );
+}
+
+/// Waits (a hang detector, 10 s) until nothing of any stage is kept on the
+/// host: each stage's files go once dormant has read its end, within
+/// milliseconds; a lost ACK would leave them for minutes.
+#[track_caller]
+pub fn assert_nothing_kept(sshd: &Sshd) {
+    let t = Instant::now();
+    while !sshd.kept_files().is_empty() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "kept on the host after the job: {:?}",
+            sshd.kept_files()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn dir() -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let marker = d.path().join("lines");
+    (d, marker)
+}
+
+fn cut_mid_stage(cuts: usize) {
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig_with(&sshd, "");
+    let (_d, marker) = dir();
+    let j = job(71).script(&counting(40, &marker, None));
+    let before = sshd.connections();
+    let r = std::thread::scope(|s| {
+        let run = s.spawn(|| rig.run(&j));
+        for k in 0..cuts {
+            wait_lines(&marker, 8 + 8 * k as u32);
+            assert!(sshd.cut_connections() > 0, "a connection to cut");
+        }
+        run.join().unwrap()
+    });
+    assert_result(&r, JobResult::BuildFailure(Some(3)));
+    let build = r.call("build_script").unwrap();
+    assert_every_line_once(&build.output, 40, cuts);
+    assert!(
+        sshd.connections() - before > cuts,
+        "a new connection after each cut (sshd log):\n{}",
+        sshd.log()
+    );
+    assert_nothing_kept(&sshd);
+}
+
+#[test]
+fn a_stage_survives_a_cut_connection_with_every_line_once_and_its_exit_code() {
+    cut_mid_stage(1);
+}
+
+#[test]
+fn a_stage_survives_three_cut_connections() {
+    cut_mid_stage(3);
+}
+
+/// The cut comes between the script's end and dormant reading it: the
+/// connection is frozen before the script's last line, the script ends, and
+/// only then is the connection killed. The end comes from the machine.
+#[test]
+fn a_cut_between_the_scripts_end_and_dormant_reading_it_loses_nothing() {
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig_with(&sshd, "");
+    let (d, marker) = dir();
+    let gate = d.path().join("gate");
+    let j = job(72).script(&counting(10, &marker, Some(&gate)));
+    let r = std::thread::scope(|s| {
+        let run = s.spawn(|| rig.run(&j));
+        wait_lines(&marker, 10);
+        let frozen = sshd.freeze_connections();
+        assert!(!frozen.is_empty());
+        std::fs::write(&gate, "").unwrap();
+        // The script's end is recorded on the machine, not yet read by dormant.
+        let t = Instant::now();
+        while !sshd.kept_files().iter().any(|f| f.ends_with(".exit")) {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{:?}",
+                sshd.kept_files()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        sshd.kill(&frozen);
+        run.join().unwrap()
+    });
+    assert_result(&r, JobResult::BuildFailure(Some(3)));
+    assert_every_line_once(&r.call("build_script").unwrap().output, 10, 1);
+    assert_nothing_kept(&sshd);
+}
+
+/// The script's pid and its background child's, as it wrote them.
+fn script_pids(file: &Path) -> Vec<u32> {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// A script that records its pids, then prints a line every 100 ms for a minute.
+fn long_script(pids: &Path, marker: &Path) -> String {
+    format!(
+        "sleep 600 & echo \"$BASHPID $!\" > '{}'; {}",
+        pids.display(),
+        counting(600, marker, None)
+    )
+}
+
+#[test]
+fn a_machine_that_does_not_come_back_in_time_is_a_system_failure_naming_the_lost_connection() {
+    let sshd = Mutex::new(Sshd::start());
+    let (rig, _) = ssh_rig_with(&sshd.lock().unwrap(), "reconnect_timeout = \"3s\"");
+    let (d, marker) = dir();
+    let pids = d.path().join("pids");
+    let j = job(73).script(&long_script(&pids, &marker));
+    let (r, stopped) = std::thread::scope(|s| {
+        let run = s.spawn(|| {
+            rig.runner
+                .run_job_with(&j, &mut |stage| {
+                    if stage == "cleanup" {
+                        // The host comes back in time for cleanup.
+                        sshd.lock().unwrap().restart();
+                    }
+                })
+                .unwrap()
+        });
+        wait_lines(&marker, 5);
+        sshd.lock().unwrap().stop();
+        let stopped = Instant::now();
+        (run.join().unwrap(), stopped)
+    });
+    assert_result(&r, JobResult::SystemFailure);
+    let build = r.call("build_script").unwrap();
+    assert_eq!(build.exit_code, 2, "{}", build.output);
+    assert!(
+        build.output.contains(
+            "the SSH connection to root@127.0.0.1:"
+        ) && build.output.contains(
+            "was lost during build_script and did not come back within ssh.reconnect_timeout = 3s (dormant tried to reconnect for"
+        ),
+        "{}",
+        build.output
+    );
+    assert!(
+        stopped.elapsed() < Duration::from_secs(60),
+        "bounded by the timeout, not the script's minute: {:?}",
+        stopped.elapsed()
+    );
+    // Cleanup stopped the script the lost connection left on the host.
+    let left = script_pids(&pids);
+    assert_eq!(left.len(), 2);
+    for pid in left {
+        assert!(!alive(pid), "{pid} outlived the job's cleanup");
+    }
+    assert_nothing_kept(&sshd.lock().unwrap());
+    assert!(
+        !r.cleanup_output().contains("could not be stopped"),
+        "{}",
+        r.cleanup_output()
+    );
+}
+
+#[test]
+fn a_cancel_while_disconnected_ends_run_promptly_and_cleanup_stops_the_script() {
+    let sshd = Mutex::new(Sshd::start());
+    let (rig, _) = ssh_rig_with(&sshd.lock().unwrap(), "reconnect_timeout = \"10m\"");
+    let (d, marker) = dir();
+    let pids = d.path().join("pids");
+    let cancel = d.path().join("cancel");
+    let mut j = job(74).script(&long_script(&pids, &marker));
+    j.cancel_on_file = Some(("build_script".into(), cancel.clone()));
+    let r = std::thread::scope(|s| {
+        let run = s.spawn(|| {
+            rig.runner
+                .run_job_with(&j, &mut |stage| {
+                    if stage == "cleanup" {
+                        sshd.lock().unwrap().restart();
+                    }
+                })
+                .unwrap()
+        });
+        wait_lines(&marker, 5);
+        sshd.lock().unwrap().stop();
+        // dormant is reconnecting now (sequencing only: a cancel that came
+        // before it noticed would take the session's own path, as promptly).
+        std::thread::sleep(Duration::from_millis(500));
+        std::fs::write(&cancel, "").unwrap();
+        run.join().unwrap()
+    });
+    assert_result(&r, JobResult::Canceled);
+    let build = r.call("build_script").unwrap();
+    assert!(
+        build
+            .output
+            .contains("termination while the SSH connection to root@127.0.0.1:")
+            && build.output.contains("the job's cleanup stops it"),
+        "{}",
+        build.output
+    );
+    assert!(
+        build.elapsed < Duration::from_secs(40),
+        "run ended promptly, not after the script's minute or the 10 min timeout: {:?}",
+        build.elapsed
+    );
+    let left = script_pids(&pids);
+    assert_eq!(left.len(), 2);
+    for pid in left {
+        assert!(!alive(pid), "{pid} outlived the job's cleanup");
+    }
+    assert_nothing_kept(&sshd.lock().unwrap());
+}
