@@ -139,6 +139,29 @@ done
 # Less the fresh connections: what dormant itself opened.
 conns_job=$(( $(grep -c "Connection from" "$work/sshd.log") - conns_before - STAGES ))
 
+# Time to the first byte of a stage's output, from the call: a stage shaped
+# like the runner's (its exports, mkdir and cd into the project, then the
+# command's echo), and one whose very first command prints; each against the
+# same script over a bare `ssh -S`. Clock: bash's $EPOCHREALTIME (no exec).
+{
+  printf '#!/usr/bin/env bash\ntrap '"'"'exit 1'"'"' TERM\nset -eo pipefail\n'
+  for n in $(seq 80); do printf "export CI_BENCH_VAR_%s='value number %s of the job'\n" "$n" "$n"; done
+  printf 'mkdir -p project\ncd project\necho "$ make"\nexit 0\n'
+} > "$tmp/runner_script"
+printf '#!/usr/bin/env bash\necho first\nexit 0\n' > "$tmp/echo_script"
+first_byte() {
+  local t0=$EPOCHREALTIME t1
+  { IFS= read -r -n 1 _; t1=$EPOCHREALTIME; cat >/dev/null; } < <("$@" 2>/dev/null)
+  awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f\n", (b - a) * 1000 }'
+}
+: > "$work/ttfb_run.ms"; : > "$work/ttfb_bare.ms"; : > "$work/ttfb_echo_run.ms"; : > "$work/ttfb_echo_bare.ms"
+for i in $(seq "$STAGES"); do
+  first_byte call run "$tmp/runner_script" "first_$i" >> "$work/ttfb_run.ms"
+  first_byte ssh -S "$socket" -o BatchMode=yes -p 9 none bash -s < "$tmp/runner_script" >> "$work/ttfb_bare.ms"
+  first_byte call run "$tmp/echo_script" "echo_$i" >> "$work/ttfb_echo_run.ms"
+  first_byte ssh -S "$socket" -o BatchMode=yes -p 9 none bash -s < "$tmp/echo_script" >> "$work/ttfb_echo_bare.ms"
+done
+
 status=success
 t0=$(now); call cleanup > "$work/cleanup.log" 2>&1; t1=$(now)
 cleanup_ms=$(ms "$t0" "$t1")
@@ -146,6 +169,10 @@ cleanup_ms=$(ms "$t0" "$t1")
 read -r run_med run_mean run_min run_max < <(stats "$work/run.ms")
 read -r bare_med bare_mean bare_min bare_max < <(stats "$work/bare.ms")
 read -r fresh_med fresh_mean fresh_min fresh_max < <(stats "$work/fresh.ms")
+read -r tr_med tr_mean tr_min tr_max < <(stats "$work/ttfb_run.ms")
+read -r tb_med tb_mean tb_min tb_max < <(stats "$work/ttfb_bare.ms")
+read -r er_med er_mean er_min er_max < <(stats "$work/ttfb_echo_run.ms")
+read -r eb_med eb_mean eb_min eb_max < <(stats "$work/ttfb_echo_bare.ms")
 overhead=$(awk -v a="$run_med" -v b="$bare_med" 'BEGIN { printf "%.1f", a - b }')
 ratio=$(awk -v a="$run_med" -v b="$bare_med" 'BEGIN { printf "%.2f", a / b }')
 ratio_mean=$(awk -v a="$run_mean" -v b="$bare_mean" 'BEGIN { printf "%.2f", a / b }')
@@ -159,6 +186,13 @@ echo "|---------------------------------------------|----------:|--------:|-----
 printf '| `dormant run` over the reused master        | %9s | %7s | %6s | %6s | %11s |\n' "$run_med" "$run_mean" "$run_min" "$run_max" "$(total "$run_mean")"
 printf '| bare `ssh -S <socket> none true`            | %9s | %7s | %6s | %6s | %11s |\n' "$bare_med" "$bare_mean" "$bare_min" "$bare_max" "$(total "$bare_mean")"
 printf '| fresh `ssh host true` per stage             | %9s | %7s | %6s | %6s | %11s |\n' "$fresh_med" "$fresh_mean" "$fresh_min" "$fresh_max" "$(total "$fresh_mean")"
+echo
+echo "| first output byte                           | median ms | mean ms | min ms | max ms |"
+echo "|---------------------------------------------|----------:|--------:|-------:|-------:|"
+printf '| runner-shaped stage: `dormant run`          | %9s | %7s | %6s | %6s |\n' "$tr_med" "$tr_mean" "$tr_min" "$tr_max"
+printf '| runner-shaped stage: bare `ssh -S … bash -s`| %9s | %7s | %6s | %6s |\n' "$tb_med" "$tb_mean" "$tb_min" "$tb_max"
+printf '| `echo` first: `dormant run`                 | %9s | %7s | %6s | %6s |\n' "$er_med" "$er_mean" "$er_min" "$er_max"
+printf '| `echo` first: bare `ssh -S … bash -s`       | %9s | %7s | %6s | %6s |\n' "$eb_med" "$eb_mean" "$eb_min" "$eb_max"
 echo
 echo "dormant's own overhead per stage over the bare multiplexed channel (medians): $overhead ms"
 echo "dormant run / bare ssh -S: ${ratio}x (medians), ${ratio_mean}x (means); load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

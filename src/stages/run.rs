@@ -102,7 +102,9 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
     // cleanup stops whatever the stage left running in the environment. No
     // fsync: the mark matters to this host's next cleanup, not after a crash
     // of the host, which takes the stage's connection with it.
-    std::fs::File::create(&paths.stages_left)
+    // A mark an earlier stage left (its `run` was killed) stays for cleanup.
+    let marked_before = paths.stages_left.exists();
+    crate::transport::write_private(&paths.stages_left, b"")
         .with_context(|| format!("marking {} (a stage runs)", paths.stages_left.display()))?;
     let started = Instant::now();
     let result = transport
@@ -119,7 +121,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         )
         .await;
     tracing::debug!(stage, elapsed = ?started.elapsed(), "stage finished");
-    if matches!(&result, Ok(ran) if !ran.left_running) {
+    if !marked_before && matches!(&result, Ok(ran) if !ran.left_running) {
         let _ = std::fs::remove_file(&paths.stages_left);
     }
     // The job may have asked for its own suspension (`crate::job_request`):

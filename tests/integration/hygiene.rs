@@ -2,6 +2,9 @@
 //! - no stage script (it exports the job token) lands on disk — not in the
 //!   state dir, not in the host's temp dir — while it runs or after dormant is
 //!   SIGKILLed mid-stage; every state file is 0600 and every dir 0700;
+//! - over SSH, the stage's output kept on the host for a re-attach is in a
+//!   0700 directory, its files 0600, and nothing of it remains once dormant
+//!   has read the stage's end — nor after a SIGKILLed stage's cleanup;
 //! - nothing dormant starts holds the runner's output pipe once dormant is
 //!   gone: a script that starts an escaped background process (`setsid cmd &`
 //!   keeping the job's output open) is cancelled, and the runner's pipe still
@@ -50,8 +53,24 @@ impl Where {
         scan(&self.rig().state_dir, needles, true, &mut found);
         if let Where::Ssh(sshd, _) = self {
             scan(&sshd.tmp_dir(), needles, false, &mut found);
+            // The kept output: private, like the state dir.
+            let kept = sshd.kept_dir();
+            if let Ok(meta) = std::fs::metadata(&kept) {
+                let mode = meta.permissions().mode() & 0o777;
+                if mode != 0o700 {
+                    found.push(format!("{} is a dir with mode {mode:o}", kept.display()));
+                }
+                scan(&kept, &[], true, &mut found);
+            }
         }
         found
+    }
+
+    /// Over SSH: nothing of any stage is kept on the host any more.
+    fn assert_nothing_kept(&self) {
+        if let Where::Ssh(sshd, _) = self {
+            crate::reattach::assert_nothing_kept(sshd);
+        }
     }
 }
 
@@ -181,8 +200,12 @@ fn running_stage_leaves_nothing_at_rest(place: Where) {
         .suspend_on(true, false)
         .script(&waiting_script(&probe, &ready, &gate, ""));
     let mut found = Vec::new();
+    let mut kept_while_running = 0;
     let r = run_guarded(&place, &j, &ready, &gate, || {
         found = place.scan(&[place.rig().secret_token(), &probe]);
+        if let Where::Ssh(sshd, _) = &place {
+            kept_while_running = sshd.kept_files().len();
+        }
         std::fs::write(&gate, "").unwrap();
     });
     assert_result(&r, JobResult::Success);
@@ -192,9 +215,13 @@ fn running_stage_leaves_nothing_at_rest(place: Where) {
         "while the stage ran:\n{}",
         found.join("\n")
     );
+    if matches!(place, Where::Ssh(..)) {
+        assert!(kept_while_running > 0, "the running stage keeps its output on the host");
+    }
     // And after the job, with the environment suspended.
     let after = place.scan(&[place.rig().secret_token(), &probe]);
     assert!(after.is_empty(), "after the job:\n{}", after.join("\n"));
+    place.assert_nothing_kept();
 }
 
 #[test]
@@ -252,6 +279,9 @@ fn killed_stage_leaves_no_script(place: Where) {
     );
     let after = place.scan(&[place.rig().secret_token(), &probe]);
     assert!(after.is_empty(), "after cleanup:\n{}", after.join("\n"));
+    // The SIGKILLed stage's script ran on (its connection looked lost); the
+    // job's cleanup stopped it and removed what was kept of it.
+    place.assert_nothing_kept();
 }
 
 #[test]

@@ -28,6 +28,7 @@ mod notify;
 mod qemu;
 mod reattach;
 mod shell;
+mod signals;
 mod ssh;
 mod sshd;
 mod stress;

@@ -244,7 +244,15 @@ impl Drop for Sshd {
 }
 
 fn spawn(binary: &Path, dir: &Path) -> Child {
-    Command::new(binary)
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(binary);
+    // As systemd starts it: every signal at its default, whatever this test
+    // process was started with (sshd passes an ignored one on to sessions).
+    // SAFETY: reset_in_child calls only async-signal-safe functions.
+    unsafe {
+        cmd.pre_exec(dormant::transport::signals::reset_in_child);
+    }
+    cmd
         .arg("-D")
         .arg("-f")
         .arg(dir.join("sshd_config"))
