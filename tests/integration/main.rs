@@ -17,6 +17,7 @@ mod ec2_rig;
 #[cfg(feature = "ec2")]
 mod ec2_shell;
 mod edge;
+mod events;
 mod harness;
 mod hygiene;
 mod job_request;
