@@ -26,6 +26,8 @@ use crate::settings::SuspendSettings;
 use crate::state::registry;
 use crate::state::{now_unix, store, EnvStatus, JobState};
 
+pub use super::sweep_slice::SLICE;
+
 /// A staging or trash entry younger than this may belong to a create or delete
 /// in progress (they take milliseconds).
 const STRAY_AGE_SECS: u64 = 60;

@@ -420,3 +420,62 @@ fn a_writer_killed_at_every_point_of_an_append_leaves_the_log_readable() {
         }
     }
 }
+
+#[test]
+fn follow_prints_every_new_event_once_through_rotations_and_ends_on_sigterm() {
+    let rig = Rig::new(
+        RUNNER,
+        SYSTEM,
+        "[events]\nmax_file_size = \"4KiB\"\nkeep_files = 1000\n",
+    );
+    let out_path = rig.dir.path().join("followed.jsonl");
+    let mut follower = std::process::Command::new(BIN)
+        .args(["events", "--follow", "--json"])
+        .env_clear()
+        .envs(&rig.runner.env)
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Started before the log exists; jobs then rotate it several times.
+    for _ in 0..10 {
+        assert_result(
+            &rig.run(&job(5).suspend_on(true, false)),
+            JobResult::Success,
+        );
+    }
+    let expected: Vec<String> = {
+        let out = rig.dormant(&["events", "--json"]);
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    };
+    assert_eq!(expected.len(), 20);
+    let files = std::fs::read_dir(rig.state_dir.join("events"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".jsonl"))
+        .count();
+    assert!(files >= 2, "no rotation to follow through ({files} file)");
+    // Bounded wait for the follower to catch up (it looks every 0.5 s).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let followed = loop {
+        let text = std::fs::read_to_string(&out_path).unwrap();
+        if text.lines().count() >= expected.len() || std::time::Instant::now() > deadline {
+            break text;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    // SAFETY: kill(2) on the follower's pid (our own child, not yet reaped).
+    unsafe {
+        libc::kill(follower.id() as i32, libc::SIGTERM);
+    }
+    let status = follower.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut follower.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "{status:?}: {stderr}");
+    let followed: Vec<&str> = followed.lines().collect();
+    assert_eq!(followed, expected, "{stderr}");
+}
