@@ -23,6 +23,7 @@ mod hygiene;
 mod job_request;
 #[cfg(feature = "testing")]
 mod lifecycle;
+mod metrics;
 #[cfg(feature = "ec2")]
 mod moto;
 mod notify;
