@@ -86,9 +86,20 @@ pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -
         )
     })?;
     // The record's fields, then its last events: still one JSON document.
-    let mut doc = serde_json::to_value(&rec)?;
-    let last = crate::events::read::last_of(&crate::events::dir(store.root()), id, LAST_EVENTS)?;
-    doc["last_events"] = serde_json::to_value(last)?;
+    #[derive(serde::Serialize)]
+    struct Inspected<'a> {
+        #[serde(flatten)]
+        record: &'a EnvironmentRecord,
+        last_events: Vec<crate::events::Event>,
+    }
+    let doc = Inspected {
+        record: &rec,
+        last_events: crate::events::read::last_of(
+            &crate::events::dir(store.root()),
+            id,
+            LAST_EVENTS,
+        )?,
+    };
     writeln!(out, "{}", serde_json::to_string_pretty(&doc)?)?;
     Ok(())
 }
