@@ -12,7 +12,8 @@
 //!
 //! The cursor is read and advanced under its lock, so cleanups running at
 //! the same time take successive slices instead of the same one. A lost or
-//! damaged cursor only restarts the round at the first id.
+//! damaged cursor only restarts the round at the first id (a damaged one is
+//! moved aside, with a warning in the runner's log).
 
 use std::time::Duration;
 
@@ -48,18 +49,37 @@ pub async fn next(store: &StateStore, ids: &[Uuid], ctx: &Ctx) -> Result<Vec<Uui
     }
     let lock_ctx = Ctx::new(ctx.log.clone(), Default::default(), CURSOR_WAIT);
     let path = store.root().join(CURSOR);
-    let _lock = FileLock::acquire(
+    let lock = FileLock::acquire(
         &store.root().join(CURSOR_LOCK),
         &lock_ctx,
         "waiting for the sweep cursor's lock",
     )
-    .await?;
-    // Damaged or from a newer dormant: start the round again (nothing is
-    // lost, it only decides where the next slice starts).
-    let after = store::read_json::<Cursor>(&path)
-        .ok()
-        .flatten()
-        .map(|c| c.after);
+    .await;
+    let _lock = match lock {
+        Ok(lock) => lock,
+        // Held by a stopped process: this cleanup still sweeps a slice, from
+        // a random place, and leaves the cursor to the next one.
+        Err(e) => {
+            ctx.log
+                .warn(format!("{e:#}; sweeping a slice from a random place"));
+            let start = ids[fastrand::usize(..ids.len())];
+            return Ok(pick(ids, Some(start), SLICE));
+        }
+    };
+    // Damaged or from a newer dormant: set aside (never overwritten) and the
+    // round started again; it only decides where the next slice starts.
+    let after = match store::read_json::<Cursor>(&path) {
+        Ok(c) => c.map(|c| c.after),
+        Err(e) => {
+            let aside = store.root().join(format!("{CURSOR}.damaged"));
+            let _ = std::fs::rename(&path, &aside);
+            ctx.log.warn(format!(
+                "{e:#}; moved to {}: the sweep's round starts again",
+                aside.display()
+            ));
+            None
+        }
+    };
     let slice = pick(ids, after, SLICE);
     if let Some(last) = slice.last() {
         let cursor = Cursor {
@@ -119,9 +139,25 @@ mod tests {
         }
         assert_eq!(seen.len(), all.len(), "every environment visited");
         assert!(seen.values().all(|n| *n <= 2), "{seen:?}");
-        // A damaged cursor restarts the round instead of failing the cleanup.
+        // A damaged cursor restarts the round instead of failing the cleanup,
+        // and is set aside, not overwritten.
         std::fs::write(dir.path().join(CURSOR), "{").unwrap();
         let slice = next(&store, &all, &ctx).await.unwrap();
         assert_eq!(slice, all[..SLICE]);
+        let aside = dir.path().join(format!("{CURSOR}.damaged"));
+        assert_eq!(std::fs::read_to_string(aside).unwrap(), "{");
+        // A cursor lock held by a stopped process: a slice all the same.
+        let held = FileLock::try_acquire(&dir.path().join(CURSOR_LOCK))
+            .unwrap()
+            .unwrap();
+        let before = std::fs::read_to_string(dir.path().join(CURSOR)).unwrap();
+        let slice = next(&store, &all, &ctx).await.unwrap();
+        assert_eq!(slice.len(), SLICE);
+        let after = std::fs::read_to_string(dir.path().join(CURSOR)).unwrap();
+        assert_eq!(
+            before, after,
+            "the cursor is left to whoever holds its lock"
+        );
+        drop(held);
     }
 }
