@@ -191,8 +191,10 @@ pub struct SweepCounts {
     pub errors: u64,
     /// Not looked at because the time bound ran out.
     pub unvisited: u64,
-    /// Environments in the registry when it started.
-    pub environments: u64,
+    /// Environments in the registry when it started (a full sweep; a
+    /// cleanup's slice reads only its own entries and does not know).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environments: Option<u64>,
 }
 
 /// One line of the event log. Fields a reader does not know are ignored,

@@ -46,8 +46,8 @@ pub struct SweepReport {
     pub unvisited: usize,
     /// Environments looked at.
     pub visited: usize,
-    /// Environments in the registry.
-    pub environments: usize,
+    /// Environments in the registry (a full sweep's count).
+    pub environments: Option<usize>,
 }
 
 /// How much of the registry a sweep looks at.
@@ -79,11 +79,18 @@ pub async fn sweep(
     let mut report = SweepReport::default();
     let me = recover::operator("dormant sweep");
     let ttl = policy.ttl.as_secs();
-    let all = w.store.environment_ids()?;
-    report.environments = all.len();
-    let ids = match scope {
-        Scope::Full => all,
-        Scope::Slice => super::sweep_slice::next(w.store, &all, ctx).await?,
+    // A slice reads only its own entries of `environments/`: how many there
+    // are in all is then not known (and not worth a listing).
+    let (ids, strays) = match scope {
+        Scope::Full => {
+            let all = w.store.environment_ids()?;
+            report.environments = Some(all.len());
+            (all, None)
+        }
+        Scope::Slice => {
+            let slice = super::sweep_slice::next(w.store, ctx).await?;
+            (slice.ids, Some(slice.strays))
+        }
     };
     for (i, id) in ids.iter().enumerate() {
         if ctx.remaining().is_zero() {
@@ -159,7 +166,7 @@ pub async fn sweep(
             Err(e) => report.errors.push(e),
         }
     }
-    sweep_strays(w, &mut report);
+    sweep_strays(w, strays, &mut report);
     sweep_jobs(w, policy, &mut report);
     record_summary(w, scope, &report, started, ctx).await;
     Ok(report)
@@ -181,7 +188,7 @@ async fn record_summary(
         removed: report.removed.len() as u64,
         errors: report.errors.len() as u64,
         unvisited: report.unvisited as u64,
-        environments: report.environments as u64,
+        environments: report.environments.map(|n| n as u64),
     };
     let idle =
         counts.released + counts.recovered + counts.removed + counts.errors + counts.unvisited == 0;
@@ -195,9 +202,21 @@ async fn record_summary(
     w.events.record(event, ctx).await;
 }
 
-/// Staging directories of killed creates, trash of killed deletes.
-fn sweep_strays(w: World<'_>, report: &mut SweepReport) {
-    match w.store.stray_entries() {
+/// Staging directories of killed creates, trash of killed deletes: every
+/// entry that is not an environment (a slice: those of its own entries), and
+/// everything in `trash/`.
+fn sweep_strays(w: World<'_>, slice_strays: Option<Vec<PathBuf>>, report: &mut SweepReport) {
+    let entries = match slice_strays {
+        None => w.store.stray_entries(),
+        Some(strays) => w.store.trash_entries().map(|mut trash| {
+            trash.extend(strays.into_iter().map(|p| {
+                let age = store::age_secs(&p);
+                (p, age)
+            }));
+            trash
+        }),
+    };
+    match entries {
         Ok(entries) => {
             for (path, age) in entries {
                 if age < STRAY_AGE_SECS {

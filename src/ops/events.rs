@@ -174,9 +174,13 @@ pub fn detail(e: &Event) -> String {
         parts.push(format!("after {} suspended", span(s)));
     }
     if let Some(s) = &e.sweep {
+        let of = s
+            .environments
+            .map(|n| format!(" of {n}"))
+            .unwrap_or_default();
         parts.push(format!(
-            "visited {} of {}, released {}, recovered {}, removed {}, errors {}, unvisited {}",
-            s.visited, s.environments, s.released, s.recovered, s.removed, s.errors, s.unvisited
+            "visited {}{of}, released {}, recovered {}, removed {}, errors {}, unvisited {}",
+            s.visited, s.released, s.recovered, s.removed, s.errors, s.unvisited
         ));
     }
     if let Some(r) = &e.reason {
