@@ -55,8 +55,8 @@ pub struct SweepReport {
 pub enum Scope {
     /// Every environment: `dormant sweep`.
     Full,
-    /// The next [`sweep_slice::SLICE`](super::sweep_slice::SLICE)
-    /// environments after where the previous slice stopped: a cleanup's sweep.
+    /// The next [`SLICE`] environments in directory order after where the
+    /// previous slice stopped: a cleanup's sweep.
     Slice,
 }
 
