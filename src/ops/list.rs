@@ -1,6 +1,7 @@
 //! `list` and `inspect`: the operator's view of the registry. `list` shows
 //! every directory under `environments/`, also one without a readable record
-//! (a corrupt file, or a leftover `sweep` removes).
+//! (a corrupt file, or a leftover `sweep` removes). `inspect` shows one
+//! record with its last events from the event log.
 
 use std::io::Write;
 
@@ -84,6 +85,25 @@ pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -
             store.environments_dir().display()
         )
     })?;
-    writeln!(out, "{}", serde_json::to_string_pretty(&rec)?)?;
+    // The record's fields, then its last events: still one JSON document.
+    #[derive(serde::Serialize)]
+    struct Inspected<'a> {
+        #[serde(flatten)]
+        record: &'a EnvironmentRecord,
+        last_events: Vec<crate::events::Event>,
+    }
+    let doc = Inspected {
+        record: &rec,
+        last_events: crate::events::read::last_of(
+            &crate::events::dir(store.root()),
+            id,
+            LAST_EVENTS,
+        )?,
+    };
+    writeln!(out, "{}", serde_json::to_string_pretty(&doc)?)?;
     Ok(())
 }
+
+/// How many of an environment's events `inspect` shows (`dormant events ID`
+/// shows them all).
+const LAST_EVENTS: usize = 10;

@@ -3,21 +3,24 @@
 //! if its holder is gone), starts its machine and waits until it runs
 //! commands. Every refusal names the key or the environment and says what to do.
 
+use std::time::Instant;
+
 use anyhow::Result;
 
 use crate::context::Ctx;
 use crate::envkey::EnvironmentKey;
+use crate::events::{Event, Kind, Step};
 use crate::exit::Failure;
 use crate::lifecycle::recover::{self, Found};
-use crate::lifecycle::{human_age, update_error, World};
-use crate::notify::{self, Audience, Event, Notification};
+use crate::lifecycle::{human_age, update_error};
+use crate::notify::{self, Audience, Notification};
 use crate::provider::{Machine, MachineGone};
 use crate::state::job::LockedJob;
 use crate::state::registry::{self, UpdateError};
 use crate::state::transitions::same_holder;
 use crate::state::{now_unix, EnvPaths, EnvStatus, EnvironmentRecord, Holder, Mode, Phase};
 
-use super::prep::{announce, connect, job_state};
+use super::prep::{announce, connect, job_state, record_failure};
 use super::Session;
 
 /// Why a resume claim was not taken.
@@ -30,6 +33,7 @@ pub(super) async fn prepare_resume(
     s: &Session,
     locked: &LockedJob,
     text: &str,
+    started: Instant,
     ctx: &Ctx,
 ) -> Result<(), Failure> {
     let source = s.input.suspend.source;
@@ -105,7 +109,11 @@ pub(super) async fn prepare_resume(
         "resuming {} environment {env_id}",
         s.provider.name()
     ));
-    let machine = s.provider.start(&machine, ctx).await.map_err(|e| {
+    let started_machine = s.provider.start(&machine, ctx).await;
+    if let Err(e) = &started_machine {
+        record_failure(s, &paths, Step::Start, e, ctx).await;
+    }
+    let machine = started_machine.map_err(|e| {
         if e.downcast_ref::<MachineGone>().is_some() {
             Failure::Refused(e.context(format!(
                 "environment {env_id} cannot be resumed: its machine is gone; run the job without \
@@ -120,13 +128,21 @@ pub(super) async fn prepare_resume(
         .await
         .map_err(update_error)?;
 
-    connect(s, &paths, &machine, ctx)
-        .await
-        .map_err(|e| Failure::System(e.context(format!("environment {env_id} stays suspended"))))?;
+    if let Err(e) = connect(s, &paths, &machine, ctx).await {
+        record_failure(s, &paths, Step::Connect, &e, ctx).await;
+        return Err(Failure::System(
+            e.context(format!("environment {env_id} stays suspended")),
+        ));
+    }
 
     let (rec, ()) = registry::update(&paths, ctx, |r| r.activate(&holder))
         .await
         .map_err(update_error)?;
+    let resumed = Event::about(Kind::Resumed, "job", &rec)
+        .by(&holder)
+        .duration(started.elapsed())
+        .suspended_for(rec.suspended_at.map_or(0, |t| now_unix().saturating_sub(t)));
+    s.events.record(resumed, ctx).await;
     crate::failpoint!("resume:activated");
     state.phase = Phase::Ready;
     locked.save(&state)?;
@@ -144,7 +160,7 @@ pub(super) async fn prepare_resume(
     ));
     announce(s, &key, env_id, true);
     // Its failure is one short line here: prepare's output is the job log.
-    let n = Notification::for_record(Event::Resume, &rec)
+    let n = Notification::for_record(notify::Event::Resume, &rec)
         .job(&s.input)
         .reason(format!("resumed by job {}", s.job_id()));
     notify::announce(&s.settings.suspend, &n, &s.log, Audience::Job).await;
@@ -203,10 +219,7 @@ fn claim_resume(
 /// else refuse saying who holds it and what to do.
 async fn held_elsewhere(s: &Session, paths: &EnvPaths, ctx: &Ctx) -> Result<(), Failure> {
     let id = paths.id;
-    let w = World {
-        store: &s.store,
-        provider: s.provider.as_ref(),
-    };
+    let w = s.world();
     let me = recover::operator(&format!("job {}'s prepare", s.job_id()));
     let found = recover::recover(w, paths, &me, &s.settings.suspend, false, ctx)
         .await

@@ -216,7 +216,10 @@ fn running_stage_leaves_nothing_at_rest(place: Where) {
         found.join("\n")
     );
     if matches!(place, Where::Ssh(..)) {
-        assert!(kept_while_running > 0, "the running stage keeps its output on the host");
+        assert!(
+            kept_while_running > 0,
+            "the running stage keeps its output on the host"
+        );
     }
     // And after the job, with the environment suspended.
     let after = place.scan(&[place.rig().secret_token(), &probe]);

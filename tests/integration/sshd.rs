@@ -252,8 +252,7 @@ fn spawn(binary: &Path, dir: &Path) -> Child {
     unsafe {
         cmd.pre_exec(dormant::transport::signals::reset_in_child);
     }
-    cmd
-        .arg("-D")
+    cmd.arg("-D")
         .arg("-f")
         .arg(dir.join("sshd_config"))
         .arg("-E")

@@ -303,9 +303,21 @@ pub(crate) mod fake {
                 .arg(vm.pidfile())
                 .spawn()
                 .unwrap();
-            // Until the shell runs, /proc shows the parent's command line.
+            // Until the shell runs, /proc shows the parent's command line; and
+            // until its `sleep` is exec'd, that forked child still shows the
+            // shell's (a second "QEMU" of the same VM for a scan).
             let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
-            while super::find(vm).is_none() && std::time::Instant::now() < until {
+            let pid = child.id();
+            let sleeping = || {
+                std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .any(|c| {
+                        std::fs::read_to_string(format!("/proc/{c}/comm"))
+                            .is_ok_and(|comm| comm.trim() == "sleep")
+                    })
+            };
+            while (super::find(vm).is_none() || !sleeping()) && std::time::Instant::now() < until {
                 std::thread::sleep(std::time::Duration::from_millis(10));
             }
             FakeQemu(child)
