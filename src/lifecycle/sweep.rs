@@ -168,6 +168,7 @@ pub async fn sweep(
     }
     sweep_strays(w, strays, &mut report);
     sweep_jobs(w, policy, &mut report);
+    sweep_job_leftovers(w, policy, &mut report);
     record_summary(w, scope, &report, started, ctx).await;
     Ok(report)
 }
@@ -276,6 +277,58 @@ fn sweep_jobs(w: World<'_>, policy: &SuspendSettings, report: &mut SweepReport) 
             .and_then(|()| store::remove_file(&live))
             .and_then(|()| lock.remove());
         match removed {
+            Ok(()) => report.removed.push(path),
+            Err(e) => report.errors.push(e),
+        }
+    }
+}
+
+/// What a killed process left of a job besides its state: the temp file of
+/// a state write it never renamed (`.<job>.json.<pid>.tmp`, older than a
+/// write takes), and the lock and liveness files of a job with no state left
+/// (refused or cleaned up, but killed before it removed them) that no
+/// process holds and that have been idle past the claim grace.
+fn sweep_job_leftovers(w: World<'_>, policy: &SuspendSettings, report: &mut SweepReport) {
+    let Ok(entries) = std::fs::read_dir(w.store.root().join("jobs")) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let idle = entry
+            .metadata()
+            .ok()
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| t.elapsed().ok())
+            .map_or(0, |d| d.as_secs());
+        if name.starts_with('.') && name.ends_with(".tmp") {
+            if idle >= STRAY_AGE_SECS {
+                match store::remove_file(&path) {
+                    Ok(()) => report.removed.push(path),
+                    Err(e) => report.errors.push(e),
+                }
+            }
+            continue;
+        }
+        if !name.ends_with(".lock")
+            || idle < policy.claim_grace.as_secs()
+            || path.with_extension("json").exists()
+        {
+            continue;
+        }
+        let live = path.with_extension("live");
+        if crate::state::lock::is_live(&live).unwrap_or(true) {
+            continue;
+        }
+        let Ok(Some(lock)) = crate::state::FileLock::try_acquire(&path) else {
+            continue;
+        };
+        // Re-checked under the lock: a prepare of this job may have saved
+        // its state since.
+        if path.with_extension("json").exists() {
+            continue;
+        }
+        match store::remove_file(&live).and_then(|()| lock.remove()) {
             Ok(()) => report.removed.push(path),
             Err(e) => report.errors.push(e),
         }

@@ -247,3 +247,50 @@ fn a_cleanup_sweeps_one_slice_and_dormant_sweep_the_rest() {
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(count(), 0, "dormant sweep looks at every environment");
 }
+
+/// A killed process's leftovers in `jobs/`: the temp file of a state write it
+/// never renamed, and the lock and liveness files of a job with no state left.
+/// The sweep removes those of jobs that are over, and nothing of a job that
+/// still has state, a live process, or a write that may be in progress.
+#[test]
+fn sweep_removes_what_killed_processes_left_in_jobs() {
+    let rig = Rig::new("7", "s_0123456789ab", GRACE);
+    let jobs = rig.state_dir.join("jobs");
+    std::fs::create_dir_all(&jobs).unwrap();
+    let old = std::time::SystemTime::now() - std::time::Duration::from_secs(600);
+    let put = |name: &str, age: Option<std::time::SystemTime>| {
+        let path = jobs.join(name);
+        let f = std::fs::File::create(&path).unwrap();
+        if let Some(t) = age {
+            f.set_modified(t).unwrap();
+        }
+        path
+    };
+    let gone = [
+        put(".7-41.json.12345.tmp", Some(old)),
+        put("7-42.lock", Some(old)),
+        put("7-42.live", Some(old)),
+        put("7-43.lock", Some(old)),
+    ];
+    // A write that may be in progress; a job that still has state.
+    let kept = [
+        put(".7-44.json.12346.tmp", None),
+        put("7-45.lock", Some(old)),
+        put("7-45.json", Some(old)),
+    ];
+    std::fs::write(&kept[2], b"{not json").unwrap();
+    let (_live, live_lock) = {
+        // A job whose stage process lives: its liveness lock is held.
+        let lock = put("7-46.lock", Some(old));
+        let live = dormant::state::lock::LiveLock::hold(&jobs.join("7-46.live")).unwrap();
+        (live, lock)
+    };
+    let out = rig.dormant(&["sweep"]);
+    let said = text(&out);
+    for path in &gone {
+        assert!(!path.exists(), "{} left: {said}", path.display());
+    }
+    for path in kept.iter().chain([&live_lock]) {
+        assert!(path.exists(), "{} removed: {said}", path.display());
+    }
+}
