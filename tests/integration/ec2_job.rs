@@ -7,11 +7,14 @@
 //!
 //! Network rule: the instance addresses moto hands out are never contacted.
 
+use std::time::{Duration, Instant};
+
 use aws_sdk_ec2::types::InstanceStateName;
 
 use crate::ec2_rig::{block_on, Ec2Env};
 use crate::harness::{self, assert_result, JobResult};
 use crate::moto::{direct_client, REGION};
+use crate::reattach::{assert_every_line_once, assert_nothing_kept, counting, wait_lines};
 
 fn instance_state(moto_url: &str, id: &str) -> InstanceStateName {
     block_on(async {
@@ -132,4 +135,120 @@ fn a_job_suspends_its_instance_and_a_later_job_resumes_it_then_releases_it() {
         "released: nothing left in the registry"
     );
     println!("job 1 EC2 calls: {job1_calls:?}\njob 2 EC2 calls: {job2_calls:?}");
+}
+
+/// The running instances moto knows (each test has its own moto).
+fn running_instances(moto_url: &str) -> Vec<String> {
+    block_on(async {
+        let out = direct_client(moto_url)
+            .describe_instances()
+            .send()
+            .await
+            .unwrap();
+        out.reservations()
+            .iter()
+            .flat_map(|r| r.instances())
+            .filter(|i| i.state().and_then(|s| s.name()) == Some(&InstanceStateName::Running))
+            .filter_map(|i| i.instance_id().map(str::to_string))
+            .collect()
+    })
+}
+
+/// A dropped connection mid-stage through the EC2 provider: the stage runs
+/// on on the instance (the loopback sshd), `dormant run` re-attaches through
+/// the instance's pinned host key, and the job log has every line once.
+#[test]
+fn through_ec2_a_stage_survives_a_cut_connection() {
+    let env = Ec2Env::start();
+    let rig = env.rig(
+        "7",
+        "s_0123456789ab",
+        &env.settings(&env.connect_address(), ""),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("lines");
+    let j = harness::job(5).script(&counting(30, &marker, None));
+    let r = std::thread::scope(|s| {
+        let run = s.spawn(|| rig.run(&j));
+        wait_lines(&marker, 10);
+        assert!(env.sshd.cut_connections() > 0);
+        run.join().unwrap()
+    });
+    assert_result(&r, JobResult::BuildFailure(Some(3)));
+    assert_every_line_once(&r.call("build_script").unwrap().output, 30, 1);
+    assert_nothing_kept(&env.sshd);
+}
+
+/// An instance terminated while its connection is lost will not come back:
+/// the run stage's check (EC2 DescribeInstances) ends the reconnect at once,
+/// a system failure naming the instance, long before reconnect_timeout (2m).
+#[test]
+fn a_terminated_instance_ends_the_reconnect_at_once() {
+    let mut env = Ec2Env::start();
+    let rig = env.rig(
+        "7",
+        "s_0123456789ab",
+        &env.settings(&env.connect_address(), ""),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("lines");
+    let pids = dir.path().join("pids");
+    let j = harness::job(5).script(&format!(
+        "echo $BASHPID > '{}'; {}",
+        pids.display(),
+        counting(900, &marker, None)
+    ));
+    let moto_url = env.moto.url();
+    let (r, lost) = std::thread::scope(|s| {
+        let run = s.spawn(|| rig.run(&j));
+        wait_lines(&marker, 5);
+        let instances = running_instances(&moto_url);
+        assert_eq!(instances.len(), 1, "{instances:?}");
+        env.sshd.stop();
+        let lost = Instant::now();
+        block_on(async {
+            direct_client(&moto_url)
+                .terminate_instances()
+                .instance_ids(&instances[0])
+                .send()
+                .await
+                .unwrap();
+        });
+        (run.join().unwrap(), lost)
+    });
+    // The "instance" is this host's sshd: its script is this test's to stop.
+    if let Ok(pid) = std::fs::read_to_string(&pids)
+        .unwrap()
+        .trim()
+        .parse::<i32>()
+    {
+        // SAFETY: kill(2) on the process group of the script this test started.
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+        }
+    }
+    assert_result(&r, JobResult::SystemFailure);
+    let build = r.call("build_script").unwrap();
+    assert!(
+        build
+            .output
+            .contains("was lost during build_script, and its machine will not come back")
+            && build.output.contains("is gone (terminated or deleted)"),
+        "{}",
+        build.output
+    );
+    assert!(
+        lost.elapsed() < Duration::from_secs(50),
+        "ended by the check, not reconnect_timeout (2 min) or a later stage's \
+         ready_timeout (60 s): {:?}; {}",
+        lost.elapsed(),
+        r.log()
+    );
+    // The stage after it met the gone machine too, and said so at once.
+    let after = r.call("cleanup_file_variables").unwrap();
+    assert!(
+        after.output.contains("is gone (terminated or deleted)"),
+        "{}",
+        after.output
+    );
 }

@@ -137,6 +137,17 @@ impl Master {
     /// The live master, or a new one (waiting until the host accepts SSH,
     /// bounded by `ctx` and `ssh.ready_timeout`). A reconnect is said in the job log.
     pub async fn session(&self, ctx: &Ctx, purpose: Purpose) -> Result<Session> {
+        self.session_checked(ctx, purpose, None).await
+    }
+
+    /// [`Self::session`], asking `machine` between attempts whether the
+    /// machine still exists (see [`Self::reconnect`]).
+    pub async fn session_checked(
+        &self,
+        ctx: &Ctx,
+        purpose: Purpose,
+        machine: Option<&dyn MachineCheck>,
+    ) -> Result<Session> {
         if let Some(s) = self.attach().await {
             return Ok(s);
         }
@@ -148,7 +159,7 @@ impl Master {
             ));
         }
         let ctx = ctx.within(self.settings.ready_timeout.get());
-        self.start(&ctx, None).await
+        self.start(&ctx, machine).await
     }
 
     /// The live master, or a new one, within `ctx` (its log gets the wait's

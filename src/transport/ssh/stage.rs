@@ -39,7 +39,11 @@ pub async fn run(
     // master whose socket does not answer cannot have started the script.
     let mut session = match master.attach_unchecked() {
         Some(s) => s,
-        None => master.session(ctx, Purpose::Reconnect).await?,
+        None => {
+            master
+                .session_checked(ctx, Purpose::Reconnect, script.machine)
+                .await?
+        }
     };
     let dest = master.destination();
     let workdir = master.target.workdir.as_deref();
@@ -73,7 +77,9 @@ pub async fn run(
             // machine, a new master runs the stage (as with direct stages).
             kept::Once::MasterUnreachable(why) if !st.sent && st.lost_since.is_none() => {
                 tracing::debug!("master unreachable: {why}");
-                session = master.session(ctx, Purpose::Reconnect).await?;
+                session = master
+                    .session_checked(ctx, Purpose::Reconnect, script.machine)
+                    .await?;
             }
             kept::Once::MasterUnreachable(why) | kept::Once::Broken(why) => {
                 tracing::debug!(stage = script.stage, "the session broke: {why}");
@@ -179,7 +185,9 @@ async fn run_direct(
             channel::Once::MasterUnreachable(why) if !reconnected => {
                 tracing::debug!("master unreachable: {why}");
                 reconnected = true;
-                session = master.session(ctx, Purpose::Reconnect).await?;
+                session = master
+                    .session_checked(ctx, Purpose::Reconnect, script.machine)
+                    .await?;
             }
             channel::Once::MasterUnreachable(why) => {
                 bail!("the new SSH connection to {dest} does not take sessions: {why}")
