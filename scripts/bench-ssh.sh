@@ -10,7 +10,10 @@
 #   - a fresh `ssh` connection per stage (what most custom executors do).
 #
 # Usage: scripts/bench-ssh.sh [--release] [STAGES]   (default 10 stages, debug build)
-# Env:   DORMANT_BIN (use this binary), DORMANT_TEST_SSHD (default /usr/sbin/sshd).
+# Env:   DORMANT_BIN (use this binary), DORMANT_TEST_SSHD (default /usr/sbin/sshd),
+#        DORMANT_BIN_BASE (another build, e.g. before a change: its `run` is
+#        interleaved with the others on the same job, one more row, so both are
+#        measured under the same load).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -92,7 +95,7 @@ printf '{"id":%s,"token":"x","job_info":{"project_id":1,"project_full_path":"g/p
 # `env -i` would add an exec to dormant's side only).
 call() {
   (
-    p=$PATH h=$HOME
+    b=${CALL_BIN:-$BIN} p=$PATH h=$HOME
     for v in $(compgen -e); do unset "$v" 2>/dev/null; done
     export PATH="$p" HOME="$h" TMPDIR="$tmp" \
       DORMANT_CONFIG="$work/dormant.toml" DORMANT_STATE_DIR="$work/state" \
@@ -100,7 +103,7 @@ call() {
       BUILD_EXIT_CODE_FILE="$tmp/build_exit_code" JOB_RESPONSE_FILE="$tmp/response.json" \
       CUSTOM_ENV_CI_JOB_ID="$job_id" CUSTOM_ENV_CI_JOB_STATUS="${status:-running}" \
       CUSTOM_ENV_CI_BUILDS_DIR="$builds" CUSTOM_ENV_CI_PROJECT_DIR="$builds/g/p"
-    exec "$BIN" "$@"
+    exec "$b" "$@"
   )
 }
 now() { date +%s%N; }
@@ -122,10 +125,14 @@ call run "$tmp/script" step_0 >> "$work/run.log" 2>&1
 socket=$(ls -d "$work"/state/ctl/*/.ssh-connection*/master | head -1)
 # The three kinds interleaved, stage by stage, so a change in the machine's
 # load hits them alike (this machine is shared).
-: > "$work/run.ms"; : > "$work/bare.ms"; : > "$work/fresh.ms"
+: > "$work/run.ms"; : > "$work/bare.ms"; : > "$work/fresh.ms"; : > "$work/base.ms"
 for i in $(seq "$STAGES"); do
   t0=$(now); call run "$tmp/script" "step_$i" >> "$work/run.log" 2>&1; t1=$(now)
   ms "$t0" "$t1" >> "$work/run.ms"; echo >> "$work/run.ms"
+  if [ -n "${DORMANT_BIN_BASE:-}" ]; then
+    t0=$(now); CALL_BIN=$DORMANT_BIN_BASE call run "$tmp/script" "base_$i" >> "$work/run.log" 2>&1; t1=$(now)
+    ms "$t0" "$t1" >> "$work/base.ms"; echo >> "$work/base.ms"
+  fi
   # Bare ssh over dormant's own master.
   t0=$(now); ssh -S "$socket" -o BatchMode=yes -p 9 none true; t1=$(now)
   ms "$t0" "$t1" >> "$work/bare.ms"; echo >> "$work/bare.ms"
@@ -160,6 +167,10 @@ for i in $(seq "$STAGES"); do
   first_byte ssh -S "$socket" -o BatchMode=yes -p 9 none bash -s < "$tmp/runner_script" >> "$work/ttfb_bare.ms"
   first_byte call run "$tmp/echo_script" "echo_$i" >> "$work/ttfb_echo_run.ms"
   first_byte ssh -S "$socket" -o BatchMode=yes -p 9 none bash -s < "$tmp/echo_script" >> "$work/ttfb_echo_bare.ms"
+  if [ -n "${DORMANT_BIN_BASE:-}" ]; then
+    CALL_BIN=$DORMANT_BIN_BASE first_byte call run "$tmp/runner_script" "bfirst_$i" >> "$work/ttfb_base.ms"
+    CALL_BIN=$DORMANT_BIN_BASE first_byte call run "$tmp/echo_script" "becho_$i" >> "$work/ttfb_echo_base.ms"
+  fi
 done
 
 status=success
@@ -186,6 +197,10 @@ echo "|---------------------------------------------|----------:|--------:|-----
 printf '| `dormant run` over the reused master        | %9s | %7s | %6s | %6s | %11s |\n' "$run_med" "$run_mean" "$run_min" "$run_max" "$(total "$run_mean")"
 printf '| bare `ssh -S <socket> none true`            | %9s | %7s | %6s | %6s | %11s |\n' "$bare_med" "$bare_mean" "$bare_min" "$bare_max" "$(total "$bare_mean")"
 printf '| fresh `ssh host true` per stage             | %9s | %7s | %6s | %6s | %11s |\n' "$fresh_med" "$fresh_mean" "$fresh_min" "$fresh_max" "$(total "$fresh_mean")"
+if [ -n "${DORMANT_BIN_BASE:-}" ]; then
+  read -r b_med b_mean b_min b_max < <(stats "$work/base.ms")
+  printf '| `dormant run`, base build                   | %9s | %7s | %6s | %6s | %11s |\n' "$b_med" "$b_mean" "$b_min" "$b_max" "$(total "$b_mean")"
+fi
 echo
 echo "| first output byte                           | median ms | mean ms | min ms | max ms |"
 echo "|---------------------------------------------|----------:|--------:|-------:|-------:|"
@@ -193,6 +208,12 @@ printf '| runner-shaped stage: `dormant run`          | %9s | %7s | %6s | %6s |\
 printf '| runner-shaped stage: bare `ssh -S … bash -s`| %9s | %7s | %6s | %6s |\n' "$tb_med" "$tb_mean" "$tb_min" "$tb_max"
 printf '| `echo` first: `dormant run`                 | %9s | %7s | %6s | %6s |\n' "$er_med" "$er_mean" "$er_min" "$er_max"
 printf '| `echo` first: bare `ssh -S … bash -s`       | %9s | %7s | %6s | %6s |\n' "$eb_med" "$eb_mean" "$eb_min" "$eb_max"
+if [ -n "${DORMANT_BIN_BASE:-}" ]; then
+  read -r x_med x_mean x_min x_max < <(stats "$work/ttfb_base.ms")
+  printf '| runner-shaped stage: base build             | %9s | %7s | %6s | %6s |\n' "$x_med" "$x_mean" "$x_min" "$x_max"
+  read -r x_med x_mean x_min x_max < <(stats "$work/ttfb_echo_base.ms")
+  printf '| `echo` first: base build                    | %9s | %7s | %6s | %6s |\n' "$x_med" "$x_mean" "$x_min" "$x_max"
+fi
 echo
 echo "dormant's own overhead per stage over the bare multiplexed channel (medians): $overhead ms"
 echo "dormant run / bare ssh -S: ${ratio}x (medians), ${ratio_mean}x (means); load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -255,7 +255,7 @@ fn sigterm_mid_script_kills_the_remote_process_group() {
     let (rig, _ws) = ssh_rig(&sshd);
     let pids = sshd.dir.path().join("pids");
     let mut j = job(45).script(&format!(
-        "echo $$ > '{p}'; sleep 300 & echo $! >> '{p}'; echo script running; wait",
+        "echo $BASHPID > '{p}'; sleep 300 & echo $! >> '{p}'; echo script running; wait",
         p = pids.display()
     ));
     j.cancel = Some(("build_script".into(), Duration::from_secs(2)));
@@ -289,7 +289,7 @@ fn a_script_ignoring_sigterm_is_killed_after_the_grace() {
     let (rig, _ws) = ssh_rig(&sshd);
     let pids = sshd.dir.path().join("pids");
     let mut j = job(49).script(&format!(
-        "trap '' TERM; echo $$ > '{p}'; echo stubborn running; while :; do sleep 0.2; done",
+        "trap '' TERM; echo $BASHPID > '{p}'; echo stubborn running; while :; do sleep 0.2; done",
         p = pids.display()
     ));
     j.cancel = Some(("build_script".into(), Duration::from_secs(2)));

@@ -3,12 +3,14 @@
 //! left running, from the byte where the job log stopped ([`Stream`]).
 //!
 //! The session's stdin carries the script (when it starts the stage), then
-//! control lines: `TERM`/`KILL` on SIGTERM, and `ACK` once dormant has the
-//! stage's end and its whole output, so the machine drops what it kept. The
-//! stage is over when the wrapper has reported the exit code with the
-//! output's length and that many bytes have arrived: no end of file is
-//! waited for, so the follower that copies the output costs the stage's end
-//! nothing. A session that ends before that is [`Once::Broken`]: the caller
+//! control lines: `TERM`/`KILL` on SIGTERM. The stage is over when the
+//! wrapper has reported the exit code with the output's length and that many
+//! bytes have arrived: no end of file is waited for, so the follower that
+//! copies the output costs the stage's end nothing. Then dormant just closes
+//! the session: over a connection that lives, that tells the machine dormant
+//! is done (or dead) and it drops what it kept — no acknowledgement to wait
+//! for. A session that ends before that is [`Once::Broken`]: dormant first
+//! says `KEEP` (it will follow again; the script must run on), and the caller
 //! reconnects if need be and follows again.
 
 use std::os::fd::AsRawFd;
@@ -28,10 +30,11 @@ use crate::transport::{Ran, Script, ScriptExit};
 const TERM_GRACE: Duration = Duration::from_secs(5);
 /// After SIGKILL, how long to wait for the wrapper's exit report.
 const KILL_STEP: Duration = Duration::from_secs(5);
-/// How long the `ACK` may take to leave dormant's pipe for the master: once
-/// the master has read it, it is delivered even as dormant goes (the master
-/// sends what it read before it closes a channel whose client left).
-const ACK_HANDOFF: Duration = Duration::from_millis(200);
+/// How long `KEEP` may take to leave dormant's pipe for the master: once the
+/// master has read it, it is delivered even as dormant closes the session
+/// (the master sends what it read before it closes a channel whose client
+/// left). Only on the rare path of a session broken over a live connection.
+const KEEP_HANDOFF: Duration = Duration::from_millis(200);
 
 /// What dormant knows of a stage across its sessions.
 pub struct Stage<W: std::io::Write> {
@@ -195,12 +198,9 @@ pub async fn run_once<W: std::io::Write>(
         }
     };
     if let Some(code) = ended {
-        // The machine may drop what it kept: the end and the whole output are here.
-        let _ = control.send("ACK");
+        // Closing the session over a live connection tells the machine that
+        // dormant has the stage's end: it drops what it kept.
         drop(control);
-        if writing {
-            let _ = tokio::time::timeout(ACK_HANDOFF * 2, &mut writer).await;
-        }
         drop(child);
         let exit = if s.cancelled {
             ScriptExit::Cancelled
@@ -212,6 +212,22 @@ pub async fn run_once<W: std::io::Write>(
             watched: s.watched,
             left_running: false,
         }));
+    }
+    if !s.cancelled && s.error.is_none() {
+        // Following again: the script must not take the closed session for
+        // dormant's end.
+        let _ = control.send("KEEP");
+        drop(control);
+        if writing {
+            let _ = tokio::time::timeout(KEEP_HANDOFF * 2, &mut writer).await;
+        }
+        drop(child);
+        let said = if s.other.is_empty() {
+            "the session ended".to_string()
+        } else {
+            s.other.join("; ")
+        };
+        return Ok(Once::Broken(said));
     }
     drop(control);
     drop(child);
@@ -228,16 +244,9 @@ pub async fn run_once<W: std::io::Write>(
             left_running: true,
         }));
     }
-    if let Some(e) = s.error {
-        st.stream.end_line();
-        bail!("{e} ({})", place.dest);
-    }
-    let said = if s.other.is_empty() {
-        "the session ended".to_string()
-    } else {
-        s.other.join("; ")
-    };
-    Ok(Once::Broken(said))
+    let e = s.error.unwrap_or_default();
+    st.stream.end_line();
+    bail!("{e} ({})", place.dest)
 }
 
 /// What one session reported so far.
@@ -312,7 +321,8 @@ impl Heard {
 }
 
 /// The session's stdin: the script, then control lines until the sender is
-/// dropped; then it waits (briefly) until the master has taken them.
+/// dropped; then it waits (at most [`KEEP_HANDOFF`]) until the master has
+/// taken them.
 async fn write_control(
     mut stdin: ChildStdin,
     upload: &[u8],
@@ -324,7 +334,7 @@ async fn write_control(
     }
     stdin.flush().await?;
     let started = Instant::now();
-    while pending_in_pipe(&stdin) > 0 && started.elapsed() < ACK_HANDOFF {
+    while pending_in_pipe(&stdin) > 0 && started.elapsed() < KEEP_HANDOFF {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     Ok(())

@@ -29,9 +29,13 @@
 //! line: `TERM` or `KILL` signals the script's process group (a termination
 //! needs no second channel). Direct: end of file — dormant died or the
 //! connection was lost — terminates the group (SIGTERM, SIGKILL 5 s later),
-//! so a script never runs on with nobody to report to. Kept: `ACK` (dormant
-//! has the whole output and the end) removes the stage's files; end of file
-//! without it leaves the script running and its output kept for
+//! so a script never runs on with nobody to report to. Kept: end of file over
+//! a connection that lives (the session's sshd process is still there)
+//! means dormant closed the session — it has the whole output and the end,
+//! or it died — and the stage's files go (the script too, if it still runs,
+//! as with the direct wrapper); `KEEP` first means dormant follows again in
+//! a new session. End of file because the connection was lost (the sshd
+//! process went with it) leaves the script running and its output kept for
 //! `ssh.reconnect_timeout` plus a margin ([`linger`]), for dormant to come
 //! back; then the script is stopped and its files removed. The job's cleanup
 //! stops earlier what a job left ([`LEFTOVERS`]).
@@ -120,12 +124,30 @@ pub fn linger(reconnect_timeout: std::time::Duration, server_alive: std::time::D
     (reconnect_timeout + server_alive * 3).as_secs() + 60
 }
 
+/// A wrapper as sent: its comment lines out (they are for whoever reads the
+/// source; bash would parse them on every stage, twice: `w='…'`, then `eval`).
+fn sent(kept: bool) -> &'static str {
+    static DIRECT_SENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    static KEPT_SENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let (cell, text) = if kept {
+        (&KEPT_SENT, KEPT)
+    } else {
+        (&DIRECT_SENT, DIRECT)
+    };
+    cell.get_or_init(|| {
+        text.lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .map(|l| format!("{l}\n"))
+            .collect()
+    })
+}
+
 /// The first line of every uploaded script: the wrapper's copy of the script
 /// goes (`eval` already holds it), so the script sees no variable it did not set.
 const PRELUDE: &str = "unset s\n";
 
-/// A control line: `TERM` or `KILL` (to the script's group), `ACK` (kept:
-/// dormant has the stage's whole output and its end).
+/// A control line: `TERM` or `KILL` (to the script's group), `KEEP` (kept:
+/// dormant closes this session but follows the stage again).
 pub fn signal_line(signal: &str) -> Vec<u8> {
     format!("{signal}\n").into_bytes()
 }
@@ -140,7 +162,7 @@ pub fn command_line(
     kept: Option<&Kept<'_>>,
 ) -> String {
     let (wrapper, more) = match kept {
-        None => (DIRECT, String::new()),
+        None => (sent(false), String::new()),
         Some(k) => {
             let (mode, offset) = match k.mode {
                 Mode::Start => ("start", 0),
@@ -148,7 +170,7 @@ pub fn command_line(
                 Mode::Follow(at) => ("follow", at),
             };
             (
-                KEPT,
+                sent(true),
                 format!(
                     " {} {} {mode} {offset} {} {}",
                     shell_quote(k.env),

@@ -14,6 +14,23 @@ if [ ! -d "$t" ]; then
   mkdir -p -- "$t" 2>/dev/null
 fi
 if [ ! -O "$t" ] || [ -L "$t" ]; then echo "dormant-error $t is not a directory of $USER's own: not keeping the stage's output there" >&2; exit 97; fi
+# The claim: the first session to create the output file runs the script.
+# A new stage claims at once, and starts the follower that copies the output
+# into this session as it is written (the one program a stage starts): its
+# start runs beside all that comes before the script's first output. (A
+# session re-sent after a connection lost before dormant heard of the start
+# claims once it has the script, and follows the stage if one did before.)
+f= c=
+claim() {
+  set -C
+  if { exec 3>"$o.out"; } 2>/dev/null; then
+    c=1
+    tail -c +1 -f -- "$o.out" </dev/null 2>/dev/null 3>&- & f=$!
+    disown "$f"
+  fi
+  set +C
+}
+[ "$6" = start ] && claim
 # Whether process $1 has the kept output open: it is this stage's, not a
 # process that got a pid of the stage's back.
 holds() { local d; for d in /proc/$1/fd/*; do [ "$d" -ef "$o.out" ] && return; done; return 1; }
@@ -24,8 +41,12 @@ nap() { [ -n "$n" ] || { exec 8< <(:); exec 8<>/dev/fd/8; n=1; }; read -r -t "$1
 n=
 # Stops what is left of the stage, drops its files, and goes.
 fin() {
-  local i=0
+  local i=0 x y
   if [ "/proc/$m/fd/3" -ef "$o.out" ]; then
+    # (The script's group may be a moment from being recorded.)
+    while [ -z "$p" ] && [ $((i += 1)) -le 20 ]; do
+      { read -r x y < "$o.pid" && [ -n "$y" ] && m=$x p=$y; } 2>/dev/null || nap 0.05
+    done
     kill -s TERM -- "-$p" 2>/dev/null
     while [ "/proc/$m/fd/3" -ef "$o.out" ] && [ $((i += 1)) -le 50 ]; do nap 0.1; done
     kill -s KILL -- "-$p" 2>/dev/null
@@ -35,26 +56,50 @@ fin() {
   rm -f -- "$o".*
   exit 0
 }
+# Whether this session's connection lives: the sshd process the session's
+# shell was started by ($PPID) is still there a moment after its input ended.
+# (When the connection is lost, that process goes, closing the session.)
+up() {
+  local i=0 st
+  while :; do
+    st=
+    read -r st < "/proc/$PPID/stat" 2>/dev/null
+    st=${st##*) }
+    case ${st%% *} in ''|Z|X) return 1;; esac
+    [ $((i += 1)) -le 4 ] || return 0
+    nap 0.025
+  done
+}
 # The stage's owner, one at a time (the process named first in $o.own): reads
-# the control lines, keeps the output within its bound, drops the files once
-# dormant has read the end (ACK), and after a lost connection keeps the stage
-# $L s for dormant to come back. A newer owner (a re-attach) takes over.
+# the control lines, keeps the output within its bound, and when its session
+# ends: over a connection that lives, dormant closed it — it has the stage's
+# end, or it died, and then the script goes as with the direct wrapper —
+# unless dormant said KEEP (it follows again in a new session); after a lost
+# connection, the script runs on and the stage is kept $L s for dormant to
+# come back. A newer owner (a re-attach) takes over.
 own() {
-  local me=$BASHPID c x y k=0 fp e= ack= dl
+  local me=$BASHPID c x y k=0 fp e= keep= dl pend=
+  [ "$1" = start ] && echo "$me $f" > "$o.own"
+  # A lost connection must not end the owner when it says something.
+  trap '' PIPE
   trap 'holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0' TERM
   [ -r "$o.kept" ] && read -r k < "$o.kept"
   while :; do
+    # The script's group, once the wrapper has started it.
+    [ -n "$p" ] || { read -r x y < "$o.pid" && [ -n "$y" ] && m=$x p=$y; } 2>/dev/null
+    if [ -n "$pend" ] && [ -n "$p" ]; then kill -s "$pend" -- "-$p" 2>/dev/null; pend=; fi
     if IFS= read -r -t 0.05 c; then
-      case $c in TERM|KILL) kill -s "$c" -- "-$p" 2>/dev/null;; ACK) ack=1;; esac
+      case $c in
+        TERM|KILL) if [ -n "$p" ]; then kill -s "$c" -- "-$p" 2>/dev/null; else pend=$c; fi;;
+        KEEP) keep=1;;
+      esac
     elif [ $? -lt 128 ] && [ -z "$e" ]; then
-      # End of the control lines without ACK: dormant died, or the
-      # connection was lost. The script runs on; dormant may come back.
       e=1 dl=$((SECONDS + L)); nap 0; exec 0<&8
+      [ -z "$keep" ] && up && fin
     fi
     read -r x y < "$o.own" 2>/dev/null
     [ "$x" = "$me" ] || { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
     z=; [ -e "$o.exit" ] && read -r x z < "$o.exit"
-    [ -n "$ack" ] && [ -n "$z" ] && fin
     if [ -n "$z" ] && [ -n "$rep" ]; then echo "dormant-exit $x $z" >&2; rep=; fi
     if [ -z "$z" ]; then
       pos "$m" 3
@@ -80,28 +125,28 @@ own() {
     [ -n "$e" ] && [ "$SECONDS" -ge "$dl" ] && fin
   done
 }
+# Not run after all: the claim goes.
+unclaim() { kill -s KILL "$f" 2>/dev/null; rm -f -- "$o.out"; }
 r() { local LC_ALL=C; IFS= read -r -N "$1" s && [ "${#s}" -eq "$1" ]; }
-if ! r "$1"; then echo "dormant-error the stage script arrived incomplete: not run" >&2; exit 97; fi
-unset -f r
-if [ "$6" != follow ] && [ -n "$2" ] && ! cd -- "$2" 2>/dev/null; then echo "dormant-error the work directory $2 does not exist on the host" >&2; exit 97; fi
-# The claim: the first session to create the output file runs the script (a
-# session re-sent after a connection lost before dormant heard of the start
-# follows it instead).
-f= m= p=
-set -C
-if [ "$6" != follow ] && { exec 3>"$o.out"; } 2>/dev/null; then
-  set +C
-  # The follower copies the output to this session as it is written; started
-  # before the script, so it is up by the time the script prints.
-  tail -c +1 -f -- "$o.out" </dev/null 2>/dev/null 3>&- & f=$!
-  disown "$f"
-  # The session's output is the follower's alone: it ends when the follower does.
-  exec >/dev/null
+if ! r "$1"; then
+  [ -n "$c" ] && unclaim
+  echo "dormant-error the stage script arrived incomplete: not run" >&2; exit 97
 fi
-set +C
-if [ -z "$f" ] && [ "$6" = start ]; then echo "dormant-error could not create $o.out to keep the stage's output" >&2; exit 97; fi
-if [ -n "$f" ]; then
+unset -f r
+if [ "$6" != follow ] && [ -n "$2" ] && ! cd -- "$2" 2>/dev/null; then
+  [ -n "$c" ] && unclaim
+  echo "dormant-error the work directory $2 does not exist on the host" >&2; exit 97
+fi
+m= p=
+[ "$6" = retry ] && claim
+unset -f claim unclaim
+if [ -z "$c" ] && [ "$6" = start ]; then echo "dormant-error could not create $o.out to keep the stage's output" >&2; exit 97; fi
+if [ -n "$c" ]; then
   echo "dormant-kept" >&2
+  m=$$ rep=
+  # The owner, and the session's output left to the follower alone.
+  own start <&0 >/dev/null & w=$!
+  exec 0</dev/null >/dev/null
   # `$$` in the script is this wrapper: what the script sends it is passed on
   # to the script, as in the direct wrapper (direct.sh says why).
   q=
@@ -111,15 +156,12 @@ if [ -n "$f" ]; then
   trap "if [ -n \"\$p\" ]; then kill -s INT -- -\$p; else q=INT; fi 2>/dev/null" INT
   # The script writes into the file, never into the connection: it runs on
   # whatever happens to the connection.
-  { set -m; ( set +m; trap : QUIT; unset -f holds pos nap fin own; unset w p q g o f t m n K L rep; set --; eval "$s" ) </dev/null >&3 2>&3 & p=$!; set +m; } 2>/dev/null
+  { set -m; ( set +m; trap : QUIT; unset -f holds pos nap fin up own; unset w p q g o f t m n c K L rep; set --; eval "$s" ) </dev/null >&3 2>&3 & p=$!; set +m; } 2>/dev/null
   unset s
   [ -z "$q" ] || kill -s "$q" "$p" 2>/dev/null
   trap '' PIPE
-  m=$$ rep=
+  echo "$m $p" > "$o.pid"
   echo "dormant-pgid $p" >&2
-  own <&0 >/dev/null & w=$!
-  echo "$w $f $m $p" > "$o.own"
-  exec 0</dev/null
   # A trapped signal ends `wait` early: wait again until the script is gone.
   while :; do wait "$p"; rc=$?; kill -0 "$p" 2>/dev/null || break; done
   kill -s KILL -- "-$p" 2>/dev/null
@@ -133,18 +175,18 @@ if [ -n "$f" ]; then
   # fd 3 open in this wrapper means "the script's group may live".
   exec 3>&-
   # sshd stops passing the session's input on once this process exits, and
-  # the owner still has to read dormant's ACK there: wait for it.
+  # the owner still has to see how it ends: wait for it.
   wait "$w"
   exit "$rc"
 fi
 # Re-attach: become the stage's owner and follow its output from offset $7.
 [ -e "$o.out" ] || { echo "dormant-error gone: the stage's output is not kept on the machine any more (it was left $L s without dormant, or the machine restarted)" >&2; exit 97; }
 i=0
-until read -r w f m p < "$o.own" 2>/dev/null && [ -n "$p" ]; do
+until { read -r m p < "$o.pid" && read -r w f < "$o.own"; } 2>/dev/null && [ -n "$p" ] && [ -n "$w" ]; do
   [ $((i += 1)) -le 40 ] || { echo "dormant-error the stage on the machine never started" >&2; exit 97; }
   nap 0.05
 done
-echo "$$ - $m $p" > "$o.own"
+echo "$$ -" > "$o.own"
 i=0
 while holds "$w"; do [ $((i += 1)) -le 40 ] || kill -s KILL "$w" 2>/dev/null; nap 0.05; done
 holds "$f" && kill -s KILL "$f" 2>/dev/null
@@ -155,7 +197,7 @@ a=$7 k=0
 tail -c +$((a + 1)) -f -- "$o.out" </dev/null 2>/dev/null 3<&- 8<&- & f=$!
 disown "$f"
 exec >/dev/null
-echo "$$ $f $m $p" > "$o.own"
+echo "$$ $f" > "$o.own"
 echo "dormant-at $a" >&2
 rep=1
 own

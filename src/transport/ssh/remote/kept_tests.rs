@@ -1,7 +1,9 @@
 //! The kept wrapper run under a local `sh` as sshd would run it, session by
-//! session: the offset/resume protocol on the machine's side. A "lost
-//! connection" is what sshd's death leaves the wrapper: its stdin at end of
-//! file and its stdout and stderr with nobody reading them.
+//! session: the offset/resume protocol on the machine's side. Each session's
+//! shell is started by a stand-in for its sshd process (a parent shell): a
+//! "lost connection" is that parent's death with the session's stdin at end
+//! of file and its output unread; dormant closing a session it is done with
+//! is end of file while the parent lives.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -67,8 +69,16 @@ impl Machine {
             linger_secs: linger,
             bound,
         };
+        // The stand-in for the session's sshd process.
         let mut cmd = Command::new("sh");
         cmd.arg("-c")
+            // (holding none of the session's pipes itself, as sshd reads and
+            // writes them through its own ends)
+            .arg(
+                "exec 3<&0 4>&1 5>&2 </dev/null >/dev/null 2>/dev/null; \
+                 sh -c \"$1\" <&3 >&4 2>&5 3<&- 4>&- 5>&- & exec 3<&- 4>&- 5>&-; wait",
+            )
+            .arg("sshd")
             .arg(command_line(body.len(), None, None, Some(&kept)))
             .env("TMPDIR", self.tmp.path())
             .stdin(Stdio::piped())
@@ -137,20 +147,21 @@ impl Sess {
             .unwrap();
     }
 
-    /// The connection is lost: nobody writes to the session nor reads it
-    /// (and, as for sshd's death, nobody waits for its processes).
+    /// The connection is lost: the session's sshd process goes, nobody
+    /// writes to the session nor reads it (nor waits for its processes).
     fn cut(mut self) {
+        let _ = self.child.kill();
         drop(self.child.stdin.take());
         drop(self.out.take());
         drop(self.reports);
         std::thread::spawn(move || self.child.wait());
     }
 
-    /// dormant has everything: ACK, and the session ends.
-    fn ack(mut self) {
-        self.send("ACK");
+    /// dormant has everything (or died): it closes the session, whose sshd
+    /// process lives on.
+    fn close(mut self) {
         drop(self.child.stdin.take());
-        let _ = self.child.wait();
+        std::thread::spawn(move || self.child.wait());
     }
 }
 
@@ -191,10 +202,10 @@ fn a_stage_runs_on_after_its_connection_and_a_new_session_continues_at_the_byte(
         Report::Exit(255, Some(want.len() as u64)),
         "the script's own 255, exactly"
     );
-    second.ack();
+    second.close();
     wait_for(
         || m.files("build.1").is_empty(),
-        "the stage's files to go after ACK",
+        "the stage's files to go once dormant closed the session",
     );
 }
 
@@ -220,7 +231,7 @@ fn a_session_follows_a_stage_still_running_and_three_cuts_lose_nothing() {
     got.extend(s.read(len as usize - got.len()));
     assert_eq!(String::from_utf8_lossy(&got), want);
     assert_eq!(code, 3);
-    s.ack();
+    s.close();
     wait_for(|| m.files("build.2").is_empty(), "the files to go");
 }
 
@@ -240,13 +251,13 @@ fn a_session_lost_before_dormant_heard_of_the_start_is_followed_not_run_twice() 
         retry.until(|r| matches!(r, Report::Exit(..))),
         Report::Exit(0, Some(5))
     ));
-    retry.ack();
+    retry.close();
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), "run\n");
     // A retry whose first session never claimed the stage runs it.
     let mut fresh = m.session("build.4", Mode::Retry, "echo ran", 1 << 20, 60);
     assert_eq!(fresh.report(), Report::Kept);
     assert_eq!(fresh.read(4), b"ran\n");
-    fresh.ack();
+    fresh.close();
 }
 
 #[test]
@@ -293,7 +304,7 @@ fn output_past_the_bound_drops_its_oldest_part_and_says_where_it_resumes() {
         &full[at as usize..],
         "the kept part is the output's exact end"
     );
-    follow.ack();
+    follow.close();
 }
 
 #[test]
@@ -342,7 +353,7 @@ fn a_term_line_and_a_newer_session_are_obeyed() {
         "{}",
         String::from_utf8_lossy(&rest)
     );
-    second.ack();
+    second.close();
     first.cut();
     wait_for(|| m.files("build.7").is_empty(), "the files to go");
 }
@@ -395,4 +406,73 @@ fn leftovers_are_stopped_and_their_files_removed() {
         "the user's directory stays"
     );
     assert_eq!(run(false), "", "nothing left: nothing said");
+}
+
+#[test]
+fn a_session_dormant_closes_mid_stage_stops_the_script_unless_it_said_keep() {
+    let m = Machine::new();
+    let pid_file = |n: &str| m.tmp.path().join(n);
+    let script = |f: &Path| format!("echo $BASHPID > '{}'; sleep 300", f.display());
+    // dormant died (or gave up) over a live connection: as with the direct
+    // wrapper, the script goes, and what was kept with it.
+    let (a, b) = (pid_file("a"), pid_file("b"));
+    let s = m.session("build.10", Mode::Start, &script(&a), 1 << 20, 600);
+    assert_eq!(s.report(), Report::Kept);
+    wait_for(|| a.exists(), "the script to start");
+    let pid: i32 = std::fs::read_to_string(&a).unwrap().trim().parse().unwrap();
+    s.close();
+    wait_for(|| !alive(pid), "the script to be stopped");
+    wait_for(|| m.files("build.10").is_empty(), "the files to go");
+    // KEEP: dormant follows again, the script runs on.
+    let mut s = m.session("build.11", Mode::Start, &script(&b), 1 << 20, 600);
+    assert_eq!(s.report(), Report::Kept);
+    wait_for(|| b.exists(), "the script to start");
+    let pid: i32 = std::fs::read_to_string(&b).unwrap().trim().parse().unwrap();
+    s.send("KEEP");
+    s.close();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(alive(pid), "KEEP: the script runs on");
+    let mut again = m.session("build.11", Mode::Follow(0), "", 1 << 20, 600);
+    assert_eq!(again.until(|r| matches!(r, Report::At(_))), Report::At(0));
+    again.send("TERM");
+    assert!(matches!(
+        again.until(|r| matches!(r, Report::Exit(..))),
+        Report::Exit(143, _)
+    ));
+    again.close();
+    wait_for(|| m.files("build.11").is_empty(), "the files to go");
+}
+
+#[test]
+fn a_script_that_arrives_incomplete_is_not_run_and_leaves_no_claim() {
+    let m = Machine::new();
+    let kept = Kept {
+        env: ENV,
+        stage: "build.12",
+        mode: Mode::Start,
+        linger_secs: 60,
+        bound: 1 << 20,
+    };
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(command_line(100, None, None, Some(&kept)))
+        .env("TMPDIR", m.tmp.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = as_sshd_would(cmd).spawn().unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"echo ran\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "");
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .ends_with("dormant-error the stage script arrived incomplete: not run\n"),
+        "{out:?}"
+    );
+    assert!(m.files("build.12").is_empty(), "{:?}", m.files("build.12"));
 }

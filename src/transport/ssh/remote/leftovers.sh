@@ -9,10 +9,11 @@ t=$t/dormant-$UID
 if [ -d "$t" ] && [ -O "$t" ] && [ ! -L "$t" ]; then
   holds() { local d; for d in /proc/$1/fd/*; do [ "$d" -ef "$o.out" ] && return; done; return 1; }
   g=
-  for s in "$t/$1".*.own; do
+  for s in "$t/$1".*.out; do
     [ -e "$s" ] || continue
-    o=${s%.own} w= f= m= p=
-    read -r w f m p < "$s"
+    o=${s%.out} w= f= m= p=
+    read -r w f < "$o.own" 2>/dev/null
+    read -r m p < "$o.pid" 2>/dev/null
     holds "$w" && kill -s TERM "$w" 2>/dev/null
     holds "$f" && kill -s KILL "$f" 2>/dev/null
     # The wrapper that ran the script holds fd 3 while the script's group may
