@@ -23,14 +23,22 @@ pub struct Ec2Settings {
     pub region: Option<String>,
     /// Another EC2 endpoint (an emulator in tests, a VPC endpoint).
     pub endpoint_url: Option<String>,
-    /// Subnet the instances are launched in (required).
+    /// The one subnet instances are launched in (or `subnet_ids`).
     pub subnet_id: Option<String>,
+    /// Several subnets, one per zone, tried in this order (or `subnet_id`).
+    pub subnet_ids: Vec<String>,
     /// Security groups of the instances; empty: the VPC's default group.
     pub security_group_ids: Vec<String>,
     /// Instance type when the job does not pick one.
     pub instance_type: String,
+    /// Tried in this order after `instance_type` when it has no capacity.
+    pub fallback_instance_types: Vec<String>,
     /// Instance types a job may pick through `DORMANT_EC2_INSTANCE_TYPE`.
     pub allowed_instance_types: Vec<String>,
+    /// On-demand or spot instances.
+    pub market: Market,
+    /// With spot: launch on-demand when no spot capacity is found anywhere.
+    pub on_demand_fallback: bool,
     /// AMI id (`ami-...`) or AMI name pattern (`debian-12-amd64-*`, newest match).
     pub image: Option<String>,
     /// Owners a name pattern is looked up in (`self`, `amazon`, an account id).
@@ -78,9 +86,13 @@ impl Default for Ec2Settings {
             region: None,
             endpoint_url: None,
             subnet_id: None,
+            subnet_ids: Vec::new(),
             security_group_ids: Vec::new(),
             instance_type: "t3.medium".into(),
+            fallback_instance_types: Vec::new(),
             allowed_instance_types: Vec::new(),
+            market: Market::OnDemand,
+            on_demand_fallback: false,
             image: None,
             image_owners: Vec::new(),
             allowed_images: Vec::new(),
@@ -112,6 +124,26 @@ pub enum AddressKind {
     Public,
 }
 
+/// Which EC2 market instances are bought in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+pub enum Market {
+    #[default]
+    #[serde(rename = "on-demand")]
+    OnDemand,
+    /// 60–90 % cheaper; EC2 may reclaim the instance at any time.
+    #[serde(rename = "spot")]
+    Spot,
+}
+
+impl Market {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Market::OnDemand => "on-demand",
+            Market::Spot => "spot",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum SuspendMode {
@@ -120,7 +152,37 @@ pub enum SuspendMode {
     Hibernate,
 }
 
+/// `subnet_ids` holds one subnet per zone: a region has at most six zones,
+/// plus its local zones; more entries than this is a mistake.
+pub const MAX_SUBNETS: usize = 16;
+/// Every capacity round tries each instance type in each subnet (and market):
+/// this many fallbacks keeps a round to a few dozen RunInstances calls.
+pub const MAX_FALLBACK_TYPES: usize = 8;
+
 const VOLUME_TYPES: &[&str] = &["gp3", "gp2", "io1", "io2", "st1", "sc1", "standard"];
+
+/// Entries must be one word each, listed once, at most `max` of them.
+fn check_list(
+    p: &mut impl FnMut(&str, String),
+    key: &str,
+    list: &[String],
+    what: &str,
+    max: usize,
+) {
+    if list.len() > max {
+        p(
+            key,
+            format!("{} entries; at most {max} are allowed", list.len()),
+        );
+    }
+    for (i, v) in list.iter().enumerate() {
+        if v.trim().is_empty() || v.contains(char::is_whitespace) || v.contains(',') {
+            p(key, format!("{} is not {what}", quoted(v)));
+        } else if list[..i].contains(v) {
+            p(key, format!("{} is listed twice", quoted(v)));
+        }
+    }
+}
 
 /// `ami-` followed by hex: an id, not a name pattern.
 pub fn is_ami_id(s: &str) -> bool {
@@ -143,10 +205,12 @@ impl Ec2Settings {
     pub fn validate(&self, selected: bool, problems: &mut Vec<String>) {
         let mut p = |key: &str, msg: String| problems.push(format!("ec2.{key}: {msg}"));
         if selected {
-            if self.subnet_id.as_deref().is_none_or(str::is_empty) {
+            if self.subnet_id.as_deref().is_none_or(str::is_empty) && self.subnet_ids.is_empty() {
                 p(
                     "subnet_id",
-                    "required with provider = \"ec2\": the subnet instances are launched in".into(),
+                    "required with provider = \"ec2\": the subnet instances are launched in \
+                     (or ec2.subnet_ids: one subnet per zone)"
+                        .into(),
                 );
             }
             if self.image.as_deref().is_none_or(str::is_empty) {
@@ -176,17 +240,7 @@ impl Ec2Settings {
                     .into(),
             );
         }
-        if self.instance_type.trim().is_empty() {
-            p("instance_type", "must not be empty".into());
-        }
-        for t in &self.allowed_instance_types {
-            if t.trim().is_empty() || t.contains(char::is_whitespace) {
-                p(
-                    "allowed_instance_types",
-                    format!("{} is not an instance type", quoted(t)),
-                );
-            }
-        }
+        self.validate_placement(&mut p);
         if let Some(e) = &self.endpoint_url {
             if !(e.starts_with("http://") || e.starts_with("https://")) {
                 p(
@@ -270,6 +324,84 @@ impl Ec2Settings {
         }
     }
 
+    /// Subnets, instance types and market.
+    fn validate_placement(&self, p: &mut impl FnMut(&str, String)) {
+        if self.subnet_id.is_some() && !self.subnet_ids.is_empty() {
+            p(
+                "subnet_ids",
+                "set either subnet_id (one subnet) or subnet_ids (one per zone), not both".into(),
+            );
+        }
+        if self
+            .subnet_id
+            .as_deref()
+            .is_some_and(|s| s.trim().is_empty())
+        {
+            p("subnet_id", "must not be empty".into());
+        }
+        check_list(
+            p,
+            "subnet_ids",
+            &self.subnet_ids,
+            "a subnet id",
+            MAX_SUBNETS,
+        );
+        if self.instance_type.trim().is_empty() || self.instance_type.contains(char::is_whitespace)
+        {
+            p(
+                "instance_type",
+                format!("{} is not an instance type", quoted(&self.instance_type)),
+            );
+        }
+        check_list(
+            p,
+            "fallback_instance_types",
+            &self.fallback_instance_types,
+            "an instance type",
+            MAX_FALLBACK_TYPES,
+        );
+        if self.fallback_instance_types.contains(&self.instance_type) {
+            p(
+                "fallback_instance_types",
+                format!(
+                    "{} is ec2.instance_type itself: list only the types to try after it",
+                    quoted(&self.instance_type)
+                ),
+            );
+        }
+        for t in &self.allowed_instance_types {
+            if t.trim().is_empty() || t.contains(char::is_whitespace) || t.contains(',') {
+                p(
+                    "allowed_instance_types",
+                    format!("{} is not an instance type", quoted(t)),
+                );
+            }
+        }
+        if self.on_demand_fallback && self.market != Market::Spot {
+            p(
+                "on_demand_fallback",
+                "only means something with market = \"spot\" (instances are on-demand already)"
+                    .into(),
+            );
+        }
+        if self.market == Market::Spot && self.suspend_mode == SuspendMode::Hibernate {
+            p(
+                "suspend_mode",
+                "\"hibernate\" cannot be used with market = \"spot\": a spot instance is never stopped \
+                 (EC2 may reclaim it at any time)"
+                    .into(),
+            );
+        }
+    }
+
+    /// The subnets a new environment may start in, in the order they are tried.
+    pub fn subnets(&self) -> Vec<String> {
+        match &self.subnet_id {
+            Some(s) => vec![s.clone()],
+            None => self.subnet_ids.clone(),
+        }
+    }
+
     /// builds_dir / cache_dir for config (no I/O): every instance has its own
     /// disk, so the same paths serve every environment.
     pub fn dirs(&self, _paths: &EnvPaths) -> Result<Dirs> {
@@ -282,137 +414,5 @@ impl Ec2Settings {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::settings::Settings;
-
-    fn problems(text: &str) -> String {
-        match Settings::parse_str(text) {
-            Ok(_) => String::new(),
-            Err(e) => format!("{e:#}"),
-        }
-    }
-
-    #[test]
-    fn selected_ec2_needs_subnet_and_image() {
-        let text = problems("provider = \"ec2\"\n[ec2]\n");
-        assert!(text.contains("ec2.subnet_id: required"), "{text}");
-        assert!(text.contains("ec2.image: required"), "{text}");
-        // Not selected: nothing required.
-        assert_eq!(problems("[ec2]\n"), "");
-    }
-
-    #[test]
-    fn bad_values_name_their_key() {
-        let text = problems(
-            "[ec2]\nimage = \"debian-12-*\"\nendpoint_url = \"localhost\"\nconnect_address = \"nope\"\n\
-             root_volume_type = \"ssd\"\ntags = { \"dormant:env\" = \"x\" }\nbuilds_dir = \"rel\"\n\
-             allowed_instance_types = [\"t3 large\"]\n",
-        );
-        for needle in [
-            "ec2.image_owners: required when ec2.image is a name pattern",
-            "ec2.endpoint_url:",
-            "ec2.connect_address:",
-            "ec2.root_volume_type:",
-            "ec2.tags:",
-            "ec2.builds_dir:",
-            "ec2.allowed_instance_types:",
-        ] {
-            assert!(text.contains(needle), "missing {needle:?} in {text}");
-        }
-        let text = problems("[ec2]\naddress = \"elastic\"\n");
-        assert!(text.contains("address"), "{text}");
-    }
-
-    #[test]
-    fn hibernation_needs_an_encrypted_root_volume_up_front() {
-        let text = problems("[ec2]\nsuspend_mode = \"hibernate\"\n");
-        assert!(
-            text.contains("ec2.root_volume_encrypted: suspend_mode = \"hibernate\" needs an encrypted root volume"),
-            "{text}"
-        );
-        assert!(text.contains("ec2.root_volume_size_gb:"), "{text}");
-        assert_eq!(
-            problems(
-                "[ec2]\nsuspend_mode = \"hibernate\"\nroot_volume_encrypted = true\nroot_volume_size_gb = 30\n"
-            ),
-            ""
-        );
-    }
-
-    #[test]
-    fn dirs_come_from_settings_alone() {
-        let paths = EnvPaths::new(std::path::Path::new("/s"), uuid::Uuid::nil());
-        let s = Ec2Settings::default();
-        assert_eq!(s.dirs(&paths).unwrap().builds, "/home/admin/builds");
-        let s = Ec2Settings {
-            ssh_user: "root".into(),
-            cache_dir: Some("/cache".into()),
-            ..Default::default()
-        };
-        let d = s.dirs(&paths).unwrap();
-        assert_eq!(
-            (d.builds.as_str(), d.cache.as_str()),
-            ("/root/builds", "/cache")
-        );
-    }
-
-    #[test]
-    fn the_shipped_example_documents_every_ec2_setting() {
-        let text = include_str!("../../examples/dormant.toml");
-        let section = text.split("\n[ec2]\n").nth(1).expect("an [ec2] section");
-        for key in [
-            "region",
-            "endpoint_url",
-            "subnet_id",
-            "security_group_ids",
-            "instance_type",
-            "allowed_instance_types",
-            "image",
-            "image_owners",
-            "allowed_images",
-            "image_cache_ttl",
-            "ssh_user",
-            "ssh_port",
-            "address",
-            "connect_address",
-            "root_volume_size_gb",
-            "root_volume_type",
-            "root_volume_encrypted",
-            "root_volume_kms_key_id",
-            "iam_instance_profile",
-            "tags",
-            "suspend_mode",
-            "max_environments",
-            "prepare_timeout",
-            "builds_dir",
-            "cache_dir",
-        ] {
-            assert!(
-                section.contains(&format!("{key} =")),
-                "examples/dormant.toml does not document ec2.{key}"
-            );
-        }
-        // Uncommenting the required ones gives a valid ec2 configuration.
-        let enabled = text
-            .replace("provider = \"local\"", "provider = \"ec2\"")
-            .replace("# subnet_id =", "subnet_id =")
-            .replace("# image = ", "image = ")
-            .replace("image_owners = []", "image_owners = [\"136693071363\"]");
-        let s = Settings::parse_str(&enabled).unwrap_or_else(|e| panic!("{e:#}"));
-        assert_eq!(s.ec2.image.as_deref(), Some("debian-12-amd64-*"));
-    }
-
-    #[test]
-    fn ami_ids_and_host_ports() {
-        assert!(is_ami_id("ami-0abc123"));
-        assert!(!is_ami_id("ami-"));
-        assert!(!is_ami_id("debian-12-*"));
-        assert_eq!(
-            parse_host_port("127.0.0.1:2222"),
-            Some(("127.0.0.1".into(), 2222))
-        );
-        assert_eq!(parse_host_port("[::1]:22"), Some(("::1".into(), 22)));
-        assert_eq!(parse_host_port("host"), None);
-    }
-}
+#[path = "ec2_tests.rs"]
+mod tests;

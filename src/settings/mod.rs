@@ -282,6 +282,19 @@ impl Settings {
             .validate(self.provider == ProviderKind::Ssh, problems);
         self.ec2
             .validate(self.provider == ProviderKind::Ec2, problems);
+        if self.provider == ProviderKind::Ec2
+            && self.ec2.market == ec2::Market::Spot
+            && self.suspend.enabled
+        {
+            // A one-time spot instance cannot be stopped, and EC2 reclaims it
+            // when it likes: an environment that *is* the instance would be lost.
+            problems.push(
+                "ec2.market: \"spot\" cannot hold a suspended environment: a spot instance cannot be \
+                 stopped, and EC2 may reclaim it at any time, taking the environment's disk with it; \
+                 set suspend.enabled = false to run jobs on spot instances without suspension"
+                    .into(),
+            );
+        }
         self.qemu
             .validate(self.provider == ProviderKind::Qemu, problems);
     }

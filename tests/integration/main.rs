@@ -11,6 +11,8 @@ mod ec2;
 #[cfg(feature = "ec2")]
 mod ec2_job;
 #[cfg(feature = "ec2")]
+mod ec2_placement;
+#[cfg(feature = "ec2")]
 mod ec2_resume;
 #[cfg(feature = "ec2")]
 mod ec2_rig;
@@ -24,6 +26,8 @@ mod job_request;
 mod lifecycle;
 #[cfg(feature = "ec2")]
 mod moto;
+#[cfg(feature = "ec2")]
+mod moto_refusals;
 mod notify;
 mod qemu;
 mod shell;

@@ -12,10 +12,13 @@ use super::image::{self, ImageResolver};
 use super::instance::{self, tag, tag_filter, InstanceInfo};
 use super::launch::{self, LaunchRequest};
 use super::lifecycle::terminate;
+use super::placement::{self, Rounds, Subnet};
+use super::subnets;
 use super::wait::{wait_for, Want};
-use super::Ec2Provider;
+use super::{field, Ec2Provider};
 use crate::context::Ctx;
 use crate::provider::{Machine, MachineSpec, MachineState};
+use crate::settings::ec2::Market;
 
 /// Terminating what a failed prepare launched gets at most this long.
 const ABANDON_BUDGET: Duration = Duration::from_secs(60);
@@ -24,7 +27,7 @@ impl Ec2Provider {
     pub(super) async fn create(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine> {
         let ctx = self.bounded(ctx);
         // Allow-lists first: a refusal does not depend on what exists in EC2.
-        let instance_type = self.instance_type(spec)?;
+        let instance_types = self.instance_types(spec)?;
         let (image_request, note) = image::choose(&self.settings, spec.image.as_deref())?;
         if let Some(note) = note {
             ctx.log.warn(note);
@@ -32,7 +35,14 @@ impl Ec2Provider {
         let region = self.clients.default_region().await?;
         let client = self.clients.client(&region).await;
         let result = self
-            .reclaim_or_launch(&client, &region, spec, &instance_type, &image_request, &ctx)
+            .reclaim_or_launch(
+                &client,
+                &region,
+                spec,
+                &instance_types,
+                &image_request,
+                &ctx,
+            )
             .await;
         if result.is_err() {
             self.abandon(&client, spec, &ctx).await;
@@ -71,7 +81,7 @@ impl Ec2Provider {
         client: &Client,
         region: &str,
         spec: &MachineSpec,
-        instance_type: &str,
+        instance_types: &[String],
         image_request: &str,
         ctx: &Ctx,
     ) -> Result<Machine> {
@@ -104,7 +114,9 @@ impl Ec2Provider {
                 terminate(client, &extra.id, ctx).await?;
             }
             let info = self.bring_up(client, first, ctx).await?;
-            return self.machine(region, &info);
+            return Ok(self
+                .machine(region, &info)?
+                .with(field::INSTANCE_TYPES, instance_types.join(",")));
         }
 
         let image = ImageResolver {
@@ -118,10 +130,16 @@ impl Ec2Provider {
             spec,
             settings: &self.settings,
             image: &image,
-            instance_type,
             client_token: launch::client_token(spec, generation),
             user_data: launch::user_data(spec, &self.settings)?,
         };
+        let subnets = self.subnets(client, region, ctx).await?;
+        let choices = placement::choices(
+            instance_types,
+            &subnets,
+            self.settings.market,
+            self.settings.on_demand_fallback,
+        );
         let cap = Capacity {
             client,
             store: &self.store,
@@ -129,28 +147,70 @@ impl Ec2Provider {
             system_id: &spec.system_id,
             max: self.settings.max_environments,
         };
-        let id = cap
-            .launch_when_free(ctx, || launch::run_instance(client, &req, ctx))
+        let rounds = Rounds::default();
+        let launched = cap
+            .launch_when_free(ctx, || {
+                rounds.try_round(&choices, ctx, |k| {
+                    launch::run_instance(client, &req, &choices[k], k, ctx)
+                })
+            })
             .await
             .with_context(|| {
                 format!(
-                    "launching a {instance_type} instance from {} in {} (subnet {})",
+                    "launching a {} instance from {} in {} (subnet {})",
+                    instance_types.join(" / "),
                     image.image_id,
                     region,
-                    self.settings.subnet_id.as_deref().unwrap_or("?")
+                    subnets
+                        .iter()
+                        .map(|s| s.id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(" / ")
                 )
             })?;
+        let (id, choice) = (&launched.id, &launched.choice);
         ctx.log.info(format!(
-            "launched instance {id} ({instance_type}, image {}{}) in {region}",
+            "launched instance {id} ({}{}, image {}{}) in {region}{}",
+            choice.instance_type,
+            if choice.market == Market::Spot {
+                ", spot"
+            } else {
+                ""
+            },
             image.image_id,
             image
                 .name
                 .as_deref()
                 .map(|n| format!(" {n}"))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            if subnets.len() > 1 {
+                format!(", subnet {}", choice.subnet)
+            } else {
+                String::new()
+            }
         ));
-        let info = wait_for(client, &id, Want::Running, ctx).await?;
-        self.machine(region, &info)
+        let info = wait_for(client, id, Want::Running, ctx).await?;
+        Ok(self
+            .machine(region, &info)?
+            .with(field::INSTANCE_TYPES, instance_types.join(",")))
+    }
+
+    /// The subnets a new environment may start in; with more than one, their
+    /// zones (cached for good: `subnets.rs`). One subnet needs no lookup.
+    pub(super) async fn subnets(
+        &self,
+        client: &Client,
+        region: &str,
+        ctx: &Ctx,
+    ) -> Result<Vec<Subnet>> {
+        let ids = self.settings.subnets();
+        if ids.len() < 2 {
+            return Ok(ids
+                .into_iter()
+                .map(|id| Subnet { id, zone: None })
+                .collect());
+        }
+        subnets::with_zones(client, &self.store, region, &ids, ctx).await
     }
 
     /// After a failed create: terminate whatever this environment launched (it

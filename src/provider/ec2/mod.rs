@@ -8,8 +8,11 @@
 //! `call` (throttling/transient retries), `errors` (classification and hints
 //! naming the setting or IAM permission), `instance` (describe, find by tag),
 //! `image` (allow-list, name patterns, the cached resolution), `launch`
-//! (RunInstances: tags, IMDSv2, user-data), `capacity` (`max_environments`,
-//! capacity errors), `wait` (polling for a state).
+//! (RunInstances: tags, IMDSv2, user-data, market), `placement` (the ordered
+//! instance type × subnet × market choices and one round of trying them),
+//! `subnets` (the zones of `subnet_ids`), `capacity` (`max_environments`,
+//! capacity errors), `retype` (a resume that changes the instance type when
+//! the current one has no capacity), `wait` (polling for an instance's state).
 
 pub mod call;
 pub mod capacity;
@@ -21,6 +24,9 @@ pub mod instance;
 pub mod launch;
 mod lifecycle;
 mod machine;
+pub mod placement;
+mod retype;
+pub mod subnets;
 pub mod wait;
 
 use std::time::Duration;
@@ -46,6 +52,14 @@ mod field {
     pub const ENV: &str = "env";
     pub const RUNNER: &str = "runner";
     pub const SYSTEM: &str = "system";
+    /// The instance's zone, type and market, as EC2 last described it.
+    pub const ZONE: &str = "zone";
+    pub const INSTANCE_TYPE: &str = "instance_type";
+    pub const MARKET: &str = "market";
+    /// The instance types this environment may run on, in order (its
+    /// creator's choice), comma-separated: a resume without capacity for the
+    /// current one tries the others.
+    pub const INSTANCE_TYPES: &str = "instance_types";
 }
 
 pub struct Ec2Provider {
