@@ -18,6 +18,8 @@ mod ec2_resume;
 mod ec2_rig;
 #[cfg(feature = "ec2")]
 mod ec2_shell;
+#[cfg(feature = "ec2")]
+mod ec2_volume;
 mod edge;
 mod harness;
 mod hygiene;

@@ -12,7 +12,8 @@
 //! instance type × subnet × market choices and one round of trying them),
 //! `subnets` (the zones of `subnet_ids`), `capacity` (`max_environments`,
 //! capacity errors), `retype` (a resume that changes the instance type when
-//! the current one has no capacity), `wait` (polling for an instance's state).
+//! the current one has no capacity), `volume` (the EBS calls of a data
+//! volume and their waits), `wait` (polling for an instance's state).
 
 pub mod call;
 pub mod capacity;
@@ -27,6 +28,7 @@ mod machine;
 pub mod placement;
 mod retype;
 pub mod subnets;
+pub mod volume;
 pub mod wait;
 
 use std::time::Duration;
