@@ -9,6 +9,8 @@ mod crash;
 #[cfg(feature = "ec2")]
 mod ec2;
 #[cfg(feature = "ec2")]
+mod ec2_calls;
+#[cfg(feature = "ec2")]
 mod ec2_job;
 #[cfg(feature = "ec2")]
 mod ec2_placement;
