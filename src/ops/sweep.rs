@@ -43,9 +43,13 @@ pub async fn sweep(
         report.errors.len()
     ));
     // Machines the provider manages that no record knows: a lost state dir.
+    // The records are read after the listing: an environment's record is
+    // made before its machine, so a machine a prepare made while this sweep
+    // listed has its record by then and is not taken for an orphan.
+    let listed = provider.list(&ctx).await?;
     let known = store.environment_ids()?;
     let mut orphans = 0;
-    for m in provider.list(&ctx).await? {
+    for m in listed {
         if m.env_id.is_some_and(|id| known.contains(&id)) {
             continue;
         }
