@@ -110,7 +110,7 @@ pub async fn recover(
             Some(Event::Release)
         }
         Settle::Suspend | Settle::Resuspend => {
-            super::suspend(w, paths, me, settled == Settle::Suspend, ctx).await?;
+            super::suspend(w, paths, me, settled == Settle::Suspend, None, ctx).await?;
             Some(Event::Suspend)
         }
         Settle::Nothing => None,

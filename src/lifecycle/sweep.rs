@@ -85,6 +85,13 @@ pub async fn sweep(w: World<'_>, policy: &SuspendSettings, ctx: &Ctx) -> Result<
         let expired = rec.status() == EnvStatus::Suspended
             && now_unix().saturating_sub(rec.last_activity()) >= ttl;
         let failed_release = rec.status() == EnvStatus::Releasing;
+        if !expired && super::volume::has_leftovers(&rec) {
+            match finish_volume_suspend(w, &paths, &me, &rec, ctx).await {
+                Ok(()) => report.recovered.push(*id),
+                Err(e) => report.errors.push(e),
+            }
+            continue;
+        }
         if expired {
             ctx.log.info(format!(
                 "environment {id} has been suspended longer than the TTL ({}): releasing it",
@@ -118,6 +125,39 @@ pub async fn sweep(w: World<'_>, policy: &SuspendSettings, ctx: &Ctx) -> Result<
     sweep_strays(w, &mut report);
     sweep_jobs(w, policy, &mut report);
     Ok(report)
+}
+
+/// A suspended volume-mode environment whose machine a suspend did not
+/// delete (its detach or delete failed, the error recorded): claimed like a
+/// resume would, its volume detached and its machine deleted, then
+/// suspended again as it was (its TTL unchanged).
+async fn finish_volume_suspend(
+    w: World<'_>,
+    paths: &crate::model::EnvPaths,
+    me: &crate::state::Holder,
+    rec: &crate::state::EnvironmentRecord,
+    ctx: &Ctx,
+) -> Result<()> {
+    ctx.log.info(format!(
+        "environment {}: its suspension left machine {} (volume {}; {}): finishing it",
+        rec.id,
+        rec.machine
+            .as_ref()
+            .map(|m| m.id.as_str())
+            .unwrap_or("(not recorded)"),
+        rec.volume
+            .as_ref()
+            .map(|v| v.step().as_str())
+            .unwrap_or("-"),
+        rec.last_error.as_deref().unwrap_or("no error recorded")
+    ));
+    let _alive = crate::state::lock::LiveLock::hold(&paths.holder_live)?;
+    registry::update(paths, ctx, |r| r.claim_for_resume(me))
+        .await
+        .map_err(super::update_error)?;
+    super::suspend(w, paths, me, false, None, ctx)
+        .await
+        .map(drop)
 }
 
 /// Staging directories of killed creates, trash of killed deletes.

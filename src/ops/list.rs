@@ -19,8 +19,15 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
     if !json {
         writeln!(
             out,
-            "{:<36}  {:<10}  {:<8}  {:>7}  {:>10}  {:>4}  {:<10}  KEY",
-            "ENVIRONMENT", "STATUS", "PROVIDER", "PROJECT", "SUSPENDED", "JOBS", "HELD BY"
+            "{:<36}  {:<10}  {:<8}  {:<7}  {:>7}  {:>10}  {:>4}  {:<10}  KEY",
+            "ENVIRONMENT",
+            "STATUS",
+            "PROVIDER",
+            "STORAGE",
+            "PROJECT",
+            "SUSPENDED",
+            "JOBS",
+            "HELD BY"
         )?;
     }
     for id in store.environment_ids()? {
@@ -39,10 +46,11 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
                     .unwrap_or_else(|| "-".into());
                 writeln!(
                     out,
-                    "{:<36}  {:<10}  {:<8}  {:>7}  {:>10}  {:>4}  {:<10}  {}",
+                    "{:<36}  {:<10}  {:<8}  {:<7}  {:>7}  {:>10}  {:>4}  {:<10}  {}",
                     rec.id,
                     rec.status().as_str(),
                     rec.provider,
+                    rec.storage.as_str(),
                     rec.project_id,
                     age,
                     rec.job_count,
@@ -70,9 +78,18 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
     Ok(())
 }
 
-/// A record as one JSON line: its fields plus `status` and `holder`.
+/// A record as one JSON line: its fields, with `storage` always said (the
+/// file leaves it out for machine mode).
 fn record_json(rec: &EnvironmentRecord) -> Result<String> {
-    Ok(serde_json::to_string(rec)?)
+    Ok(serde_json::to_string(&with_storage(rec)?)?)
+}
+
+fn with_storage(rec: &EnvironmentRecord) -> Result<serde_json::Value> {
+    let mut v = serde_json::to_value(rec)?;
+    if let Some(o) = v.as_object_mut() {
+        o.insert("storage".into(), json!(rec.storage.as_str()));
+    }
+    Ok(v)
 }
 
 pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -> Result<()> {
@@ -84,6 +101,10 @@ pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -
             store.environments_dir().display()
         )
     })?;
-    writeln!(out, "{}", serde_json::to_string_pretty(&rec)?)?;
+    writeln!(
+        out,
+        "{}",
+        serde_json::to_string_pretty(&with_storage(&rec)?)?
+    )?;
     Ok(())
 }

@@ -27,8 +27,9 @@ use tokio::signal::unix::{signal, SignalKind};
 use crate::context::{Ctx, JobLog};
 use crate::job::Job;
 use crate::lifecycle::recover::{self, Found};
+use crate::lifecycle::volume::{self, Relaunch};
 use crate::lifecycle::{self, update_error, World};
-use crate::model::{EnvPaths, Machine};
+use crate::model::{EnvPaths, Machine, StorageMode};
 use crate::notify::{self, Audience, Event, Notification};
 use crate::settings::Settings;
 use crate::state::lock::LiveLock;
@@ -84,7 +85,7 @@ pub async fn shell(settings: &Settings, job: &Job, req: &ShellRequest, log: JobL
         lifecycle::release(w, &paths, &me, None, &ctx).await
     } else {
         log.info(format!("suspending environment {id}"));
-        lifecycle::suspend(w, &paths, &me, entered.is_ok(), &ctx)
+        lifecycle::suspend(w, &paths, &me, entered.is_ok(), None, &ctx)
             .await
             .map(drop)
     };
@@ -121,7 +122,7 @@ async fn claim(
     me: &Holder,
     settings: &Settings,
     ctx: &Ctx,
-) -> Result<Machine> {
+) -> Result<Option<Machine>> {
     let id = paths.id;
     for attempt in 0..2 {
         let claimed = registry::update(paths, ctx, |r| {
@@ -130,7 +131,9 @@ async fn claim(
         })
         .await;
         match claimed {
-            Ok((_, Some(machine))) => return Ok(machine),
+            // Volume mode: a new machine is made for it.
+            Ok((rec, _)) if rec.storage == StorageMode::Volume => return Ok(None),
+            Ok((_, Some(machine))) => return Ok(Some(machine)),
             Ok((_, None)) => bail!("environment {id} has no machine to open a shell in"),
             Err(UpdateError::Gone(_)) => bail!(
                 "environment {id} is not in this runner's registry: it was released or expired; \
@@ -164,7 +167,7 @@ async fn enter(
     job: &Job,
     paths: &EnvPaths,
     me: &Holder,
-    machine: Machine,
+    machine: Option<Machine>,
     req: &ShellRequest,
     signals: &Signals,
     ctx: &Ctx,
@@ -173,16 +176,30 @@ async fn enter(
     let log = &ctx.log;
     log.info(format!("resuming {} environment {id}", w.provider.name()));
     // Ctrl-C, SIGTERM or SIGHUP while it starts: stop, and suspend it again.
-    let machine = tokio::select! {
-        m = w.provider.start(&machine, ctx) => m.with_context(|| format!("starting environment {id}"))?,
-        s = signals.any(true) => bail!("{s} while starting environment {id}"),
+    let relaunch = Relaunch::default();
+    let machine = match machine {
+        Some(machine) => {
+            let machine = tokio::select! {
+                m = w.provider.start(&machine, ctx) => m.with_context(|| format!("starting environment {id}"))?,
+                s = signals.any(true) => bail!("{s} while starting environment {id}"),
+            };
+            registry::update(paths, ctx, |r| r.machine_started(me, machine.clone()))
+                .await
+                .map_err(update_error)?;
+            machine
+        }
+        None => tokio::select! {
+            m = volume::relaunch(w, paths, me, &relaunch, ctx) => {
+                m.with_context(|| format!("making a new machine for environment {id}"))?
+            }
+            s = signals.any(true) => bail!("{s} while starting environment {id}"),
+        },
     };
-    let (rec, ()) = registry::update(paths, ctx, |r| r.machine_started(me, machine.clone()))
-        .await
-        .map_err(update_error)?;
+    let rec = registry::peek(paths)?
+        .with_context(|| format!("environment {id} has no record any more"))?;
     let transport = crate::transport::open(&w.provider.target(&machine)?, paths, settings, job)?;
     tokio::select! {
-        c = transport.connect(ctx) => c?,
+        c = volume::connect(paths, me, transport.as_ref(), w.provider.volumes(), ctx) => c?,
         s = signals.any(true) => {
             lifecycle::close(Some(transport.as_ref()), id, ctx).await;
             bail!("{s} while connecting to environment {id}")
@@ -202,7 +219,7 @@ async fn enter(
 /// The job's `CI_PROJECT_DIR`: `<builds_dir>/<project path>` (the runner's
 /// layout for a builds dir that is not shared), else the builds dir.
 fn project_dir(settings: &Settings, paths: &EnvPaths, rec: &EnvironmentRecord) -> Result<String> {
-    let builds = crate::provider::dirs(settings, paths)?.builds;
+    let builds = crate::provider::dirs(settings, paths, rec.storage)?.builds;
     Ok(match &rec.project_path {
         Some(p) => format!("{}/{p}", builds.trim_end_matches('/')),
         None => builds,

@@ -109,3 +109,5 @@ impl Session {
 
 #[cfg(test)]
 pub(crate) mod fakes;
+#[cfg(test)]
+mod volume_tests;

@@ -17,8 +17,9 @@ use anyhow::{Context, Result};
 use crate::context::Ctx;
 use crate::envkey::EnvironmentKey;
 use crate::exit::Failure;
-use crate::lifecycle::update_error;
-use crate::provider::{Machine, MachineSpec, Refusal};
+use crate::lifecycle::{update_error, volume};
+use crate::model::{StorageMode, Volume};
+use crate::provider::{Machine, MachineSpec, Refusal, VolumeSpec};
 use crate::state::job::{hold_job_alive, LockedJob};
 use crate::state::registry::{self, UpdateError};
 use crate::state::{EnvPaths, EnvironmentRecord, Holder, Mode, NewEnvironment, Phase};
@@ -72,7 +73,7 @@ async fn prepare_new(s: &Session, locked: &LockedJob, ctx: &Ctx) -> Result<(), F
     } else {
         None
     };
-    let spec = MachineSpec {
+    let mut spec = MachineSpec {
         env_id,
         name: MachineSpec::machine_name(env_id),
         runner_id: s.runner_id.clone(),
@@ -83,11 +84,38 @@ async fn prepare_new(s: &Session, locked: &LockedJob, ctx: &Ctx) -> Result<(), F
         variables: s.job.job_variables(),
         ssh_public_key,
         paths: paths.clone(),
+        volume: None,
     };
+    let storage = registry::peek(&paths)?
+        .map(|r| r.storage)
+        .unwrap_or_default();
     s.log.info(format!(
-        "creating a new {} environment {env_id}",
-        s.provider.name()
+        "creating a new {} environment {env_id}{}",
+        s.provider.name(),
+        if storage == StorageMode::Volume {
+            " (volume mode: its builds and cache dirs on a data volume of their own)"
+        } else {
+            ""
+        }
     ));
+    let mut volume_key = None;
+    if storage == StorageMode::Volume {
+        let vspec = VolumeSpec {
+            env_id,
+            name: spec.name.clone(),
+            runner_id: spec.runner_id.clone(),
+            system_id: spec.system_id.clone(),
+            project_id: spec.project_id,
+            job_id: spec.job_id,
+            paths: paths.clone(),
+        };
+        let make_key = |v: &Volume| volume_environment_key(s, &system_id, env_id, v);
+        let volume = volume::create(s.world(), &paths, &holder, &vspec, make_key, ctx)
+            .await
+            .map_err(refused_or_system)?;
+        volume_key = Some(volume_environment_key(s, &system_id, env_id, &volume));
+        spec.volume = Some(volume::begin_attach(&paths, &holder, ctx).await?);
+    }
     let machine = s
         .provider
         .create_or_reclaim(&spec, ctx)
@@ -95,15 +123,20 @@ async fn prepare_new(s: &Session, locked: &LockedJob, ctx: &Ctx) -> Result<(), F
         .with_context(|| format!("creating {} environment {env_id}", s.provider.name()))
         .map_err(refused_or_system)?;
     crate::failpoint!("prepare:created");
-    let key = environment_key(s, &system_id, env_id, &machine);
+    let key = volume_key.unwrap_or_else(|| environment_key(s, &system_id, env_id, &machine));
     registry::update(&paths, ctx, |r| {
         r.machine_made(&holder, machine.clone(), key.clone())
     })
     .await
     .map_err(update_error)?;
     crate::failpoint!("prepare:recorded");
+    if let Some(v) = &spec.volume {
+        volume::attach(s.world(), &paths, &holder, v, &machine, ctx)
+            .await
+            .map_err(refused_or_system)?;
+    }
 
-    connect(s, &paths, &machine, ctx).await?;
+    connect(s, &paths, &holder, &machine, ctx).await?;
     registry::update(&paths, ctx, |r| r.activate(&holder))
         .await
         .map_err(update_error)?;
@@ -133,6 +166,8 @@ async fn claim_new(
             project_id: s.input.project_id,
             project_path: s.input.project_path.clone(),
             job_id: s.job_id(),
+            storage: s.provider.storage(),
+            image: s.input.image.clone(),
         },
         holder.clone(),
     );
@@ -172,12 +207,31 @@ async fn claim_new(
 
 /// A provider's [`Refusal`] (an allow-list said no) is the job's fault and is
 /// not retried; anything else is a system failure.
-fn refused_or_system(e: anyhow::Error) -> Failure {
+pub(super) fn refused_or_system(e: anyhow::Error) -> Failure {
     if e.downcast_ref::<Refusal>().is_some() {
         Failure::Refused(e)
     } else {
         Failure::System(e)
     }
+}
+
+/// A volume-mode environment's key: it names the volume (what the
+/// environment is while suspended), never a machine, which changes.
+fn volume_environment_key(
+    s: &Session,
+    system_id: &str,
+    env_id: uuid::Uuid,
+    volume: &Volume,
+) -> String {
+    let mut key = EnvironmentKey::new(&s.runner_id, system_id, env_id)
+        .with_field("provider", s.provider.name())
+        .with_field(crate::envkey::STORAGE_FIELD, StorageMode::Volume.as_str());
+    if let Some(vols) = s.provider.volumes() {
+        for (k, v) in vols.key_fields(volume) {
+            key = key.with_field(&k, &v);
+        }
+    }
+    key.encode()
 }
 
 fn environment_key(s: &Session, system_id: &str, env_id: uuid::Uuid, machine: &Machine) -> String {

@@ -6,6 +6,8 @@
 mod core;
 #[cfg(feature = "testing")]
 mod crash;
+#[cfg(feature = "testing")]
+mod crash_volume;
 #[cfg(feature = "ec2")]
 mod ec2;
 #[cfg(feature = "ec2")]

@@ -209,6 +209,7 @@ fn ec2_sends_the_same_user_data_as_qemu() {
         variables: Default::default(),
         ssh_public_key: Some(public.into()),
         paths: EnvPaths::new(Path::new("/nonexistent"), id),
+        volume: None,
     };
     let encoded = dormant::provider::ec2::launch::user_data(&spec, &settings).unwrap();
     let decoded = aws_smithy_types::base64::decode(&encoded).unwrap();
