@@ -76,9 +76,11 @@ pub async fn sweep(
     }
     // Data volumes (volume mode) no record knows.
     if let Some(vols) = provider.volumes() {
+        // Listed first, as the machines above: a record is made before its volume.
+        let listed = vols.list_volumes(&ctx).await?;
         let known = store.environment_ids()?;
         let mut orphans = 0;
-        for v in vols.list_volumes(&ctx).await? {
+        for v in listed {
             if v.env_id.is_some_and(|id| known.contains(&id)) {
                 continue;
             }

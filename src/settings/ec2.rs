@@ -9,9 +9,7 @@ use anyhow::Result;
 use serde::Deserialize;
 
 use super::HumanDuration;
-use crate::model::Dirs;
-use crate::model::EnvPaths;
-use crate::text::quoted;
+use crate::model::{Dirs, EnvPaths, StorageMode};
 
 /// The job variable through which a job picks an instance type from `allowed_instance_types`.
 pub const INSTANCE_TYPE_VARIABLE: &str = "DORMANT_EC2_INSTANCE_TYPE";
@@ -78,6 +76,20 @@ pub struct Ec2Settings {
     pub builds_dir: Option<String>,
     /// cache_dir inside the instance; default `<home of ssh_user>/cache`.
     pub cache_dir: Option<String>,
+    /// "machine": suspend stops (or hibernates) the instance, its disks kept.
+    /// "volume": the builds and cache dirs live on a data volume (EBS) of
+    /// their own; suspend terminates the instance and keeps the volume.
+    pub storage: StorageMode,
+    /// Volume mode: the data volume's size in GiB.
+    pub volume_size_gb: u32,
+    /// Volume mode: the data volume's EBS type.
+    pub volume_type: String,
+    /// Volume mode: encrypt the data volume.
+    pub volume_encrypted: bool,
+    /// Volume mode: KMS key of the data volume; unset: the account's EBS default key.
+    pub volume_kms_key_id: Option<String>,
+    /// Volume mode: where the data volume is mounted in the instance.
+    pub volume_mount: String,
 }
 
 impl Default for Ec2Settings {
@@ -112,9 +124,18 @@ impl Default for Ec2Settings {
             prepare_timeout: None,
             builds_dir: None,
             cache_dir: None,
+            storage: StorageMode::Machine,
+            volume_size_gb: DEFAULT_VOLUME_SIZE_GB,
+            volume_type: "gp3".into(),
+            volume_encrypted: true,
+            volume_kms_key_id: None,
+            volume_mount: DEFAULT_VOLUME_MOUNT.into(),
         }
     }
 }
+
+pub const DEFAULT_VOLUME_SIZE_GB: u32 = 20;
+pub const DEFAULT_VOLUME_MOUNT: &str = "/dormant";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -159,31 +180,6 @@ pub const MAX_SUBNETS: usize = 16;
 /// this many fallbacks keeps a round to a few dozen RunInstances calls.
 pub const MAX_FALLBACK_TYPES: usize = 8;
 
-const VOLUME_TYPES: &[&str] = &["gp3", "gp2", "io1", "io2", "st1", "sc1", "standard"];
-
-/// Entries must be one word each, listed once, at most `max` of them.
-fn check_list(
-    p: &mut impl FnMut(&str, String),
-    key: &str,
-    list: &[String],
-    what: &str,
-    max: usize,
-) {
-    if list.len() > max {
-        p(
-            key,
-            format!("{} entries; at most {max} are allowed", list.len()),
-        );
-    }
-    for (i, v) in list.iter().enumerate() {
-        if v.trim().is_empty() || v.contains(char::is_whitespace) || v.contains(',') {
-            p(key, format!("{} is not {what}", quoted(v)));
-        } else if list[..i].contains(v) {
-            p(key, format!("{} is listed twice", quoted(v)));
-        }
-    }
-}
-
 /// `ami-` followed by hex: an id, not a name pattern.
 pub fn is_ami_id(s: &str) -> bool {
     s.strip_prefix("ami-")
@@ -201,199 +197,6 @@ pub fn parse_host_port(s: &str) -> Option<(String, u16)> {
 }
 
 impl Ec2Settings {
-    /// `selected`: the `ec2` provider is the one in use, so its required settings must be there.
-    pub fn validate(&self, selected: bool, problems: &mut Vec<String>) {
-        let mut p = |key: &str, msg: String| problems.push(format!("ec2.{key}: {msg}"));
-        if selected {
-            if self.subnet_id.as_deref().is_none_or(str::is_empty) && self.subnet_ids.is_empty() {
-                p(
-                    "subnet_id",
-                    "required with provider = \"ec2\": the subnet instances are launched in \
-                     (or ec2.subnet_ids: one subnet per zone)"
-                        .into(),
-                );
-            }
-            if self.image.as_deref().is_none_or(str::is_empty) {
-                p(
-                    "image",
-                    "required with provider = \"ec2\": an AMI id (ami-...) or an AMI name pattern"
-                        .into(),
-                );
-            }
-        }
-        if let Some(image) = &self.image {
-            if !is_ami_id(image) && !image.is_empty() && self.image_owners.is_empty() {
-                p(
-                    "image_owners",
-                    format!(
-                        "required when ec2.image is a name pattern ({}): any AWS account can publish \
-                         an AMI under any name; say whose images to trust, e.g. [\"self\"] or an account id",
-                        quoted(image)
-                    ),
-                );
-            }
-        }
-        if self.allowed_images.iter().any(|i| !is_ami_id(i)) && self.image_owners.is_empty() {
-            p(
-                "image_owners",
-                "required when ec2.allowed_images holds name patterns: say whose images to trust"
-                    .into(),
-            );
-        }
-        self.validate_placement(&mut p);
-        if let Some(e) = &self.endpoint_url {
-            if !(e.starts_with("http://") || e.starts_with("https://")) {
-                p(
-                    "endpoint_url",
-                    format!(
-                        "{} must be a URL starting with http:// or https://",
-                        quoted(e)
-                    ),
-                );
-            }
-        }
-        if let Some(c) = &self.connect_address {
-            if parse_host_port(c).is_none() {
-                p(
-                    "connect_address",
-                    format!("{} must be host:port, e.g. \"127.0.0.1:2222\"", quoted(c)),
-                );
-            }
-        }
-        if self.ssh_user.trim().is_empty() {
-            p("ssh_user", "must not be empty".into());
-        }
-        if self.ssh_port == 0 {
-            p("ssh_port", "must not be 0".into());
-        }
-        if let Some(t) = &self.root_volume_type {
-            if !VOLUME_TYPES.contains(&t.as_str()) {
-                p(
-                    "root_volume_type",
-                    format!("{} is not one of {}", quoted(t), VOLUME_TYPES.join(", ")),
-                );
-            }
-        }
-        if self.root_volume_size_gb == Some(0) {
-            p(
-                "root_volume_size_gb",
-                "must be more than 0 (leave it out for the AMI's size)".into(),
-            );
-        }
-        if self.suspend_mode == SuspendMode::Hibernate {
-            if self.root_volume_encrypted != Some(true) {
-                p(
-                    "root_volume_encrypted",
-                    "suspend_mode = \"hibernate\" needs an encrypted root volume: set root_volume_encrypted = true \
-                     (and a root_volume_size_gb that holds the AMI plus the instance's RAM)"
-                        .into(),
-                );
-            }
-            if self.root_volume_size_gb.is_none() {
-                p(
-                    "root_volume_size_gb",
-                    "suspend_mode = \"hibernate\" writes the instance's RAM to the root volume: set a size \
-                     that holds the AMI plus the RAM of the largest allowed instance type"
-                        .into(),
-                );
-            }
-        }
-        for k in self.tags.keys() {
-            if k.starts_with("dormant:") || k.starts_with("aws:") || k == "Name" {
-                p(
-                    "tags",
-                    format!(
-                        "{} is reserved (dormant sets Name and dormant:* itself; aws:* is AWS's)",
-                        quoted(k)
-                    ),
-                );
-            }
-        }
-        for (key, dir) in [
-            ("builds_dir", &self.builds_dir),
-            ("cache_dir", &self.cache_dir),
-        ] {
-            if let Some(d) = dir {
-                if !d.starts_with('/') {
-                    p(
-                        key,
-                        format!("{} must be an absolute path inside the instance", quoted(d)),
-                    );
-                }
-            }
-        }
-    }
-
-    /// Subnets, instance types and market.
-    fn validate_placement(&self, p: &mut impl FnMut(&str, String)) {
-        if self.subnet_id.is_some() && !self.subnet_ids.is_empty() {
-            p(
-                "subnet_ids",
-                "set either subnet_id (one subnet) or subnet_ids (one per zone), not both".into(),
-            );
-        }
-        if self
-            .subnet_id
-            .as_deref()
-            .is_some_and(|s| s.trim().is_empty())
-        {
-            p("subnet_id", "must not be empty".into());
-        }
-        check_list(
-            p,
-            "subnet_ids",
-            &self.subnet_ids,
-            "a subnet id",
-            MAX_SUBNETS,
-        );
-        if self.instance_type.trim().is_empty() || self.instance_type.contains(char::is_whitespace)
-        {
-            p(
-                "instance_type",
-                format!("{} is not an instance type", quoted(&self.instance_type)),
-            );
-        }
-        check_list(
-            p,
-            "fallback_instance_types",
-            &self.fallback_instance_types,
-            "an instance type",
-            MAX_FALLBACK_TYPES,
-        );
-        if self.fallback_instance_types.contains(&self.instance_type) {
-            p(
-                "fallback_instance_types",
-                format!(
-                    "{} is ec2.instance_type itself: list only the types to try after it",
-                    quoted(&self.instance_type)
-                ),
-            );
-        }
-        for t in &self.allowed_instance_types {
-            if t.trim().is_empty() || t.contains(char::is_whitespace) || t.contains(',') {
-                p(
-                    "allowed_instance_types",
-                    format!("{} is not an instance type", quoted(t)),
-                );
-            }
-        }
-        if self.on_demand_fallback && self.market != Market::Spot {
-            p(
-                "on_demand_fallback",
-                "only means something with market = \"spot\" (instances are on-demand already)"
-                    .into(),
-            );
-        }
-        if self.market == Market::Spot && self.suspend_mode == SuspendMode::Hibernate {
-            p(
-                "suspend_mode",
-                "\"hibernate\" cannot be used with market = \"spot\": a spot instance is never stopped \
-                 (EC2 may reclaim it at any time)"
-                    .into(),
-            );
-        }
-    }
-
     /// The subnets a new environment may start in, in the order they are tried.
     pub fn subnets(&self) -> Vec<String> {
         match &self.subnet_id {
@@ -402,14 +205,27 @@ impl Ec2Settings {
         }
     }
 
-    /// builds_dir / cache_dir for config (no I/O): every instance has its own
-    /// disk, so the same paths serve every environment.
-    pub fn dirs(&self, _paths: &EnvPaths) -> Result<Dirs> {
-        Ok(super::own_disk_dirs(
-            &self.ssh_user,
-            self.builds_dir.as_deref(),
-            self.cache_dir.as_deref(),
-        ))
+    /// builds_dir / cache_dir for config (no I/O): the same paths serve
+    /// every environment of a storage mode — on the instance's own disk, or
+    /// (volume mode) on the data volume mounted at `volume_mount`.
+    pub fn dirs(&self, _paths: &EnvPaths, storage: StorageMode) -> Result<Dirs> {
+        Ok(match storage {
+            StorageMode::Machine => super::own_disk_dirs(
+                &self.ssh_user,
+                self.builds_dir.as_deref(),
+                self.cache_dir.as_deref(),
+            ),
+            StorageMode::Volume => Dirs {
+                builds: self
+                    .builds_dir
+                    .clone()
+                    .unwrap_or_else(|| format!("{}/builds", self.volume_mount)),
+                cache: self
+                    .cache_dir
+                    .clone()
+                    .unwrap_or_else(|| format!("{}/cache", self.volume_mount)),
+            },
+        })
     }
 }
 

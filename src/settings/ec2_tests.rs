@@ -1,6 +1,7 @@
 //! Unit tests of the `[ec2]` settings.
 
 use super::*;
+use crate::model::StorageMode;
 use crate::settings::Settings;
 
 fn problems(text: &str) -> String {
@@ -61,13 +62,16 @@ fn hibernation_needs_an_encrypted_root_volume_up_front() {
 fn dirs_come_from_settings_alone() {
     let paths = EnvPaths::new(std::path::Path::new("/s"), uuid::Uuid::nil());
     let s = Ec2Settings::default();
-    assert_eq!(s.dirs(&paths).unwrap().builds, "/home/admin/builds");
+    assert_eq!(
+        s.dirs(&paths, StorageMode::Machine).unwrap().builds,
+        "/home/admin/builds"
+    );
     let s = Ec2Settings {
         ssh_user: "root".into(),
         cache_dir: Some("/cache".into()),
         ..Default::default()
     };
-    let d = s.dirs(&paths).unwrap();
+    let d = s.dirs(&paths, StorageMode::Machine).unwrap();
     assert_eq!(
         (d.builds.as_str(), d.cache.as_str()),
         ("/root/builds", "/cache")
@@ -78,6 +82,15 @@ fn dirs_come_from_settings_alone() {
 fn the_shipped_example_documents_every_ec2_setting() {
     let text = include_str!("../../examples/dormant.toml");
     let section = text.split("\n[ec2]\n").nth(1).expect("an [ec2] section");
+    // Up to the next table; a key is documented by a line of its own, set or
+    // commented out (not by a longer key that ends with its name).
+    let section = section.split("\n[").next().unwrap();
+    let documented = |key: &str| {
+        section
+            .lines()
+            .map(|l| l.trim_start_matches("# "))
+            .any(|l| l.starts_with(&format!("{key} =")))
+    };
     for key in [
         "region",
         "endpoint_url",
@@ -108,9 +121,15 @@ fn the_shipped_example_documents_every_ec2_setting() {
         "prepare_timeout",
         "builds_dir",
         "cache_dir",
+        "storage",
+        "volume_size_gb",
+        "volume_type",
+        "volume_encrypted",
+        "volume_kms_key_id",
+        "volume_mount",
     ] {
         assert!(
-            section.contains(&format!("{key} =")),
+            documented(key),
             "examples/dormant.toml does not document ec2.{key}"
         );
     }
@@ -224,7 +243,8 @@ fn spot_is_for_environments_that_do_not_live_on_the_instance() {
     // Machine mode with suspension on: a spot instance would take the environment with it.
     let text = problems(&format!("provider = \"ec2\"\n{ec2}market = \"spot\"\n"));
     assert!(
-        text.contains("ec2.market: \"spot\" cannot hold a suspended environment")
+        text.contains("ec2.market: \"spot\" cannot hold a suspended environment in machine mode")
+            && text.contains("ec2.storage = \"volume\"")
             && text.contains("suspend.enabled = false"),
         "{text}"
     );
@@ -250,4 +270,50 @@ fn spot_is_for_environments_that_do_not_live_on_the_instance() {
         let text = problems(&format!("[ec2]\n{lines}"));
         assert!(text.contains(needle), "{lines:?}: want {needle:?} in {text}");
     }
+}
+
+#[test]
+fn volume_mode_settings_have_defaults_and_bounds() {
+    let s = Settings::default().ec2;
+    assert_eq!(s.storage, StorageMode::Machine);
+    assert_eq!(
+        (
+            s.volume_size_gb,
+            s.volume_type.as_str(),
+            s.volume_encrypted,
+            s.volume_mount.as_str()
+        ),
+        (20, "gp3", true, "/dormant")
+    );
+    assert_eq!(s.volume_kms_key_id, None);
+    for (lines, needle) in [
+        ("volume_type = \"io2\"\n", "ec2.volume_type: \"io2\" is not one of gp3, gp2, st1, sc1, standard (io1 and io2 need provisioned IOPS"),
+        ("volume_size_gb = 0\n", "ec2.volume_size_gb: 0 GiB is out of range: a gp3 volume is 1 to 16384 GiB"),
+        ("volume_size_gb = 16385\n", "ec2.volume_size_gb: 16385 GiB is out of range"),
+        ("volume_type = \"st1\"\nvolume_size_gb = 100\n", "ec2.volume_size_gb: 100 GiB is out of range: a st1 volume is 125 to 16384 GiB"),
+        ("volume_encrypted = false\nvolume_kms_key_id = \"alias/k\"\n", "ec2.volume_kms_key_id: a KMS key encrypts the volume"),
+        ("volume_mount = \"/etc\"\n", "ec2.volume_mount: \"/etc\" is a system directory"),
+        ("volume_mount = \"rel\"\n", "ec2.volume_mount: \"rel\" must be an absolute path"),
+        ("storage = \"volume\"\nbuilds_dir = \"/home/admin/builds\"\n", "ec2.builds_dir: \"/home/admin/builds\" is not on the data volume (ec2.volume_mount = \"/dormant\")"),
+        ("storage = \"disk\"\n", "ec2.storage"),
+    ] {
+        let text = problems(&format!("[ec2]\n{lines}"));
+        assert!(text.contains(needle), "{lines:?}: want {needle:?} in {text}");
+    }
+    // In volume mode the dirs are on the volume; a machine-mode environment keeps its own.
+    let s = Settings::parse_str(
+        "[ec2]\nstorage = \"volume\"\nvolume_mount = \"/data\"\ncache_dir = \"/data/c\"\n",
+    )
+    .unwrap()
+    .ec2;
+    let paths = EnvPaths::new(std::path::Path::new("/s"), uuid::Uuid::nil());
+    let d = s.dirs(&paths, StorageMode::Volume).unwrap();
+    assert_eq!(
+        (d.builds.as_str(), d.cache.as_str()),
+        ("/data/builds", "/data/c")
+    );
+    assert_eq!(
+        s.dirs(&paths, StorageMode::Machine).unwrap().builds,
+        "/home/admin/builds"
+    );
 }

@@ -108,6 +108,7 @@ async fn prepare_new(s: &Session, locked: &LockedJob, ctx: &Ctx) -> Result<(), F
             project_id: spec.project_id,
             job_id: spec.job_id,
             paths: paths.clone(),
+            machine: Some(spec.clone()),
         };
         let make_key = |v: &Volume| volume_environment_key(s, &system_id, env_id, v);
         let volume = volume::create(s.world(), &paths, &holder, &vspec, make_key, ctx)

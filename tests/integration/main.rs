@@ -24,6 +24,8 @@ mod ec2_rig;
 mod ec2_shell;
 #[cfg(feature = "ec2")]
 mod ec2_volume;
+#[cfg(feature = "ec2")]
+mod ec2_volume_mode;
 mod edge;
 mod harness;
 mod hygiene;

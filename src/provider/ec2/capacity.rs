@@ -1,6 +1,6 @@
 //! Capacity: `ec2.max_environments` (running plus suspended instances of this
-//! runner, counted under a lock so two prepares cannot both take the last
-//! slot) and EC2's own capacity errors (InsufficientInstanceCapacity,
+//! runner — in volume mode plus the data volumes without an instance —
+//! counted under a lock so two prepares cannot both take the last slot) and EC2's own capacity errors (InsufficientInstanceCapacity,
 //! InstanceLimitExceeded, ...) are waited out inside the prepare timeout
 //! through `crate::wait`; a release on this runner manager wakes the waiters.
 
@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use super::errors::{api_error, ErrorKind};
 use super::instance::{self, tag, tag_filter, LIVE_STATES};
 use super::placement::Launched;
+use super::volume;
 use crate::context::Ctx;
 use crate::state::store::{read_json, write_json, FORMAT_VERSION};
 use crate::state::FileLock;
@@ -49,6 +50,9 @@ pub struct Capacity<'a> {
     pub system_id: &'a str,
     /// 0: no limit.
     pub max: u32,
+    /// Volume mode: a suspended environment is a data volume without an
+    /// instance, and counts too.
+    pub count_volumes: bool,
 }
 
 impl Capacity<'_> {
@@ -89,7 +93,30 @@ impl Capacity<'_> {
             .iter()
             .filter(|(id, _)| !found.iter().any(|i| &i.id == id))
             .count();
-        Ok(live + not_visible_yet)
+        let mut volumes_alone = 0;
+        if self.count_volumes {
+            let with_instance: Vec<&str> = found
+                .iter()
+                .filter(|i| LIVE_STATES.contains(&i.state_name.as_str()))
+                .filter_map(|i| i.tag(tag::ENV))
+                .collect();
+            volumes_alone = volume::find(
+                self.client,
+                vec![
+                    tag_filter(tag::MANAGED_BY, tag::MANAGED_BY_VALUE),
+                    tag_filter(tag::RUNNER, self.runner_id),
+                    tag_filter(tag::SYSTEM, self.system_id),
+                    tag_filter(tag::VOLUME, tag::VOLUME_DATA),
+                ],
+                ctx,
+            )
+            .await?
+            .iter()
+            .filter(|v| !v.is_gone())
+            .filter(|v| v.tag(tag::ENV).is_none_or(|e| !with_instance.contains(&e)))
+            .count();
+        }
+        Ok(live + not_visible_yet + volumes_alone)
     }
 
     /// Calls `launch` (one round over the placement choices: `Ok(Err(reason))`

@@ -1,6 +1,13 @@
 //! A new environment's instance: adopt what an earlier attempt of the same
 //! prepare launched (found by tags), else launch one within capacity; a
 //! failed create terminates what it launched.
+//!
+//! Volume mode: a machine for a data volume is launched in the subnet of the
+//! volume's zone (an EBS volume attaches only there), without hibernation
+//! (the machine is terminated on suspend), and an instance of the
+//! environment found in another zone is terminated rather than adopted. A
+//! new volume-mode environment's first machine is launched before its volume
+//! (`volumes.rs`), anywhere there is capacity, and its volume made beside it.
 
 use std::time::Duration;
 
@@ -17,14 +24,55 @@ use super::subnets;
 use super::wait::{wait_for, Want};
 use super::{field, Ec2Provider};
 use crate::context::Ctx;
-use crate::provider::{Machine, MachineSpec, MachineState};
-use crate::settings::ec2::Market;
+use crate::provider::{Machine, MachineSpec, MachineState, StorageMode};
+use crate::settings::ec2::{Market, SuspendMode};
+
+/// Where a launch may go.
+#[derive(Debug, Clone)]
+pub(super) enum Within {
+    /// Any of the subnets (a new environment). `volume_mode`: its volume is
+    /// made beside it next (no hibernation: the machine is never stopped).
+    Anywhere { volume_mode: bool },
+    /// The zone of a data volume: only the subnet there.
+    VolumeZone(VolumePlace),
+}
+
+impl Within {
+    fn zone(&self) -> Option<&str> {
+        match self {
+            Within::VolumeZone(p) => Some(&p.zone),
+            Within::Anywhere { .. } => None,
+        }
+    }
+}
+
+/// Where a data volume is: its region, zone, and the subnet of that zone.
+#[derive(Debug, Clone)]
+pub(super) struct VolumePlace {
+    pub region: String,
+    pub zone: String,
+    pub subnet: Subnet,
+}
 
 /// Terminating what a failed prepare launched gets at most this long.
 const ABANDON_BUDGET: Duration = Duration::from_secs(60);
 
 impl Ec2Provider {
     pub(super) async fn create(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine> {
+        let within = match &spec.volume {
+            Some(v) => Within::VolumeZone(self.volume_place(v, ctx).await?),
+            None => Within::Anywhere { volume_mode: false },
+        };
+        self.create_within(spec, within, ctx).await
+    }
+
+    /// [`Self::create`] where `within` says.
+    pub(super) async fn create_within(
+        &self,
+        spec: &MachineSpec,
+        within: Within,
+        ctx: &Ctx,
+    ) -> Result<Machine> {
         let ctx = self.bounded(ctx);
         // Allow-lists first: a refusal does not depend on what exists in EC2.
         let instance_types = self.instance_types(spec)?;
@@ -32,13 +80,17 @@ impl Ec2Provider {
         if let Some(note) = note {
             ctx.log.warn(note);
         }
-        let region = self.clients.default_region().await?;
+        let region = match &within {
+            Within::VolumeZone(place) => place.region.clone(),
+            Within::Anywhere { .. } => self.clients.default_region().await?,
+        };
         let client = self.clients.client(&region).await;
         let result = self
             .reclaim_or_launch(
                 &client,
                 &region,
                 spec,
+                &within,
                 &instance_types,
                 &image_request,
                 &ctx,
@@ -76,11 +128,13 @@ impl Ec2Provider {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn reclaim_or_launch(
         &self,
         client: &Client,
         region: &str,
         spec: &MachineSpec,
+        within: &Within,
         instance_types: &[String],
         image_request: &str,
         ctx: &Ctx,
@@ -100,7 +154,24 @@ impl Ec2Provider {
             .iter()
             .filter(|i| i.state == MachineState::Gone)
             .count();
-        let mut live = found.into_iter().filter(|i| i.state != MachineState::Gone);
+        let mut live: Vec<InstanceInfo> = Vec::new();
+        for i in found.into_iter().filter(|i| i.state != MachineState::Gone) {
+            match within.zone() {
+                Some(z) if i.zone.as_deref() != Some(z) => {
+                    // It cannot take the volume: never adopted, never left running.
+                    ctx.log.warn(format!(
+                        "terminating instance {} of environment {}: it is in zone {}, but the environment's \
+                         data volume is in {z}",
+                        i.id,
+                        spec.env_id,
+                        i.zone.as_deref().unwrap_or("?")
+                    ));
+                    terminate(client, &i.id, ctx).await?;
+                }
+                _ => live.push(i),
+            }
+        }
+        let mut live = live.into_iter();
         if let Some(first) = live.next() {
             ctx.log.info(format!(
                 "adopting instance {} ({}) that an earlier attempt of this prepare launched",
@@ -130,10 +201,22 @@ impl Ec2Provider {
             spec,
             settings: &self.settings,
             image: &image,
-            client_token: launch::client_token(spec, generation),
+            client_token: match within {
+                Within::Anywhere { volume_mode: false } => launch::client_token(spec, generation),
+                // Every resume of a volume-mode environment launches: a token
+                // of its own each time (EC2 answers a token it saw before with
+                // that launch's instance, terminated long ago). Retries inside
+                // this call share it; a retried prepare finds its launch by tags.
+                _ => launch::fresh_token(),
+            },
             user_data: launch::user_data(spec, &self.settings)?,
+            hibernate: matches!(within, Within::Anywhere { volume_mode: false })
+                && self.settings.suspend_mode == SuspendMode::Hibernate,
         };
-        let subnets = self.subnets(client, region, ctx).await?;
+        let subnets = match within {
+            Within::VolumeZone(place) => vec![place.subnet.clone()],
+            Within::Anywhere { .. } => self.subnets(client, region, ctx).await?,
+        };
         let choices = placement::choices(
             instance_types,
             &subnets,
@@ -146,6 +229,7 @@ impl Ec2Provider {
             runner_id: &spec.runner_id,
             system_id: &spec.system_id,
             max: self.settings.max_environments,
+            count_volumes: self.settings.storage == StorageMode::Volume,
         };
         let rounds = Rounds::default();
         let launched = cap

@@ -19,7 +19,7 @@ use super::instance::tag;
 use super::placement::Choice;
 use crate::context::Ctx;
 use crate::provider::MachineSpec;
-use crate::settings::ec2::{Ec2Settings, Market, SuspendMode};
+use crate::settings::ec2::{Ec2Settings, Market};
 
 /// The tags of an environment's instance and volumes.
 pub fn tags(spec: &MachineSpec, settings: &Ec2Settings) -> Vec<(String, String)> {
@@ -64,6 +64,15 @@ pub struct LaunchRequest<'a> {
     /// (a token reused with other parameters is refused by EC2).
     pub client_token: String,
     pub user_data: String,
+    /// Launch with hibernation configured (machine mode, `suspend_mode =
+    /// "hibernate"`; on-demand only).
+    pub hibernate: bool,
+}
+
+/// A ClientToken used for one launch only (volume mode, where every resume
+/// launches anew).
+pub fn fresh_token() -> String {
+    format!("dormant-{}", uuid::Uuid::new_v4().simple())
 }
 
 /// The ClientToken of the `index`-th placement choice.
@@ -171,14 +180,13 @@ pub async fn run_instance(
             .tag_specifications(spec_for(ResourceType::Volume))
             .set_block_device_mappings(root.clone().map(|r| vec![r]))
             .set_iam_instance_profile(profile.clone())
-            .set_hibernation_options(
-                (s.suspend_mode == SuspendMode::Hibernate && choice.market == Market::OnDemand)
-                    .then(|| {
-                        HibernationOptionsRequest::builder()
-                            .configured(true)
-                            .build()
-                    }),
-            )
+            .set_hibernation_options((req.hibernate && choice.market == Market::OnDemand).then(
+                || {
+                    HibernationOptionsRequest::builder()
+                        .configured(true)
+                        .build()
+                },
+            ))
             .send()
     })
     .await?;

@@ -13,13 +13,16 @@
 //! `subnets` (the zones of `subnet_ids`), `capacity` (`max_environments`,
 //! capacity errors), `retype` (a resume that changes the instance type when
 //! the current one has no capacity), `volume` (the EBS calls of a data
-//! volume and their waits), `wait` (polling for an instance's state).
+//! volume and their waits), `volumes` (volume mode: the `Volumes` side),
+//! `guest_seam` (the tests' stand-in for the guest's block device), `wait`
+//! (polling for an instance's state).
 
 pub mod call;
 pub mod capacity;
 pub mod client;
 mod create;
 pub mod errors;
+pub mod guest_seam;
 pub mod image;
 pub mod instance;
 pub mod launch;
@@ -29,6 +32,7 @@ pub mod placement;
 mod retype;
 pub mod subnets;
 pub mod volume;
+mod volumes;
 pub mod wait;
 
 use std::time::Duration;
@@ -39,7 +43,9 @@ use aws_sdk_ec2::config::Credentials;
 use aws_sdk_ec2::Client;
 
 use self::instance::{tag, tag_filter};
-use super::{Machine, MachineSpec, MachineState, ManagedMachine, Provider, Target};
+use super::{
+    Machine, MachineSpec, MachineState, ManagedMachine, Provider, StorageMode, Target, Volumes,
+};
 use crate::context::Ctx;
 use crate::settings::ec2::Ec2Settings;
 use crate::settings::Settings;
@@ -125,6 +131,16 @@ impl Provider for Ec2Provider {
 
     fn needs_ssh_key(&self) -> bool {
         true
+    }
+
+    fn storage(&self) -> StorageMode {
+        self.settings.storage
+    }
+
+    /// Always: environments made in volume mode stay resumable after the
+    /// setting goes back to `machine`.
+    fn volumes(&self) -> Option<&dyn Volumes> {
+        Some(self)
     }
 
     async fn create_or_reclaim(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine> {
