@@ -269,10 +269,10 @@ fn sweep_release_and_ttl_delete_volumes_and_orphans_are_found() {
     let id = dormant::envkey::EnvironmentKey::parse(&key).unwrap().env_id;
     // Suspended eight days ago (the default TTL is seven).
     dormant::state::testing::rewrite(&store, id, |_, _, rec| {
-        let old = |t: u64| t - 8 * 86400;
-        rec.created_at = old(rec.created_at);
-        rec.suspended_at = rec.suspended_at.map(old);
-        rec.resumed_at = rec.resumed_at.map(old);
+        const EIGHT_DAYS: u64 = 8 * 86400;
+        rec.created_at -= EIGHT_DAYS;
+        rec.suspended_at = rec.suspended_at.map(|t| t - EIGHT_DAYS);
+        rec.resumed_at = rec.resumed_at.map(|t| t - EIGHT_DAYS);
     })
     .unwrap();
     let out = rig.dormant(&["sweep"]);
