@@ -2,12 +2,15 @@
 //! through the test proxy: create with its zone, size, type, encryption, KMS
 //! key and tags; attach and detach with their waits; describe; delete;
 //! finding volumes by tag; and the attach across zones EC2 refuses (the
-//! proxy refuses it: moto would attach it).
+//! proxy refuses it: moto would attach it). Then the provider's `Volumes`
+//! side as the lifecycle calls it: the first instance launched with the
+//! volume, a retried create finding both, a detach without the guest's
+//! unmount, a deleted volume and a foreign one.
 
 use std::collections::BTreeMap;
 
 use dormant::provider::ec2::volume::{self, NewVolume, Until};
-use dormant::provider::{MachineSpec, Provider};
+use dormant::provider::{MachineSpec, Provider, VolumeGone, VolumeSpec};
 
 use crate::ec2::{err_text, rig, Ec2};
 use crate::moto::direct_client;
@@ -236,4 +239,164 @@ async fn volumes_are_found_by_their_tags() {
         Some(ours.env_id.to_string().as_str())
     );
     assert_eq!(found[0].zone, zone);
+}
+
+fn volume_spec(rig: &Ec2, machine: Option<MachineSpec>) -> VolumeSpec {
+    let m = machine.clone().unwrap_or_else(|| rig.spec());
+    VolumeSpec {
+        env_id: m.env_id,
+        name: m.name.clone(),
+        runner_id: m.runner_id.clone(),
+        system_id: m.system_id.clone(),
+        project_id: m.project_id,
+        job_id: m.job_id,
+        paths: m.paths.clone(),
+        machine,
+    }
+}
+
+/// A new environment's volume is made beside its first instance; a second
+/// `create_volume` (a retried prepare whose first attempt made both) finds
+/// the volume and the instance by their tags instead of making new ones, and
+/// the machine's launch adopts the instance.
+#[tokio::test]
+async fn create_volume_launches_the_first_instance_and_a_retry_finds_both() {
+    let rig = rig(&[]).await;
+    let first = rig.spec();
+    let spec = volume_spec(&rig, Some(first.clone()));
+    let vols = rig.provider.volumes().unwrap();
+    let v = vols.create_volume(&spec, &rig.ctx(120)).await.unwrap();
+    let live = rig.live_of(first.env_id).await;
+    assert_eq!(live.len(), 1, "the first instance");
+    let zone = live[0].placement().unwrap().availability_zone().unwrap();
+    assert_eq!(v.field("zone"), Some(zone), "the volume is beside it");
+
+    rig.proxy.clear_calls();
+    let again = vols.create_volume(&spec, &rig.ctx(120)).await.unwrap();
+    assert_eq!(again.id, v.id);
+    assert_eq!(
+        rig.proxy.count("CreateVolume"),
+        0,
+        "{:?}",
+        rig.proxy.actions()
+    );
+    assert_eq!(
+        rig.proxy.count("RunInstances"),
+        0,
+        "{:?}",
+        rig.proxy.actions()
+    );
+    let mut with_volume = first.clone();
+    with_volume.volume = Some(v.clone());
+    let m = rig
+        .provider
+        .create_or_reclaim(&with_volume, &rig.ctx(120))
+        .await
+        .unwrap();
+    assert_eq!(Some(m.id.as_str()), live[0].instance_id(), "adopted");
+    assert_eq!(rig.proxy.count("RunInstances"), 0);
+}
+
+/// When the guest could not be asked to unmount (a lost machine, a crashed
+/// process), detach never pulls the volume from under a mounted filesystem:
+/// it terminates the instance (whose shutdown unmounts it) and waits for the
+/// volume to be available.
+#[tokio::test]
+async fn a_detach_without_the_guests_unmount_terminates_the_instance_first() {
+    let rig = rig(&[]).await;
+    let spec = volume_spec(&rig, Some(rig.spec()));
+    let vols = rig.provider.volumes().unwrap();
+    let v = vols.create_volume(&spec, &rig.ctx(120)).await.unwrap();
+    let mut ms = spec.machine.clone().unwrap();
+    ms.volume = Some(v.clone());
+    let m = rig
+        .provider
+        .create_or_reclaim(&ms, &rig.ctx(120))
+        .await
+        .unwrap();
+    vols.attach(&v, &m, &rig.ctx(60)).await.unwrap();
+    rig.proxy.clear_calls();
+    vols.detach(&v, &m, false, &rig.ctx(60)).await.unwrap();
+    assert_eq!(
+        rig.proxy.count("DetachVolume"),
+        0,
+        "{:?}",
+        rig.proxy.actions()
+    );
+    assert_eq!(rig.proxy.count("TerminateInstances"), 1);
+    let i = rig.instance(&m.id).await;
+    assert!(matches!(
+        i.state().unwrap().name(),
+        Some(aws_sdk_ec2::types::InstanceStateName::Terminated)
+            | Some(aws_sdk_ec2::types::InstanceStateName::ShuttingDown)
+    ));
+    let client = direct_client(&rig.proxy.url());
+    let seen = volume::describe(&client, &v.id, &rig.ctx(10))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(seen.state, "available");
+
+    // With the guest's unmount: a DetachVolume; the instance is left to the
+    // machine's delete.
+    let m2 = rig
+        .provider
+        .create_or_reclaim(&ms, &rig.ctx(120))
+        .await
+        .unwrap();
+    vols.attach(&v, &m2, &rig.ctx(60)).await.unwrap();
+    rig.proxy.clear_calls();
+    vols.detach(&v, &m2, true, &rig.ctx(60)).await.unwrap();
+    assert_eq!(rig.proxy.count("DetachVolume"), 1);
+    assert_eq!(rig.proxy.count("TerminateInstances"), 0);
+}
+
+/// A volume deleted outside dormant is `VolumeGone` at the attach (the resume
+/// refuses instead of retrying); a volume without this runner manager's tags
+/// is neither attached nor deleted.
+#[tokio::test]
+async fn a_deleted_volume_is_gone_and_a_foreign_one_is_refused() {
+    let rig = rig(&[]).await;
+    let spec = volume_spec(&rig, Some(rig.spec()));
+    let vols = rig.provider.volumes().unwrap();
+    let v = vols.create_volume(&spec, &rig.ctx(120)).await.unwrap();
+    let m = rig
+        .provider
+        .find(spec.env_id, &rig.ctx(30))
+        .await
+        .unwrap()
+        .expect("the first instance");
+    rig.direct
+        .delete_volume()
+        .volume_id(&v.id)
+        .send()
+        .await
+        .unwrap();
+    let e = vols.attach(&v, &m, &rig.ctx(30)).await.unwrap_err();
+    assert!(e.downcast_ref::<VolumeGone>().is_some(), "{e:#}");
+    assert!(err_text(&e).contains("no longer exists"), "{e:#}");
+
+    let zone = v.field("zone").unwrap().to_string();
+    let foreign = rig
+        .direct
+        .create_volume()
+        .availability_zone(&zone)
+        .size(1)
+        .send()
+        .await
+        .unwrap()
+        .volume_id()
+        .unwrap()
+        .to_string();
+    let fv = dormant::model::Volume::new(&foreign).with("zone", &zone);
+    let e = vols.delete_volume(&fv, &rig.ctx(30)).await.unwrap_err();
+    assert!(err_text(&e).contains("refusing to delete volume"), "{e:#}");
+    let e = vols.attach(&fv, &m, &rig.ctx(30)).await.unwrap_err();
+    assert!(err_text(&e).contains("refusing to attach volume"), "{e:#}");
+    assert!(
+        volume::describe(&direct_client(&rig.proxy.url()), &foreign, &rig.ctx(10))
+            .await
+            .unwrap()
+            .is_some()
+    );
 }
