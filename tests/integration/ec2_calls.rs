@@ -1,4 +1,5 @@
-//! The EC2 API calls a suspend and a resume cost in each storage mode,
+//! The EC2 API calls a suspend and a resume cost in each storage mode
+//! (machine mode with stop and with hibernate, volume mode),
 //! counted by the recording proxy while whole jobs run through the built
 //! binary (moto behind the proxy, the loopback sshd standing in for every
 //! instance). `bench_api_calls` (ignored; `scripts/bench-ec2-calls.sh`)
@@ -51,15 +52,24 @@ fn tally(calls: &[Call]) -> String {
     format!("{} ({})", calls.len(), parts.join(", "))
 }
 
+/// How a row's runner is set up.
+enum Mode {
+    Machine(&'static str),
+    Volume,
+}
+
 /// One mode's row: a new environment suspended, resumed and suspended again,
 /// resumed and released.
-fn measure(name: &str, ec2_lines: &str) -> [String; 6] {
+fn measure(name: &str, mode: Mode) -> [String; 6] {
     let env = Ec2Env::start();
-    let rig = env.rig(
-        "7",
-        "s_0123456789ab",
-        &env.settings(&format!("{}{ec2_lines}", env.connect_address()), ""),
-    );
+    let rig = match mode {
+        Mode::Machine(ec2_lines) => env.rig(
+            "7",
+            "s_0123456789ab",
+            &env.settings(&format!("{}{ec2_lines}", env.connect_address()), ""),
+        ),
+        Mode::Volume => env.volume_rig("7", "s_0123456789ab", &env.volume_settings("", "")),
+    };
     let first = run_counted(
         &env,
         &rig,
@@ -95,11 +105,14 @@ fn measure(name: &str, ec2_lines: &str) -> [String; 6] {
 #[ignore = "a benchmark: scripts/bench-ec2-calls.sh runs it"]
 fn bench_api_calls() {
     let rows = [
-        measure("machine, stop", ""),
+        measure("machine, stop", Mode::Machine("")),
         measure(
             "machine, hibernate",
-            "suspend_mode = \"hibernate\"\nroot_volume_encrypted = true\nroot_volume_size_gb = 30\n",
+            Mode::Machine(
+                "suspend_mode = \"hibernate\"\nroot_volume_encrypted = true\nroot_volume_size_gb = 30\n",
+            ),
         ),
+        measure("volume", Mode::Volume),
     ];
     println!();
     println!("EC2 API calls per transition (counted by the test proxy; moto's transitions are instant, so every wait polls once: on EC2 add one describe per second of transition)");

@@ -149,10 +149,22 @@ pub async fn create(client: &Client, new: &NewVolume, ctx: &Ctx) -> Result<Strin
 /// AttachVolume to `instance` (already attached there: nothing to do);
 /// returns once EC2 says `attached`.
 pub async fn attach(client: &Client, volume: &str, instance: &str, ctx: &Ctx) -> Result<()> {
-    if let Some(v) = describe(client, volume, ctx).await? {
-        if v.attachment_to(instance) == Some("attached") {
-            return Ok(());
-        }
+    match describe(client, volume, ctx).await? {
+        Some(v) => attach_seen(client, &v, instance, ctx).await,
+        None => bail!("volume {volume} does not exist: nothing to attach"),
+    }
+}
+
+/// [`attach`] of a volume just described (`seen`).
+pub async fn attach_seen(
+    client: &Client,
+    seen: &VolumeInfo,
+    instance: &str,
+    ctx: &Ctx,
+) -> Result<()> {
+    let volume = seen.id.as_str();
+    if seen.attachment_to(instance) == Some("attached") {
+        return Ok(());
     }
     let done = call("AttachVolume", ctx, || {
         client
@@ -187,6 +199,12 @@ pub async fn detach(client: &Client, volume: &str, instance: &str, ctx: &Ctx) ->
     let Some(v) = describe(client, volume, ctx).await? else {
         bail!("volume {volume} does not exist: nothing to detach");
     };
+    detach_seen(client, &v, instance, ctx).await
+}
+
+/// [`detach`] of a volume just described (`v`).
+pub async fn detach_seen(client: &Client, v: &VolumeInfo, instance: &str, ctx: &Ctx) -> Result<()> {
+    let volume = v.id.as_str();
     if v.state == "available" {
         return Ok(());
     }

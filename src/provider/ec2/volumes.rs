@@ -249,7 +249,7 @@ impl Volumes for Ec2Provider {
                 );
             }
         }
-        volume::attach(&client, &v.id, &machine.id, ctx).await?;
+        volume::attach_seen(&client, &info, &machine.id, ctx).await?;
         ctx.log.info(format!(
             "data volume {} attached to instance {}",
             v.id, machine.id
@@ -287,7 +287,7 @@ impl Volumes for Ec2Provider {
             _ => {}
         }
         if unmounted {
-            volume::detach(&client, &v.id, &machine.id, ctx).await?;
+            volume::detach_seen(&client, &info, &machine.id, ctx).await?;
         } else {
             // The guest could not be asked to unmount: a DetachVolume under a
             // mounted filesystem could lose what is in its page cache. The
