@@ -28,6 +28,8 @@ mod lifecycle;
 mod moto;
 mod notify;
 mod qemu;
+#[cfg(feature = "testing")]
+mod qemu_volume;
 mod shell;
 mod ssh;
 mod sshd;
