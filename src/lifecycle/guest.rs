@@ -30,7 +30,7 @@ const MOUNT_LIMIT: Duration = Duration::from_secs(180);
 /// take a while on a slow disk.
 pub const UNMOUNT_LIMIT: Duration = Duration::from_secs(300);
 /// The filesystem label of a data volume formatted by dormant.
-pub const LABEL: &str = "dormant-data";
+pub use crate::provider::volume::FS_LABEL as LABEL;
 /// The file at the volume's root naming the environment it belongs to.
 pub const MARK: &str = ".dormant-volume";
 /// Lines of the commands' output meant for the log start with this.

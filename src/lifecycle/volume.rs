@@ -309,7 +309,7 @@ pub async fn connect(
         let machine = rec.machine.as_ref().map(|m| m.id.as_str()).unwrap_or("?");
         if !old.is_empty() {
             ctx.log.info(format!(
-                "host key of the new machine {machine} of environment {} pinned: {} (it replaces \
+                "host key of the new machine {machine} of environment {} pinned: {} (it replaces a \
                  machine that had {}; dormant launched this one in this prepare, see docs/ssh.md)",
                 paths.id,
                 new.join(", "),

@@ -384,6 +384,14 @@ impl QemuSettings {
         if let Some(why) = mount_problem(&self.volume_mount) {
             p("volume_mount", why);
         }
+        if self.storage == StorageMode::Volume && self.suspend_mode == QemuSuspendMode::Hibernate {
+            p(
+                "suspend_mode",
+                "\"hibernate\" cannot apply with storage = \"volume\": a suspended volume-mode \
+                 environment has no VM to keep memory for (its VM is deleted); leave suspend_mode out"
+                    .into(),
+            );
+        }
     }
 
     /// The CPU model: the setting, else what suits the accelerator.

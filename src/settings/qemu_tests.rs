@@ -206,6 +206,10 @@ fn volume_mode_settings_are_checked() {
             "qemu.builds_dir: \"/home/debian/builds\" is not on the data disk",
         ),
         (
+            "storage = \"volume\"\nsuspend_mode = \"hibernate\"\n",
+            "qemu.suspend_mode: \"hibernate\" cannot apply with storage = \"volume\"",
+        ),
+        (
             "storage = \"volume\"\ncache_dir = \"/dormantx/c\"\n",
             "qemu.cache_dir: \"/dormantx/c\" is not on the data disk",
         ),

@@ -226,3 +226,33 @@ fn every_crash_point_on_local_volume_mode() {
     let left = entries(rig.state_dir.join("environments"));
     assert!(left.is_empty(), "every environment was released: {left:?}");
 }
+
+#[test]
+fn dormant_shell_opens_a_volume_mode_environment_on_a_new_machine_and_suspends_it_again() {
+    let rig = volume_rig("36");
+    let r = rig.run(
+        &job(5)
+            .suspend_on(true, false)
+            .script("echo precious > kept.txt"),
+    );
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    let out = rig.dormant(&["shell", &key, "--", "cat kept.txt; pwd"]);
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("precious"), "{said}");
+    assert!(
+        said.contains("/volume/builds/group/project"),
+        "in the project dir on the volume: {said}"
+    );
+    assert!(said.contains("making a new machine"), "{said}");
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert_volume_settled(&rig, "after the shell");
+    let out = rig.dormant(&["release", &key]);
+    assert!(out.status.success());
+    assert!(entries(rig.state_dir.join("environments")).is_empty());
+}

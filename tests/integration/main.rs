@@ -40,6 +40,8 @@ mod moto;
 mod moto_refusals;
 mod notify;
 mod qemu;
+#[cfg(feature = "testing")]
+mod qemu_volume;
 mod shell;
 mod ssh;
 mod sshd;
