@@ -513,3 +513,42 @@ fn spot_in_volume_mode_waits_or_falls_back_to_on_demand_as_allowed() {
         "a resume launches anew: spot again"
     );
 }
+
+/// The user-data of an instance for a volume-mode environment is the one
+/// shared function's (`provider::cloud_init`) and valid for `cloud-init
+/// schema`. It carries no mount: an EBS volume attaches only once the
+/// instance runs, so the core's guest command mounts it after the attach.
+#[test]
+fn the_user_data_of_a_volume_mode_instance_is_valid_cloud_config() {
+    use dormant::provider::MachineSpec;
+    let id = uuid::Uuid::new_v4();
+    let public =
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIJb5kG0r9Yd7m1t8j1oT0p9H2l9mX0c6w2k8b0a1c2d3 x";
+    let settings = dormant::settings::ec2::Ec2Settings {
+        storage: dormant::model::StorageMode::Volume,
+        ..Default::default()
+    };
+    let spec = MachineSpec {
+        env_id: id,
+        name: MachineSpec::machine_name(id),
+        runner_id: "1".into(),
+        system_id: "s".into(),
+        project_id: 1,
+        job_id: 1,
+        image: None,
+        variables: Default::default(),
+        ssh_public_key: Some(public.into()),
+        paths: dormant::model::EnvPaths::new(std::path::Path::new("/nonexistent"), id),
+        volume: Some(
+            dormant::model::Volume::new("vol-0123456789abcdef0").with("zone", "us-east-1a"),
+        ),
+    };
+    let encoded = dormant::provider::ec2::launch::user_data(&spec, &settings).unwrap();
+    let text = String::from_utf8(aws_smithy_types::base64::decode(&encoded).unwrap()).unwrap();
+    assert_eq!(
+        text,
+        dormant::provider::cloud_init::user_data_with(id, Some(public), &settings.ssh_user, None)
+            .unwrap()
+    );
+    crate::qemu::cloud_init_schema(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+}
