@@ -10,8 +10,7 @@
 //! TTL expiry and `release` delete the volume, `list` and `inspect` show it.
 
 use crate::crash::*;
-use crate::ec2_rig::Ec2Env;
-use crate::ec2_volume_mode::{data_volumes, instances, is_live, key_field, volume};
+use crate::ec2_rig::{data_volumes, instances, is_live, key_field, volume, Ec2Env};
 use crate::harness::*;
 
 /// Every environment is in volume mode; a suspended one has no machine, its

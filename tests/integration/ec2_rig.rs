@@ -6,6 +6,8 @@
 //! instance's EBS device (`provider/ec2/guest_seam.rs`). Network rule: the
 //! addresses moto hands out are never contacted.
 
+use aws_sdk_ec2::types::{Filter, Instance, InstanceStateName, Volume};
+
 use crate::harness::Rig;
 use crate::moto::{
     catalogue_image, default_subnet, direct_client, CloudInit, Moto, Proxy, ACCESS_KEY, REGION,
@@ -131,4 +133,68 @@ impl Ec2Env {
         }
         rig
     }
+}
+
+// What the tests look at in the emulator (straight to moto, not counted).
+
+/// A field of an environment key (`volume`, `zone`, ...).
+pub fn key_field(key: &str, name: &str) -> Option<String> {
+    key.split(['&', '?', '/'])
+        .find_map(|f| f.strip_prefix(&format!("{name}=")))
+        .map(str::to_string)
+}
+
+/// The data volume as moto has it (`None`: deleted).
+pub fn volume(env: &Ec2Env, id: &str) -> Option<Volume> {
+    block_on(async {
+        let c = direct_client(&env.moto.url());
+        c.describe_volumes()
+            .volume_ids(id)
+            .send()
+            .await
+            .ok()
+            .and_then(|o| o.volumes().first().cloned())
+    })
+}
+
+/// Every instance moto has (terminated ones too), by launch order.
+pub fn instances(env: &Ec2Env) -> Vec<Instance> {
+    block_on(async {
+        let c = direct_client(&env.moto.url());
+        let out = c.describe_instances().send().await.unwrap();
+        let mut v: Vec<Instance> = out
+            .reservations()
+            .iter()
+            .flat_map(|r| r.instances())
+            .cloned()
+            .collect();
+        v.sort_by_key(|i| i.launch_time().map(|t| t.as_nanos()));
+        v
+    })
+}
+
+pub fn is_live(i: &Instance) -> bool {
+    !matches!(
+        i.state().and_then(|s| s.name()),
+        Some(InstanceStateName::Terminated | InstanceStateName::ShuttingDown)
+    )
+}
+
+/// Data volumes moto has that carry `dormant:volume = data`.
+pub fn data_volumes(env: &Ec2Env) -> Vec<Volume> {
+    block_on(async {
+        let c = direct_client(&env.moto.url());
+        let out = c
+            .describe_volumes()
+            .filters(
+                Filter::builder()
+                    .name("tag:dormant:volume")
+                    .values("data")
+                    .build(),
+            )
+            .send()
+            .await
+            .unwrap();
+        out.volumes().to_vec()
+    })
 }

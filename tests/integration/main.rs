@@ -28,6 +28,8 @@ mod ec2_shell;
 mod ec2_volume;
 #[cfg(feature = "ec2")]
 mod ec2_volume_mode;
+#[cfg(feature = "ec2")]
+mod ec2_volume_spot;
 mod edge;
 mod harness;
 mod hygiene;
