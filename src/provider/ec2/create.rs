@@ -46,6 +46,14 @@ impl Within {
     }
 }
 
+/// What a create launches (or adopts): checked against the allow-lists.
+struct What<'a> {
+    spec: &'a MachineSpec,
+    within: &'a Within,
+    instance_types: &'a [String],
+    image_request: &'a str,
+}
+
 /// Where a data volume is: its region, zone, and the subnet of that zone.
 #[derive(Debug, Clone)]
 pub(super) struct VolumePlace {
@@ -85,17 +93,13 @@ impl Ec2Provider {
             Within::Anywhere { .. } => self.clients.default_region().await?,
         };
         let client = self.clients.client(&region).await;
-        let result = self
-            .reclaim_or_launch(
-                &client,
-                &region,
-                spec,
-                &within,
-                &instance_types,
-                &image_request,
-                &ctx,
-            )
-            .await;
+        let what = What {
+            spec,
+            within: &within,
+            instance_types: &instance_types,
+            image_request: &image_request,
+        };
+        let result = self.reclaim_or_launch(&client, &region, &what, &ctx).await;
         if result.is_err() {
             self.abandon(&client, spec, &ctx).await;
         }
@@ -128,17 +132,14 @@ impl Ec2Provider {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn reclaim_or_launch(
         &self,
         client: &Client,
         region: &str,
-        spec: &MachineSpec,
-        within: &Within,
-        instance_types: &[String],
-        image_request: &str,
+        what: &What<'_>,
         ctx: &Ctx,
     ) -> Result<Machine> {
+        let (spec, within, instance_types) = (what.spec, what.within, what.instance_types);
         let mut found = instance::find(
             client,
             vec![
@@ -195,7 +196,7 @@ impl Ec2Provider {
             settings: &self.settings,
             region,
         }
-        .resolve(client, image_request, ctx)
+        .resolve(client, what.image_request, ctx)
         .await?;
         let req = LaunchRequest {
             spec,
