@@ -215,6 +215,14 @@ fn claim_resume(
             }
         }
     }
+    if crate::envkey::storage_of(key) != r.storage {
+        return Err(refuse(format!(
+            "the environment key says storage={} but environment {env_id} is in {} mode: the key was \
+             altered; use the key exactly as it was printed",
+            crate::envkey::storage_of(key).as_str(),
+            r.storage.as_str()
+        )));
+    }
     let machine = match r.storage {
         StorageMode::Machine => Some(r.machine.clone().ok_or_else(|| {
             NotClaimed::Refused(Failure::System(anyhow::anyhow!(

@@ -309,3 +309,41 @@ fn a_volume_key_puts_config_on_the_volume_whatever_the_setting_is_now() {
         "a machine-mode key keeps its dirs"
     );
 }
+
+#[tokio::test]
+async fn a_key_stripped_of_its_volume_fields_is_refused_as_altered() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = StateStore::open(dir.path()).unwrap();
+    let p = volume_provider();
+    let t = FakeTransports::default();
+    let (s, _) = session(
+        &store,
+        &p,
+        t.clone(),
+        1,
+        triggers(true, false, None),
+        "success",
+    );
+    prepare(&s).await.unwrap();
+    run_stage(&s).await.unwrap();
+    cleanup(&s).await.unwrap();
+    let key = record(&store, 1).unwrap().key.unwrap();
+    // Without `storage=volume` config would give the job machine mode's
+    // builds dir, an empty one: refused, never run there.
+    let stripped = key.replace("&storage=volume", "");
+    assert_ne!(stripped, key);
+    let (s2, _) = session(
+        &store,
+        &p,
+        t,
+        2,
+        triggers(false, false, Some(&stripped)),
+        "success",
+    );
+    let e = prepare(&s2).await.unwrap_err();
+    assert!(
+        matches!(&e, Failure::Refused(e) if format!("{e:#}").contains("the key was altered")),
+        "{e:?}"
+    );
+    assert_eq!(record(&store, 1).unwrap().status(), EnvStatus::Suspended);
+}

@@ -180,10 +180,16 @@ impl EnvironmentRecord {
     /// Intent: a machine is launched for the volume and the volume attached
     /// to it. `repin`: that machine replaces one whose host key is pinned.
     pub fn begin_attach(&mut self, holder: &Holder, repin: bool) -> Result<(), NotAllowed> {
+        // From `attached` too: a retried prepare of a new environment whose
+        // earlier attempt got that far (its machine is reclaimed by name).
         let v = self.volume_step(
             holder,
             &[EnvStatus::Creating, EnvStatus::Resuming],
-            &[VolumeStep::Detached, VolumeStep::Attaching],
+            &[
+                VolumeStep::Detached,
+                VolumeStep::Attaching,
+                VolumeStep::Attached,
+            ],
             "attach its volume to a new machine",
         )?;
         if v.volume.is_none() {

@@ -256,3 +256,76 @@ fn dormant_shell_opens_a_volume_mode_environment_on_a_new_machine_and_suspends_i
     assert!(out.status.success());
     assert!(entries(rig.state_dir.join("environments")).is_empty());
 }
+
+/// The work directory (the "machine") deleted between two steps of a job: a
+/// machine lost. With the failure trigger the volume is kept (notify reason
+/// `machine lost`) and a later job resumes it with its files; without it the
+/// environment is released, as for any failure nothing asked to keep.
+#[test]
+fn a_machine_lost_under_a_job_keeps_the_volume_when_the_failure_trigger_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let notes = dir.path().join("notes.jsonl");
+    let hook = dir.path().join("hook.sh");
+    std::fs::write(
+        &hook,
+        format!("#!/bin/sh\ncat >> {n}\necho >> {n}\n", n = notes.display()),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let rig = Rig::new(
+        "37",
+        "s_0123456789ab",
+        &format!(
+            "{LOCAL_VOLUME}[suspend]\nclaim_grace = \"1s\"\nnotify_command = [\"{}\"]\n",
+            hook.display()
+        ),
+    );
+    let lose = |j: &dormant::runner_sim::SimJob| {
+        let env = rig
+            .state_dir
+            .join("environments")
+            .join(dormant::identity::new_env_id("37", j.id).to_string());
+        format!("rm -rf {}/work", env.display())
+    };
+    for keep in [true, false] {
+        let mut j = job(5).suspend_on(false, keep);
+        j.steps = vec![
+            ("build_script".into(), "echo precious > kept.txt".into()),
+            ("step_second".into(), "echo never".into()),
+        ];
+        let r = rig.run_with_command_before(&j, "step_second", &lose(&j));
+        assert_eq!(r.result, JobResult::SystemFailure, "{}", r.log());
+        assert!(r.log().contains("machine lost: machine "), "{}", r.log());
+        let key = r.key.clone().unwrap();
+        if !keep {
+            assert!(
+                rig.status(&key).is_none(),
+                "released: {}",
+                r.cleanup_output()
+            );
+            continue;
+        }
+        assert_eq!(
+            rig.status(&key).as_deref(),
+            Some("suspended"),
+            "{}",
+            r.cleanup_output()
+        );
+        assert!(
+            r.cleanup_output().contains("(machine lost)"),
+            "{}",
+            r.cleanup_output()
+        );
+        assert_volume_settled(&rig, "machine lost");
+        let said = std::fs::read_to_string(&notes).unwrap();
+        assert!(said.contains("\"reason\":\"machine lost\""), "{said}");
+        let r2 = rig.run(
+            &job(5)
+                .resume(&key)
+                .script("test \"$(cat kept.txt)\" = precious || exit 9"),
+        );
+        assert_result(&r2, JobResult::Success);
+        assert!(rig.status(&key).is_none());
+    }
+}
