@@ -19,11 +19,13 @@ mod ec2_rig;
 #[cfg(feature = "ec2")]
 mod ec2_shell;
 mod edge;
+mod events;
 mod harness;
 mod hygiene;
 mod job_request;
 #[cfg(feature = "testing")]
 mod lifecycle;
+mod metrics;
 #[cfg(feature = "ec2")]
 mod moto;
 mod notify;
