@@ -2,6 +2,7 @@
 # Installs what the test suite needs, if it is missing:
 #   - OpenSSH server and client (tests start a private sshd on 127.0.0.1),
 #   - moto's EC2 emulator in .venv (tests start it on 127.0.0.1),
+#   - prometheus_client in .venv (a test parses `dormant metrics` with its parser),
 #   - cargo-deb (the package check builds the .deb) and systemd-analyze
 #     (it verifies the package's units).
 #   - QEMU from bookworm-backports, debootstrap, cloud-image-utils, genisoimage
@@ -33,6 +34,12 @@ if [ ! -x .venv/bin/moto_server ]; then
   echo "install-test-deps: installing moto (EC2 emulator) into .venv"
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check 'moto[ec2]==5.2.5' 'flask==3.1.3' 'flask-cors==6.0.5'
+fi
+# Pinned: the metrics test reads the samples its text parser returns.
+PROMETHEUS_CLIENT_VERSION=0.26.0
+if [ "$(.venv/bin/python -c 'import prometheus_client.parser, importlib.metadata as m; print(m.version("prometheus-client"))' 2>/dev/null)" != "$PROMETHEUS_CLIENT_VERSION" ]; then
+  echo "install-test-deps: installing prometheus_client $PROMETHEUS_CLIENT_VERSION into .venv"
+  .venv/bin/pip install --quiet --disable-pip-version-check "prometheus-client==$PROMETHEUS_CLIENT_VERSION"
 fi
 # Pinned: the package check reads cargo-deb's output and metadata keys.
 CARGO_DEB_VERSION=3.8.0
@@ -78,4 +85,4 @@ if [ "$need_qemu" -eq 1 ]; then
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends \
     debootstrap cloud-image-utils genisoimage cloud-init >/dev/null
 fi
-echo "install-test-deps: sshd $(/usr/sbin/sshd -V 2>&1 | head -1 || true); moto $(.venv/bin/python -c 'import moto; print(moto.__version__)'); $(qemu-system-x86_64 --version | head -1)"
+echo "install-test-deps: sshd $(/usr/sbin/sshd -V 2>&1 | head -1 || true); moto $(.venv/bin/python -c 'import moto; print(moto.__version__)'); prometheus_client $PROMETHEUS_CLIENT_VERSION; $(qemu-system-x86_64 --version | head -1)"

@@ -43,8 +43,24 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Show one environment's record, by key or id.
+    /// Show one environment's record and its last events, by key or id.
     Inspect { key: String },
+    /// The event history (created, resumed, suspended, released, failed,
+    /// recovered, sweep) of one environment or of all, oldest first.
+    Events {
+        /// Only this environment (its key or id).
+        key: Option<String>,
+        /// Only events of the last DURATION ("90s", "10m", "2h", "7d").
+        #[arg(long, value_name = "DURATION")]
+        since: Option<String>,
+        /// Keep printing new events as they are written (through rotations)
+        /// until interrupted.
+        #[arg(long)]
+        follow: bool,
+        /// Print the lines as stored (JSON lines) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Release (delete) an environment, by key or id: a suspended one, or one
     /// whose holder (job or shell) is gone.
     Release {
@@ -72,7 +88,8 @@ pub enum Command {
         #[arg(long)]
         delete_orphans: bool,
     },
-    /// Print the registry as Prometheus text (environments by status, oldest suspension).
+    /// Print Prometheus text: the registry (environments by status, oldest
+    /// suspension) and the event log's counters and histograms.
     Metrics,
     /// Drive a sample job through every stage like GitLab Runner, suspend it,
     /// resume it in a second job, release it, and print a summary.

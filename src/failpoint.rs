@@ -21,6 +21,13 @@ mod armed {
         );
     }
 
+    /// Whether `name` is the armed failpoint (its once-marker not yet made):
+    /// for a step that must be split to be killed half-way (a torn write).
+    pub fn armed(name: &str) -> bool {
+        matches!(ARMED.get(), Some(Some((armed, once))) if armed == name
+            && once.as_ref().is_none_or(|m| !m.exists()))
+    }
+
     pub fn hit(name: &str) {
         let Some(Some((armed, once))) = ARMED.get() else {
             return;
@@ -52,7 +59,13 @@ pub fn init(_name: Option<&str>, _once: Option<&str>) {
 }
 
 #[cfg(feature = "testing")]
-pub use armed::hit;
+pub use armed::{armed, hit};
+
+/// Without the `testing` feature no failpoint is ever armed.
+#[cfg(not(feature = "testing"))]
+pub fn armed(_name: &str) -> bool {
+    false
+}
 
 /// `failpoint!("stage:step")`: SIGKILL here if armed (test builds only).
 #[macro_export]

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod context;
 pub mod contract;
 pub mod envkey;
+pub mod events;
 pub mod exit;
 pub mod failpoint;
 #[cfg(test)]
@@ -15,6 +16,8 @@ mod fuzz;
 pub mod identity;
 pub mod job;
 pub mod job_request;
+#[cfg(test)]
+mod layout_tests;
 pub mod lifecycle;
 pub mod model;
 pub mod notify;
@@ -153,6 +156,20 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
             &key,
             &mut std::io::stdout(),
         )?),
+        Command::Events {
+            key,
+            since,
+            follow,
+            json,
+        } => {
+            let req = ops::events::EventsRequest {
+                key,
+                since,
+                follow,
+                json,
+            };
+            Ok(ops::events::events(&settings, &job, &req, cancel, &mut std::io::stdout()).await?)
+        }
         Command::Release { key, force } => {
             Ok(ops::release::release(&settings, &job, &key, force, log, cancel).await?)
         }
@@ -179,7 +196,7 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
         }
         Command::Metrics => {
             let store = state::StateStore::open(&settings.state_dir(&job)?)?;
-            Ok(ops::metrics::metrics(&store, &mut std::io::stdout())?)
+            Ok(ops::metrics::metrics(&store, &log, &mut std::io::stdout())?)
         }
         Command::Try { keep } => Ok(ops::try_job::try_job(
             cli.config.as_deref(),

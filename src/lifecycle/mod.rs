@@ -5,27 +5,61 @@
 //!
 //! Above `state` (which owns the transitions) and `provider` (which makes the
 //! side effects); used by the stages and the operator commands, which do not
-//! import each other. `volume` and `guest` are volume mode's effects.
+//! import each other. Each effect records its event in the event log
+//! (`crate::events`) once its result is recorded: this is the one place a
+//! suspension or a release is written there. `volume` and `guest` are volume
+//! mode's effects.
 
 pub mod guest;
 pub mod recover;
 pub mod sweep;
+mod sweep_slice;
 pub mod volume;
+
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 
 use crate::context::Ctx;
+use crate::events::{Event, EventLog, Kind, ReleaseCause, Step, SuspendCause};
 use crate::model::{EnvPaths, StorageMode};
 use crate::provider::Provider;
 use crate::state::registry::{self, UpdateError};
 use crate::state::{EnvironmentRecord, Holder, StateStore};
 use crate::transport::Transport;
 
-/// What a lifecycle step needs: where state is and who makes machines.
+/// What a lifecycle step needs: where state is, who makes machines, and
+/// where what happened is written down.
 #[derive(Clone, Copy)]
 pub struct World<'a> {
     pub store: &'a StateStore,
     pub provider: &'a dyn Provider,
+    pub events: &'a EventLog,
+}
+
+/// Why a suspension or a release happens, as the event log records it: the
+/// machine-readable cause, the words (as the notify hook says them), and the
+/// job it is for when the holder is not that job (a recovery, a sweep).
+#[derive(Debug, Clone)]
+pub struct Reason<C> {
+    pub cause: C,
+    pub text: String,
+    pub job: Option<u64>,
+}
+
+impl<C> Reason<C> {
+    pub fn new(cause: C, text: impl Into<String>) -> Self {
+        Reason {
+            cause,
+            text: text.into(),
+            job: None,
+        }
+    }
+
+    pub fn job(mut self, job: Option<u64>) -> Self {
+        self.job = job;
+        self
+    }
 }
 
 /// Turns a refused transition or a missing record into an error for a log.
@@ -38,7 +72,8 @@ pub fn update_error<E: std::fmt::Display>(e: UpdateError<E>) -> anyhow::Error {
 
 /// Stops the machine and keeps the environment: `begin_suspend` (intent),
 /// the stop, `suspended` (result; kept as suspended even if the stop failed,
-/// with the error recorded and returned). Deaf to SIGTERM: a stop in progress
+/// with the error recorded and returned), then its `suspended` event (and a
+/// `failed` one for a failed stop). Deaf to SIGTERM: a stop in progress
 /// finishes. `fresh`: a new suspension (its TTL starts now), not a resume put back.
 ///
 /// Volume mode: instead of the stop, the guest (reached through `guest`, when
@@ -50,6 +85,7 @@ pub async fn suspend(
     holder: &Holder,
     fresh: bool,
     guest: Option<&dyn Transport>,
+    why: &Reason<SuspendCause>,
     ctx: &Ctx,
 ) -> Result<EnvironmentRecord> {
     let ctx = ctx.uncancellable();
@@ -57,16 +93,33 @@ pub async fn suspend(
         .await
         .map_err(update_error)?;
     crate::failpoint!("suspend:intent");
+    let started = Instant::now();
     let stopped = match (&rec.storage, &rec.machine) {
         (StorageMode::Volume, _) => volume::settle_detached(w, paths, holder, guest, &ctx).await,
         (StorageMode::Machine, Some(m)) => w.provider.stop(m, &ctx).await,
         (StorageMode::Machine, None) => Ok(()),
     };
+    let took = started.elapsed();
     crate::failpoint!("suspend:stopped");
     let error = stopped.as_ref().err().map(|e| format!("{e:#}"));
-    let (rec, ()) = registry::update(paths, &ctx, |r| r.suspended(holder, error, fresh))
+    let (rec, ()) = registry::update(paths, &ctx, |r| r.suspended(holder, error.clone(), fresh))
         .await
         .map_err(update_error)?;
+    let event = Event::about(Kind::Suspended, why.cause.as_str(), &rec)
+        .by(holder)
+        .job(why.job)
+        .reason(&why.text)
+        .duration(took);
+    if let Some(error) = &error {
+        w.events.record(event.clone().error_text(error), &ctx).await;
+        let failed = Event::about(Kind::Failed, Step::Stop.as_str(), &rec)
+            .by(holder)
+            .job(why.job)
+            .error_text(error);
+        w.events.record(failed, &ctx).await;
+    } else {
+        w.events.record(event, &ctx).await;
+    }
     stopped.with_context(|| match rec.storage {
         StorageMode::Machine => format!(
             "stopping the machine of environment {} (it is kept as suspended; the next resume starts it)",
@@ -83,13 +136,15 @@ pub async fn suspend(
 
 /// Deletes the machine, then the environment's files: `begin_release`
 /// (intent), the delete (a failure leaves it `releasing` for a sweep to
-/// retry), the connection closed, then the directory removed atomically.
-/// Already gone is success. Deaf to SIGTERM.
+/// retry, and is a `failed` event), the connection closed, then the
+/// directory removed atomically, then its `released` event. Already gone is
+/// success (and someone else's event). Deaf to SIGTERM.
 pub async fn release(
     w: World<'_>,
     paths: &EnvPaths,
     holder: &Holder,
     transport: Option<&dyn Transport>,
+    why: &Reason<ReleaseCause>,
     ctx: &Ctx,
 ) -> Result<()> {
     let ctx = ctx.uncancellable();
@@ -103,12 +158,26 @@ pub async fn release(
         Err(e) => return Err(update_error(e)),
     };
     crate::failpoint!("release:intent");
+    let started = Instant::now();
+    let failed = |e: &anyhow::Error| {
+        Event::about(Kind::Failed, Step::Delete.as_str(), &rec)
+            .by(holder)
+            .job(why.job)
+            .error(e)
+    };
     let machine = match rec.machine.clone() {
         Some(m) => Some(m),
         // Prepare may have died between making the machine and recording it.
-        None => w.provider.find(id, &ctx).await.with_context(|| {
-            format!("looking up the machine of environment {id} before releasing it")
-        })?,
+        None => match w.provider.find(id, &ctx).await {
+            Ok(m) => m,
+            Err(e) => {
+                let e = e.context(format!(
+                    "looking up the machine of environment {id} before releasing it"
+                ));
+                w.events.record(failed(&e), &ctx).await;
+                return Err(e);
+            }
+        },
     };
     let mut deleted = match &machine {
         Some(machine) => w.provider.delete(machine, &ctx).await,
@@ -122,10 +191,12 @@ pub async fn release(
         let text = format!("{e:#}");
         let _ = registry::update(paths, &ctx, |r| r.release_failed(holder, text)).await;
         close(transport, id, &ctx).await;
+        w.events.record(failed(&e), &ctx).await;
         return Err(e).with_context(|| {
             format!("releasing environment {id} (it stays `releasing`; a later `dormant sweep` retries)")
         });
     }
+    let took = started.elapsed();
     if rec.storage == StorageMode::Volume {
         crate::failpoint!("release:volume-deleted");
     } else {
@@ -134,7 +205,14 @@ pub async fn release(
     // After the delete (the `ssh` provider removes a workspace over it), before
     // the files (which hold its control socket).
     close(transport, id, &ctx).await;
-    registry::remove(w.store, paths, holder, &ctx).await
+    registry::remove(w.store, paths, holder, &ctx).await?;
+    let event = Event::about(Kind::Released, why.cause.as_str(), &rec)
+        .by(holder)
+        .job(why.job)
+        .reason(&why.text)
+        .duration(took);
+    w.events.record(event, &ctx).await;
+    Ok(())
 }
 
 /// Volume mode's release: the data volume goes after the machine. Its id is

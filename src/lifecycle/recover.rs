@@ -8,10 +8,11 @@
 
 use anyhow::Result;
 
-use super::World;
+use super::{Reason, World};
 use crate::context::Ctx;
+use crate::events::{Event, Kind, ReleaseCause, SuspendCause};
 use crate::model::EnvPaths;
-use crate::notify::{self, Audience, Event, Notification};
+use crate::notify::{self, Audience, Notification};
 use crate::settings::SuspendSettings;
 use crate::state::lock::LiveLock;
 use crate::state::registry::{self, Liveness};
@@ -104,26 +105,48 @@ pub async fn recover(
         status.as_str(),
         super::human_age(idle).trim_end_matches(" ago"),
     ));
+    let words = format!(
+        "recovered from {}, which had no process left",
+        old.describe()
+    );
+    let recovered = Event::about(Kind::Recovered, settle_name(settled), &snapshot)
+        .by(me)
+        .from_holder(&old)
+        .job(old.job_id())
+        .reason(&format!(
+            "{words} (it was {}, idle {idle} s)",
+            status.as_str()
+        ));
+    w.events.record(recovered, ctx).await;
     let event = match settled {
         Settle::Release => {
-            super::release(w, paths, me, None, ctx).await?;
-            Some(Event::Release)
+            let why = Reason::new(ReleaseCause::Recovered, &words).job(old.job_id());
+            super::release(w, paths, me, None, &why, ctx).await?;
+            Some(notify::Event::Release)
         }
         Settle::Suspend | Settle::Resuspend => {
-            super::suspend(w, paths, me, settled == Settle::Suspend, None, ctx).await?;
-            Some(Event::Suspend)
+            let why = Reason::new(SuspendCause::Recovered, &words).job(old.job_id());
+            super::suspend(w, paths, me, settled == Settle::Suspend, None, &why, ctx).await?;
+            Some(notify::Event::Suspend)
         }
         Settle::Nothing => None,
     };
     if let Some(event) = event {
         // Whoever waits for this environment learns what became of it.
-        let n = Notification::for_record(event, &snapshot).reason(format!(
-            "recovered from {}, which had no process left",
-            old.describe()
-        ));
+        let n = Notification::for_record(event, &snapshot).reason(words);
         notify::announce(policy, &n, &ctx.log, Audience::Job).await;
     }
     Ok(Found::Recovered { from: old, settled })
+}
+
+/// What a stale claim was settled to, as a `recovered` event's cause.
+fn settle_name(settled: Settle) -> &'static str {
+    match settled {
+        Settle::Release => "release",
+        Settle::Suspend => "suspend",
+        Settle::Resuspend => "resuspend",
+        Settle::Nothing => "nothing",
+    }
 }
 
 /// The holder a process that is not a job's stage uses: `what` names it in messages.

@@ -2,22 +2,31 @@
 //! whose holder is gone, finishes releases and deletes that were killed
 //! half-way, and removes what a killed process left (a directory without a
 //! record, a staging or trash entry, a dead job's state and lock files). Run
-//! by `dormant sweep` and, within a small time bound, at the end of every
-//! cleanup. Never waits on a busy environment: one whose lock is held is left
-//! for the next sweep, and one another process is releasing is skipped.
+//! by `dormant sweep` over every environment ([`Scope::Full`]) and, within a
+//! small time bound, at the end of every cleanup over the next slice of them
+//! ([`Scope::Slice`], `sweep_slice.rs`): a cleanup's share of the sweep costs
+//! the same however many environments exist. Never waits on a busy
+//! environment: one whose lock is held is left for the next sweep, and one
+//! another process is releasing is skipped. Each sweep's summary is a `sweep`
+//! event (a slice's only when it did something, so cleanups do not flood the
+//! log).
 
 use std::path::PathBuf;
+use std::time::Instant;
 
 use anyhow::Result;
 use uuid::Uuid;
 
 use super::recover::{self, Found};
-use super::World;
+use super::{Reason, World};
 use crate::context::Ctx;
+use crate::events::{self, Kind, ReleaseCause, SweepCounts};
 use crate::notify::{self, Audience, Event, Notification};
 use crate::settings::SuspendSettings;
 use crate::state::registry;
 use crate::state::{now_unix, store, EnvStatus, JobState};
+
+pub use super::sweep_slice::SLICE;
 
 /// A staging or trash entry younger than this may belong to a create or delete
 /// in progress (they take milliseconds).
@@ -35,18 +44,60 @@ pub struct SweepReport {
     pub errors: Vec<anyhow::Error>,
     /// Environments not looked at because the time bound ran out.
     pub unvisited: usize,
+    /// Environments looked at.
+    pub visited: usize,
+    /// Environments in the registry (a full sweep's count).
+    pub environments: Option<usize>,
 }
 
-pub async fn sweep(w: World<'_>, policy: &SuspendSettings, ctx: &Ctx) -> Result<SweepReport> {
+/// How much of the registry a sweep looks at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Every environment: `dormant sweep`.
+    Full,
+    /// The next [`SLICE`] environments in directory order after where the
+    /// previous slice stopped: a cleanup's sweep.
+    Slice,
+}
+
+impl Scope {
+    fn as_str(self) -> &'static str {
+        match self {
+            Scope::Full => "full",
+            Scope::Slice => "slice",
+        }
+    }
+}
+
+pub async fn sweep(
+    w: World<'_>,
+    policy: &SuspendSettings,
+    scope: Scope,
+    ctx: &Ctx,
+) -> Result<SweepReport> {
+    let started = Instant::now();
     let mut report = SweepReport::default();
     let me = recover::operator("dormant sweep");
     let ttl = policy.ttl.as_secs();
-    let ids = w.store.environment_ids()?;
+    // A slice reads only its own entries of `environments/`: how many there
+    // are in all is then not known (and not worth a listing).
+    let (ids, strays) = match scope {
+        Scope::Full => {
+            let all = w.store.environment_ids()?;
+            report.environments = Some(all.len());
+            (all, None)
+        }
+        Scope::Slice => {
+            let slice = super::sweep_slice::next(w.store, ctx).await?;
+            (slice.ids, Some(slice.strays))
+        }
+    };
     for (i, id) in ids.iter().enumerate() {
         if ctx.remaining().is_zero() {
             report.unvisited = ids.len() - i;
             break;
         }
+        report.visited += 1;
         let paths = w.store.env_paths(*id);
         let rec = {
             let Some(env) = registry::try_lock(&paths)? else {
@@ -106,24 +157,25 @@ pub async fn sweep(w: World<'_>, policy: &SuspendSettings, ctx: &Ctx) -> Result<
             report.kept += 1;
             continue;
         }
-        match super::release(w, &paths, &me, None, ctx).await {
+        let (event, why) = if expired {
+            let ttl = format!("suspended longer than the TTL ({})", policy.ttl);
+            (Event::Expire, Reason::new(ReleaseCause::Ttl, ttl))
+        } else {
+            let retried = "a release that had failed, finished by the sweep";
+            (Event::Release, Reason::new(ReleaseCause::Retried, retried))
+        };
+        match super::release(w, &paths, &me, None, &why, ctx).await {
             Ok(()) => {
                 report.released.push(*id);
-                let (event, reason) = if expired {
-                    let ttl = format!("suspended longer than the TTL ({})", policy.ttl);
-                    (Event::Expire, ttl)
-                } else {
-                    let retried = "a release that had failed, finished by the sweep";
-                    (Event::Release, retried.to_string())
-                };
-                let n = Notification::for_record(event, &rec).reason(reason);
+                let n = Notification::for_record(event, &rec).reason(why.text);
                 notify::announce(policy, &n, &ctx.log, Audience::Operator).await;
             }
             Err(e) => report.errors.push(e),
         }
     }
-    sweep_strays(w, &mut report);
+    sweep_strays(w, strays, &mut report);
     sweep_jobs(w, policy, &mut report);
+    record_summary(w, scope, &report, started, ctx).await;
     Ok(report)
 }
 
@@ -155,14 +207,60 @@ async fn finish_volume_suspend(
     registry::update(paths, ctx, |r| r.claim_for_resume(me))
         .await
         .map_err(super::update_error)?;
-    super::suspend(w, paths, me, false, None, ctx)
+    let why = super::Reason::new(
+        crate::events::SuspendCause::Unused,
+        "finishing a suspension whose detach or delete had failed",
+    );
+    super::suspend(w, paths, me, false, None, &why, ctx)
         .await
         .map(drop)
 }
 
-/// Staging directories of killed creates, trash of killed deletes.
-fn sweep_strays(w: World<'_>, report: &mut SweepReport) {
-    match w.store.stray_entries() {
+/// The sweep's `sweep` event: always for a full sweep; for a cleanup's slice
+/// only when it did something (every cleanup runs one).
+async fn record_summary(
+    w: World<'_>,
+    scope: Scope,
+    report: &SweepReport,
+    started: Instant,
+    ctx: &Ctx,
+) {
+    let counts = SweepCounts {
+        visited: report.visited as u64,
+        released: report.released.len() as u64,
+        recovered: report.recovered.len() as u64,
+        removed: report.removed.len() as u64,
+        errors: report.errors.len() as u64,
+        unvisited: report.unvisited as u64,
+        environments: report.environments.map(|n| n as u64),
+    };
+    let idle =
+        counts.released + counts.recovered + counts.removed + counts.errors + counts.unvisited == 0;
+    if scope == Scope::Slice && idle {
+        return;
+    }
+    let event = events::Event::new(Kind::Sweep, scope.as_str(), w.provider.name())
+        .by(&recover::operator("dormant sweep"))
+        .duration(started.elapsed())
+        .sweep(counts);
+    w.events.record(event, ctx).await;
+}
+
+/// Staging directories of killed creates, trash of killed deletes: every
+/// entry that is not an environment (a slice: those of its own entries), and
+/// everything in `trash/`.
+fn sweep_strays(w: World<'_>, slice_strays: Option<Vec<PathBuf>>, report: &mut SweepReport) {
+    let entries = match slice_strays {
+        None => w.store.stray_entries(),
+        Some(strays) => w.store.trash_entries().map(|mut trash| {
+            trash.extend(strays.into_iter().map(|p| {
+                let age = store::age_secs(&p);
+                (p, age)
+            }));
+            trash
+        }),
+    };
+    match entries {
         Ok(entries) => {
             for (path, age) in entries {
                 if age < STRAY_AGE_SECS {

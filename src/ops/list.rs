@@ -1,6 +1,7 @@
 //! `list` and `inspect`: the operator's view of the registry. `list` shows
 //! every directory under `environments/`, also one without a readable record
-//! (a corrupt file, or a leftover `sweep` removes).
+//! (a corrupt file, or a leftover `sweep` removes). `inspect` shows one
+//! record with its last events from the event log.
 
 use std::io::Write;
 
@@ -78,18 +79,29 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
     Ok(())
 }
 
-/// A record as one JSON line: its fields, with `storage` always said (the
-/// file leaves it out for machine mode).
+/// A record as one JSON line: its fields, with `storage` always said.
 fn record_json(rec: &EnvironmentRecord) -> Result<String> {
-    Ok(serde_json::to_string(&with_storage(rec)?)?)
+    Ok(serde_json::to_string(&Shown::of(rec))?)
 }
 
-fn with_storage(rec: &EnvironmentRecord) -> Result<serde_json::Value> {
-    let mut v = serde_json::to_value(rec)?;
-    if let Some(o) = v.as_object_mut() {
-        o.insert("storage".into(), json!(rec.storage.as_str()));
+/// A record as shown: its fields in their order, plus `storage` for a
+/// machine-mode record (whose file leaves it out, so it stays what older
+/// dormants wrote).
+#[derive(serde::Serialize)]
+struct Shown<'a> {
+    #[serde(flatten)]
+    record: &'a EnvironmentRecord,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    storage: Option<&'static str>,
+}
+
+impl<'a> Shown<'a> {
+    fn of(record: &'a EnvironmentRecord) -> Self {
+        Shown {
+            record,
+            storage: record.storage.is_machine().then_some("machine"),
+        }
     }
-    Ok(v)
 }
 
 pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -> Result<()> {
@@ -101,10 +113,26 @@ pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -
             store.environments_dir().display()
         )
     })?;
-    writeln!(
-        out,
-        "{}",
-        serde_json::to_string_pretty(&with_storage(&rec)?)?
-    )?;
+    // The record's fields (with its storage mode, which a machine-mode
+    // record's file leaves out), then its last events: one JSON document.
+    #[derive(serde::Serialize)]
+    struct Inspected<'a> {
+        #[serde(flatten)]
+        record: Shown<'a>,
+        last_events: Vec<crate::events::Event>,
+    }
+    let doc = Inspected {
+        record: Shown::of(&rec),
+        last_events: crate::events::read::last_of(
+            &crate::events::dir(store.root()),
+            id,
+            LAST_EVENTS,
+        )?,
+    };
+    writeln!(out, "{}", serde_json::to_string_pretty(&doc)?)?;
     Ok(())
 }
+
+/// How many of an environment's events `inspect` shows (`dormant events ID`
+/// shows them all).
+const LAST_EVENTS: usize = 10;

@@ -1,7 +1,8 @@
-//! Operator commands beside the four stages: `list`, `inspect`, `release`,
-//! `sweep`, `metrics`, `shell`, and `try`, which drives a whole job like GitLab Runner
+//! Operator commands beside the four stages: `list`, `inspect`, `events`,
+//! `release`, `sweep`, `metrics`, `shell`, and `try`, which drives a whole job like GitLab Runner
 //! would. They use the lifecycle (`crate::lifecycle`), never a stage.
 
+pub mod events;
 pub mod list;
 pub mod metrics;
 pub mod release;

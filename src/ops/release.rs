@@ -8,9 +8,10 @@ use anyhow::{bail, Result};
 use tokio_util::sync::CancellationToken;
 
 use crate::context::{Ctx, JobLog};
+use crate::events::{EventLog, ReleaseCause};
 use crate::job::Job;
 use crate::lifecycle::recover::{self, Found};
-use crate::lifecycle::{self, World};
+use crate::lifecycle::{self, Reason, World};
 use crate::notify::{self, Audience, Event, Notification};
 use crate::settings::Settings;
 use crate::state::registry;
@@ -29,9 +30,11 @@ pub async fn release(
     let id = env_id(key)?;
     let paths = store.env_paths(id);
     let provider = crate::provider::from_settings(settings, &store)?;
+    let events = EventLog::new(store.root(), &settings.events);
     let w = World {
         store: &store,
         provider: provider.as_ref(),
+        events: &events,
     };
     let ctx = Ctx::new(log.clone(), cancel, OPERATOR_BUDGET);
     let me = recover::operator("dormant release");
@@ -68,7 +71,8 @@ pub async fn release(
         ),
     }
     let before = registry::peek(&paths)?;
-    lifecycle::release(w, &paths, &me, None, &ctx).await?;
+    let why = Reason::new(ReleaseCause::Operator, "dormant release");
+    lifecycle::release(w, &paths, &me, None, &why, &ctx).await?;
     log.info(format!("environment {id} released"));
     if let Some(rec) = before {
         let n = Notification::for_record(Event::Release, &rec).reason("dormant release");

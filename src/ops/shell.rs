@@ -25,12 +25,13 @@ use anyhow::{bail, Context, Result};
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::context::{Ctx, JobLog};
+use crate::events::{Event, EventLog, Kind, ReleaseCause, Step, SuspendCause};
 use crate::job::Job;
 use crate::lifecycle::recover::{self, Found};
 use crate::lifecycle::volume::{self, Relaunch};
-use crate::lifecycle::{self, update_error, World};
+use crate::lifecycle::{self, update_error, Reason, World};
 use crate::model::{EnvPaths, Machine, StorageMode};
-use crate::notify::{self, Audience, Event, Notification};
+use crate::notify::{self, Audience, Notification};
 use crate::settings::Settings;
 use crate::state::lock::LiveLock;
 use crate::state::registry::{self, UpdateError};
@@ -56,9 +57,11 @@ pub async fn shell(settings: &Settings, job: &Job, req: &ShellRequest, log: JobL
     let id = env_id(&req.key)?;
     let paths = store.env_paths(id);
     let provider = crate::provider::from_settings(settings, &store)?;
+    let events = EventLog::new(store.root(), &settings.events);
     let w = World {
         store: &store,
         provider: provider.as_ref(),
+        events: &events,
     };
     // Ours alone: the stage commands' SIGINT handling would cancel on Ctrl-C,
     // which here belongs to the program in the shell.
@@ -82,18 +85,20 @@ pub async fn shell(settings: &Settings, job: &Job, req: &ShellRequest, log: JobL
     let rec = registry::peek(&paths)?;
     let settled = if release {
         log.info(format!("releasing environment {id} (--release)"));
-        lifecycle::release(w, &paths, &me, None, &ctx).await
+        let why = Reason::new(ReleaseCause::Operator, "dormant shell --release");
+        lifecycle::release(w, &paths, &me, None, &why, &ctx).await
     } else {
         log.info(format!("suspending environment {id}"));
-        lifecycle::suspend(w, &paths, &me, entered.is_ok(), None, &ctx)
+        let why = Reason::new(SuspendCause::Shell, "dormant shell ended");
+        lifecycle::suspend(w, &paths, &me, entered.is_ok(), None, &why, &ctx)
             .await
             .map(drop)
     };
     if let (Ok(()), Some(rec)) = (&settled, rec) {
         let (event, reason) = if release {
-            (Event::Release, "dormant shell --release")
+            (notify::Event::Release, "dormant shell --release")
         } else {
-            (Event::Suspend, "dormant shell ended")
+            (notify::Event::Suspend, "dormant shell ended")
         };
         let n = Notification::for_record(event, &rec).reason(reason);
         notify::announce(&settings.suspend, &n, &log, Audience::Operator).await;
@@ -174,32 +179,56 @@ async fn enter(
 ) -> Result<(i32, bool)> {
     let id = paths.id;
     let log = &ctx.log;
+    let started = std::time::Instant::now();
     log.info(format!("resuming {} environment {id}", w.provider.name()));
+    let failed = |step: Step, e: &anyhow::Error, rec: Option<EnvironmentRecord>| {
+        rec.map(|rec| {
+            Event::about(Kind::Failed, step.as_str(), &rec)
+                .by(me)
+                .error(e)
+        })
+    };
     // Ctrl-C, SIGTERM or SIGHUP while it starts: stop, and suspend it again.
+    // Volume mode records its new machine itself; a started one is recorded here.
     let relaunch = Relaunch::default();
-    let machine = match machine {
-        Some(machine) => {
-            let machine = tokio::select! {
-                m = w.provider.start(&machine, ctx) => m.with_context(|| format!("starting environment {id}"))?,
-                s = signals.any(true) => bail!("{s} while starting environment {id}"),
-            };
-            registry::update(paths, ctx, |r| r.machine_started(me, machine.clone()))
-                .await
-                .map_err(update_error)?;
-            machine
-        }
-        None => tokio::select! {
-            m = volume::relaunch(w, paths, me, &relaunch, ctx) => {
-                m.with_context(|| format!("making a new machine for environment {id}"))?
-            }
+    let started_machine = match machine {
+        Some(machine) => tokio::select! {
+            m = w.provider.start(&machine, ctx) => m.map(|m| (m, false)),
             s = signals.any(true) => bail!("{s} while starting environment {id}"),
         },
+        None => tokio::select! {
+            m = volume::relaunch(w, paths, me, &relaunch, ctx) => m.map(|m| (m, true)),
+            s = signals.any(true) => bail!("{s} while starting environment {id}"),
+        },
+    };
+    let machine = match started_machine {
+        Ok((machine, recorded)) => {
+            if !recorded {
+                registry::update(paths, ctx, |r| r.machine_started(me, machine.clone()))
+                    .await
+                    .map_err(update_error)?;
+            }
+            machine
+        }
+        Err(e) => {
+            let e = e.context(format!("starting environment {id}"));
+            if let Some(event) = failed(Step::Start, &e, registry::peek(paths)?) {
+                w.events.record(event, ctx).await;
+            }
+            return Err(e);
+        }
     };
     let rec = registry::peek(paths)?
         .with_context(|| format!("environment {id} has no record any more"))?;
     let transport = crate::transport::open(&w.provider.target(&machine)?, paths, settings, job)?;
     tokio::select! {
-        c = volume::connect(paths, me, transport.as_ref(), w.provider.volumes(), ctx) => c?,
+        c = volume::connect(paths, me, transport.as_ref(), w.provider.volumes(), ctx) => if let Err(e) = c {
+            if let Some(event) = failed(Step::Connect, &e, Some(rec.clone())) {
+                w.events.record(event, ctx).await;
+            }
+            lifecycle::close(Some(transport.as_ref()), id, ctx).await;
+            return Err(e);
+        },
         s = signals.any(true) => {
             lifecycle::close(Some(transport.as_ref()), id, ctx).await;
             bail!("{s} while connecting to environment {id}")
@@ -208,7 +237,15 @@ async fn enter(
     let (rec_active, ()) = registry::update(paths, ctx, |r| r.activate(me))
         .await
         .map_err(update_error)?;
-    let n = Notification::for_record(Event::Resume, &rec_active).reason("dormant shell");
+    let resumed = Event::about(Kind::Resumed, "shell", &rec_active)
+        .by(me)
+        .duration(started.elapsed())
+        .suspended_for(
+            rec.suspended_at
+                .map_or(0, |t| crate::state::now_unix().saturating_sub(t)),
+        );
+    w.events.record(resumed, ctx).await;
+    let n = Notification::for_record(notify::Event::Resume, &rec_active).reason("dormant shell");
     notify::announce(&settings.suspend, &n, log, Audience::Operator).await;
     let dir = project_dir(settings, paths, &rec)?;
     let result = run_shell(transport.as_ref(), &dir, req, signals, ctx).await;

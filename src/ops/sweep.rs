@@ -7,8 +7,9 @@ use anyhow::Result;
 use tokio_util::sync::CancellationToken;
 
 use crate::context::{Ctx, JobLog};
+use crate::events::{Event, EventLog, Kind, ReleaseCause};
 use crate::job::Job;
-use crate::lifecycle::{sweep, World};
+use crate::lifecycle::{recover, sweep, World};
 use crate::settings::Settings;
 
 use super::{open_store, OPERATOR_BUDGET};
@@ -22,12 +23,14 @@ pub async fn sweep(
 ) -> Result<()> {
     let store = open_store(settings, job)?;
     let provider = crate::provider::from_settings(settings, &store)?;
+    let events = EventLog::new(store.root(), &settings.events);
     let w = World {
         store: &store,
         provider: provider.as_ref(),
+        events: &events,
     };
     let ctx = Ctx::new(log.clone(), cancel, OPERATOR_BUDGET);
-    let report = sweep::sweep(w, &settings.suspend, &ctx).await?;
+    let report = sweep::sweep(w, &settings.suspend, sweep::Scope::Full, &ctx).await?;
     for path in &report.removed {
         log.info(format!(
             "removed {} (left by a killed process)",
@@ -60,7 +63,22 @@ pub async fn sweep(
             .unwrap_or_else(|| "no environment tag".into());
         if delete_orphans {
             log.info(format!("deleting orphan machine {} ({env})", m.machine.id));
+            let started = std::time::Instant::now();
             provider.delete(&m.machine, &ctx).await?;
+            // An orphan has no record: the event says what the machine's tags say.
+            let mut event = Event::new(
+                Kind::Released,
+                ReleaseCause::Orphan.as_str(),
+                provider.name(),
+            )
+            .by(&recover::operator("dormant sweep --delete-orphans"))
+            .duration(started.elapsed())
+            .reason(&format!(
+                "machine {} belongs to no environment in the registry",
+                m.machine.id
+            ));
+            event.env = m.env_id;
+            events.record(event, &ctx).await;
         } else {
             log.warn(format!(
                 "machine {} ({env}, {}) belongs to no environment in {}; \

@@ -10,6 +10,7 @@ pub mod bounds;
 pub mod duration;
 pub mod ec2;
 mod ec2_checks;
+pub mod events;
 pub mod qemu;
 pub mod ssh;
 
@@ -67,6 +68,8 @@ pub struct Settings {
     /// Upper bound for a whole prepare: create or start, capacity, readiness.
     pub prepare_timeout: HumanDuration,
     pub suspend: SuspendSettings,
+    /// The event log's rotation (`[events]`).
+    pub events: events::EventSettings,
     pub local: LocalSettings,
     pub ssh: ssh::SshSettings,
     pub ec2: ec2::Ec2Settings,
@@ -83,6 +86,7 @@ impl Default for Settings {
             runner_system_id_file: PathBuf::from(DEFAULT_RUNNER_SYSTEM_ID_FILE),
             prepare_timeout: HumanDuration::from_secs(15 * 60),
             suspend: SuspendSettings::default(),
+            events: events::EventSettings::default(),
             local: LocalSettings::default(),
             ssh: ssh::SshSettings::default(),
             ec2: ec2::Ec2Settings::default(),
@@ -285,6 +289,7 @@ impl Settings {
         }
         self.check_durations(problems);
         self.suspend.validate(problems);
+        self.events.validate(problems);
         self.ssh
             .validate(self.provider == ProviderKind::Ssh, problems);
         self.ec2

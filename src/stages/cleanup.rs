@@ -17,8 +17,9 @@ use std::time::Duration;
 use anyhow::Result;
 
 use crate::context::Ctx;
+use crate::events::{ReleaseCause, SuspendCause};
 use crate::exit::Failure;
-use crate::lifecycle::{self, sweep};
+use crate::lifecycle::{self, sweep, Reason};
 use crate::model::EnvPaths;
 use crate::notify::{self, Audience, Event, Notification};
 use crate::state::job::{hold_job_alive, LockedJob};
@@ -39,11 +40,14 @@ pub async fn cleanup(s: &Session) -> Result<(), Failure> {
     if let Err(e) = cleanup_job(s, &ctx).await {
         errors.push(e);
     }
-    // Opportunistic sweep, within a small bound.
+    // Opportunistic sweep of the next slice of environments, within a small
+    // bound: its cost does not grow with the registry (`dormant sweep` does
+    // the whole of it).
     let budget = ctx
         .uncancellable()
         .within(s.settings.suspend.cleanup_sweep_budget.get());
-    match sweep::sweep(s.world(), &s.settings.suspend, &budget).await {
+    let scope = sweep::Scope::Slice;
+    match sweep::sweep(s.world(), &s.settings.suspend, scope, &budget).await {
         Ok(report) => errors.extend(report.errors),
         Err(e) => errors.push(e.context("sweeping expired environments")),
     }
@@ -93,6 +97,7 @@ async fn cleanup_job(s: &Session, ctx: &Ctx) -> Result<()> {
             outcome,
             request,
             machine_lost: state.machine_lost.clone(),
+            suspends,
         };
         settle_environment(s, &state, &paths, &rec, &holder, why, settle, ctx).await?;
     }
@@ -108,6 +113,8 @@ struct Why {
     request: Option<String>,
     /// Volume mode: what became of the machine that went away under a stage.
     machine_lost: Option<String>,
+    /// Whether the outcome matched a trigger or the request.
+    suspends: bool,
 }
 
 /// The notify hook's reason when a volume-mode environment is kept after its
@@ -115,11 +122,31 @@ struct Why {
 pub const MACHINE_LOST: &str = "machine lost";
 
 impl Why {
-    fn suspend_reason(&self) -> String {
+    fn suspend_reason(&self) -> Reason<SuspendCause> {
         match (&self.machine_lost, &self.request) {
-            (Some(_), _) => MACHINE_LOST.to_string(),
-            (None, Some(r)) => format!("requested by the job: {r}"),
-            (None, None) => format!("job {}", self.outcome.as_str()),
+            (Some(_), _) => Reason::new(SuspendCause::MachineLost, MACHINE_LOST),
+            (None, Some(r)) => Reason::new(
+                SuspendCause::JobRequest,
+                format!("requested by the job: {r}"),
+            ),
+            (None, None) => Reason::new(
+                SuspendCause::Triggers,
+                format!("job {}", self.outcome.as_str()),
+            ),
+        }
+    }
+
+    /// Why a job's environment is released, for the event log.
+    fn release_cause(&self, state: &JobState, enabled: bool) -> ReleaseCause {
+        let stopped = matches!(self.outcome, Outcome::Canceled | Outcome::TimedOut);
+        if state.terminated || stopped {
+            ReleaseCause::Canceled
+        } else if !state.prepared() {
+            ReleaseCause::PrepareFailed
+        } else if self.suspends && !enabled {
+            ReleaseCause::SuspendDisabled
+        } else {
+            ReleaseCause::NoTrigger
         }
     }
 }
@@ -191,16 +218,17 @@ async fn settle_environment(
                 rec.status().as_str(),
                 state.job_id
             ));
-            let done = lifecycle::suspend(w, paths, holder, false, transport, ctx).await;
+            let reason = format!("resume by job {} did not reach a stage", state.job_id);
+            let unused = Reason::new(SuspendCause::Unused, &reason);
+            let done = lifecycle::suspend(w, paths, holder, false, transport, &unused, ctx).await;
             if done.is_ok() {
-                let reason = format!("resume by job {} did not reach a stage", state.job_id);
                 announce(s, Event::Suspend, rec, reason).await;
             }
             done.map(drop)
         }
         Settle::Suspend => suspend(s, state, paths, holder, &why, rec, transport, ctx).await,
         Settle::Release => {
-            let why = if state.terminated {
+            let words = if state.terminated {
                 "was terminated".to_string()
             } else if !state.prepared() {
                 "did not finish prepare".to_string()
@@ -211,12 +239,16 @@ async fn settle_environment(
                 outcome.as_str().to_string()
             };
             s.log.info(format!(
-                "job {} {why}: releasing environment {id}",
+                "job {} {words}: releasing environment {id}",
                 state.job_id
             ));
-            let done = lifecycle::release(w, paths, holder, transport, ctx).await;
+            let reason = Reason::new(
+                why.release_cause(state, s.settings.suspend.enabled),
+                format!("job {words}"),
+            );
+            let done = lifecycle::release(w, paths, holder, transport, &reason, ctx).await;
             if done.is_ok() {
-                announce(s, Event::Release, rec, format!("job {why}")).await;
+                announce(s, Event::Release, rec, reason.text).await;
             }
             done
         }
@@ -259,15 +291,16 @@ async fn suspend(
     // A lost machine cannot be asked to unmount anything.
     let guest = transport.filter(|_| why.machine_lost.is_none());
     // A suspension in progress finishes even if SIGTERM arrives.
-    let suspended = lifecycle::suspend(s.world(), paths, holder, true, guest, ctx).await;
+    let reason = why.suspend_reason();
+    let suspended = lifecycle::suspend(s.world(), paths, holder, true, guest, &reason, ctx).await;
     if s.cancel.is_cancelled() {
         s.log.info(format!(
             "termination arrived during the suspension of {id}: releasing it now"
         ));
-        let done = lifecycle::release(s.world(), paths, holder, transport, ctx).await;
+        let reason = Reason::new(ReleaseCause::Canceled, "terminated during its suspension");
+        let done = lifecycle::release(s.world(), paths, holder, transport, &reason, ctx).await;
         if done.is_ok() {
-            let reason = "terminated during its suspension".to_string();
-            announce(s, Event::Release, before, reason).await;
+            announce(s, Event::Release, before, reason.text).await;
         }
         return done;
     }
@@ -276,7 +309,7 @@ async fn suspend(
         "environment {id} suspended; key: {}",
         rec.key.as_deref().unwrap_or("(none recorded)")
     ));
-    announce(s, Event::Suspend, &rec, why.suspend_reason()).await;
+    announce(s, Event::Suspend, &rec, reason.text).await;
     Ok(())
 }
 

@@ -176,7 +176,7 @@ async fn a_failed_release_is_retried_by_the_sweep() {
     );
     p.cloud.lock().unwrap().fail_delete = false;
     let ctx = Ctx::new(s.log.clone(), s.cancel.clone(), Duration::from_secs(5));
-    let report = sweep::sweep(s.world(), &s.settings.suspend, &ctx)
+    let report = sweep::sweep(s.world(), &s.settings.suspend, sweep::Scope::Full, &ctx)
         .await
         .unwrap();
     assert_eq!(report.released, vec![paths.id], "{:?}", report.errors);

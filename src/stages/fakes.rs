@@ -327,12 +327,14 @@ pub fn session(
         suspend,
         job_url: Some(format!("https://gitlab.example.com/g/p/-/jobs/{job_id}")),
     };
+    let events = crate::events::EventLog::new(store.root(), &settings.events);
     let s = Session {
         settings,
         job,
         input,
         runner_id: "1".into(),
         store: store.clone(),
+        events,
         provider: Arc::new(provider.clone()),
         transports: Arc::new(transports),
         log,

@@ -17,6 +17,7 @@ use anyhow::Result;
 use tokio_util::sync::CancellationToken;
 
 use crate::context::JobLog;
+use crate::events::EventLog;
 use crate::job::{Job, JobInput};
 use crate::model::EnvPaths;
 use crate::provider::{Provider, Target};
@@ -48,6 +49,8 @@ pub struct Session {
     pub input: JobInput,
     pub runner_id: String,
     pub store: StateStore,
+    /// The event log of the state dir (`crate::events`).
+    pub events: EventLog,
     pub provider: Arc<dyn Provider>,
     pub transports: Arc<dyn Transports>,
     pub log: JobLog,
@@ -66,6 +69,7 @@ impl Session {
         let input = job.input()?;
         let runner_id = crate::identity::runner_id(&settings, &input, &job)?;
         let store = StateStore::open(&settings.state_dir(&job)?)?;
+        let events = EventLog::new(store.root(), &settings.events);
         let provider = crate::provider::from_settings(&settings, &store)?;
         let transports = Arc::new(RealTransports {
             settings: settings.clone(),
@@ -77,6 +81,7 @@ impl Session {
             input,
             runner_id,
             store,
+            events,
             provider,
             transports,
             log,
@@ -98,11 +103,12 @@ impl Session {
         }
     }
 
-    /// The store and the provider, for the lifecycle's effects.
+    /// The store, the provider and the event log, for the lifecycle's effects.
     pub fn world(&self) -> crate::lifecycle::World<'_> {
         crate::lifecycle::World {
             store: &self.store,
             provider: self.provider.as_ref(),
+            events: &self.events,
         }
     }
 }
@@ -111,3 +117,7 @@ impl Session {
 pub(crate) mod fakes;
 #[cfg(test)]
 mod volume_tests;
+
+#[cfg(test)]
+#[path = "events_tests.rs"]
+mod events_tests;

@@ -5,9 +5,10 @@
 use anyhow::Result;
 
 use crate::context::Ctx;
+use crate::events::{Event, Kind, Step};
 use crate::provider::Machine;
 use crate::state::job::LockedJob;
-use crate::state::{EnvPaths, Holder, JobState, Mode, Phase};
+use crate::state::{registry, EnvPaths, Holder, JobState, Mode, Phase};
 
 use super::Session;
 
@@ -45,6 +46,29 @@ pub(super) async fn connect(
     let transport = s.transports.open(&target, paths)?;
     crate::lifecycle::volume::connect(paths, holder, transport.as_ref(), s.provider.volumes(), ctx)
         .await
+}
+
+/// Records in the event log that `step` of this job's prepare failed (the
+/// error itself is the stage's, said in the job log by the caller).
+pub(super) async fn record_failure(
+    s: &Session,
+    paths: &EnvPaths,
+    step: Step,
+    e: &anyhow::Error,
+    ctx: &Ctx,
+) {
+    let event = match registry::peek(paths) {
+        Ok(Some(rec)) => Event::about(Kind::Failed, step.as_str(), &rec),
+        // Unreadable now: what the job knows is enough to say it.
+        _ => {
+            let mut e = Event::new(Kind::Failed, step.as_str(), s.provider.name());
+            e.env = Some(paths.id);
+            e.project = Some(s.input.project_id);
+            e
+        }
+    };
+    let event = event.job(Some(s.job_id())).error(e);
+    s.events.record(event, ctx).await;
 }
 
 pub(super) fn announce(s: &Session, key: &str, env_id: uuid::Uuid, resumed: bool) {

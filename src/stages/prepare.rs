@@ -16,6 +16,7 @@ use anyhow::{Context, Result};
 
 use crate::context::Ctx;
 use crate::envkey::EnvironmentKey;
+use crate::events::{Event, Kind, Step};
 use crate::exit::Failure;
 use crate::lifecycle::{update_error, volume};
 use crate::model::{StorageMode, Volume};
@@ -24,7 +25,7 @@ use crate::state::job::{hold_job_alive, LockedJob};
 use crate::state::registry::{self, UpdateError};
 use crate::state::{EnvPaths, EnvironmentRecord, Holder, Mode, NewEnvironment, Phase};
 
-use super::prep::{announce, connect, job_state};
+use super::prep::{announce, connect, job_state, record_failure};
 use super::Session;
 
 pub async fn prepare(s: &Session) -> Result<(), Failure> {
@@ -37,8 +38,8 @@ pub async fn prepare(s: &Session) -> Result<(), Failure> {
     let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id(), &ctx).await?;
     let started = Instant::now();
     let result = match s.input.suspend.resume_key.clone() {
-        Some(key) => super::resume::prepare_resume(s, &locked, &key, &ctx).await,
-        None => prepare_new(s, &locked, &ctx).await,
+        Some(key) => super::resume::prepare_resume(s, &locked, &key, started, &ctx).await,
+        None => prepare_new(s, &locked, started, &ctx).await,
     };
     if result.is_err() && s.cancel.is_cancelled() {
         // Cleanup must know a termination (cancel, timeout) stopped prepare.
@@ -56,7 +57,12 @@ pub async fn prepare(s: &Session) -> Result<(), Failure> {
     result
 }
 
-async fn prepare_new(s: &Session, locked: &LockedJob, ctx: &Ctx) -> Result<(), Failure> {
+async fn prepare_new(
+    s: &Session,
+    locked: &LockedJob,
+    started: Instant,
+    ctx: &Ctx,
+) -> Result<(), Failure> {
     let env_id = crate::identity::new_env_id(&s.runner_id, s.job_id());
     let system_id = crate::identity::system_id(&s.settings, &s.store)?;
     let paths = s.store.env_paths(env_id);
@@ -111,18 +117,28 @@ async fn prepare_new(s: &Session, locked: &LockedJob, ctx: &Ctx) -> Result<(), F
             machine: Some(spec.clone()),
         };
         let make_key = |v: &Volume| volume_environment_key(s, &system_id, env_id, v);
-        let volume = volume::create(s.world(), &paths, &holder, &vspec, make_key, ctx)
-            .await
-            .map_err(refused_or_system)?;
+        let volume = match volume::create(s.world(), &paths, &holder, &vspec, make_key, ctx).await {
+            Ok(v) => v,
+            Err(e) => {
+                record_failure(s, &paths, Step::Create, &e, ctx).await;
+                return Err(refused_or_system(e));
+            }
+        };
         volume_key = Some(volume_environment_key(s, &system_id, env_id, &volume));
         spec.volume = Some(volume::begin_attach(&paths, &holder, ctx).await?);
     }
-    let machine = s
+    let made = s
         .provider
         .create_or_reclaim(&spec, ctx)
         .await
-        .with_context(|| format!("creating {} environment {env_id}", s.provider.name()))
-        .map_err(refused_or_system)?;
+        .with_context(|| format!("creating {} environment {env_id}", s.provider.name()));
+    let machine = match made {
+        Ok(m) => m,
+        Err(e) => {
+            record_failure(s, &paths, Step::Create, &e, ctx).await;
+            return Err(refused_or_system(e));
+        }
+    };
     crate::failpoint!("prepare:created");
     let key = volume_key.unwrap_or_else(|| environment_key(s, &system_id, env_id, &machine));
     registry::update(&paths, ctx, |r| {
@@ -132,15 +148,23 @@ async fn prepare_new(s: &Session, locked: &LockedJob, ctx: &Ctx) -> Result<(), F
     .map_err(update_error)?;
     crate::failpoint!("prepare:recorded");
     if let Some(v) = &spec.volume {
-        volume::attach(s.world(), &paths, &holder, v, &machine, ctx)
-            .await
-            .map_err(refused_or_system)?;
+        if let Err(e) = volume::attach(s.world(), &paths, &holder, v, &machine, ctx).await {
+            record_failure(s, &paths, Step::Create, &e, ctx).await;
+            return Err(refused_or_system(e));
+        }
     }
 
-    connect(s, &paths, &holder, &machine, ctx).await?;
-    registry::update(&paths, ctx, |r| r.activate(&holder))
+    if let Err(e) = connect(s, &paths, &holder, &machine, ctx).await {
+        record_failure(s, &paths, Step::Connect, &e, ctx).await;
+        return Err(e.into());
+    }
+    let (rec, ()) = registry::update(&paths, ctx, |r| r.activate(&holder))
         .await
         .map_err(update_error)?;
+    let created = Event::about(Kind::Created, "job", &rec)
+        .by(&holder)
+        .duration(started.elapsed());
+    s.events.record(created, ctx).await;
     crate::failpoint!("prepare:activated");
     state.phase = Phase::Ready;
     locked.save(&state)?;

@@ -3,23 +3,26 @@
 //! if its holder is gone), starts its machine and waits until it runs
 //! commands. Every refusal names the key or the environment and says what to do.
 
+use std::time::Instant;
+
 use anyhow::Result;
 
 use crate::context::Ctx;
 use crate::envkey::EnvironmentKey;
+use crate::events::{Event, Kind, Step};
 use crate::exit::Failure;
 use crate::lifecycle::recover::{self, Found};
 use crate::lifecycle::volume::{self, Relaunch};
-use crate::lifecycle::{human_age, update_error, World};
+use crate::lifecycle::{human_age, update_error};
 use crate::model::StorageMode;
-use crate::notify::{self, Audience, Event, Notification};
+use crate::notify::{self, Audience, Notification};
 use crate::provider::{Machine, MachineGone, Refusal, VolumeGone};
 use crate::state::job::LockedJob;
 use crate::state::registry::{self, UpdateError};
 use crate::state::transitions::same_holder;
 use crate::state::{now_unix, EnvPaths, EnvStatus, EnvironmentRecord, Holder, Mode, Phase};
 
-use super::prep::{announce, connect, job_state};
+use super::prep::{announce, connect, job_state, record_failure};
 use super::Session;
 
 /// Why a resume claim was not taken.
@@ -32,6 +35,7 @@ pub(super) async fn prepare_resume(
     s: &Session,
     locked: &LockedJob,
     text: &str,
+    started: Instant,
     ctx: &Ctx,
 ) -> Result<(), Failure> {
     let source = s.input.suspend.source;
@@ -128,7 +132,11 @@ pub(super) async fn prepare_resume(
     };
     let machine = match machine {
         Some(machine) => {
-            let machine = s.provider.start(&machine, ctx).await.map_err(gone)?;
+            let started_machine = s.provider.start(&machine, ctx).await;
+            if let Err(e) = &started_machine {
+                record_failure(s, &paths, Step::Start, e, ctx).await;
+            }
+            let machine = started_machine.map_err(gone)?;
             crate::failpoint!("resume:started");
             registry::update(&paths, ctx, |r| r.machine_started(&holder, machine.clone()))
                 .await
@@ -140,19 +148,29 @@ pub(super) async fn prepare_resume(
                 job_id: s.job_id(),
                 variables: s.job.job_variables(),
             };
-            volume::relaunch(s.world(), &paths, &holder, &relaunch, ctx)
-                .await
-                .map_err(gone)?
+            let relaunched = volume::relaunch(s.world(), &paths, &holder, &relaunch, ctx).await;
+            if let Err(e) = &relaunched {
+                record_failure(s, &paths, Step::Start, e, ctx).await;
+            }
+            relaunched.map_err(gone)?
         }
     };
 
-    connect(s, &paths, &holder, &machine, ctx)
-        .await
-        .map_err(|e| Failure::System(e.context(format!("environment {env_id} stays suspended"))))?;
+    if let Err(e) = connect(s, &paths, &holder, &machine, ctx).await {
+        record_failure(s, &paths, Step::Connect, &e, ctx).await;
+        return Err(Failure::System(
+            e.context(format!("environment {env_id} stays suspended")),
+        ));
+    }
 
     let (rec, ()) = registry::update(&paths, ctx, |r| r.activate(&holder))
         .await
         .map_err(update_error)?;
+    let resumed = Event::about(Kind::Resumed, "job", &rec)
+        .by(&holder)
+        .duration(started.elapsed())
+        .suspended_for(rec.suspended_at.map_or(0, |t| now_unix().saturating_sub(t)));
+    s.events.record(resumed, ctx).await;
     crate::failpoint!("resume:activated");
     state.phase = Phase::Ready;
     locked.save(&state)?;
@@ -176,7 +194,7 @@ pub(super) async fn prepare_resume(
     ));
     announce(s, &key, env_id, true);
     // Its failure is one short line here: prepare's output is the job log.
-    let n = Notification::for_record(Event::Resume, &rec)
+    let n = Notification::for_record(notify::Event::Resume, &rec)
         .job(&s.input)
         .reason(format!("resumed by job {}", s.job_id()));
     notify::announce(&s.settings.suspend, &n, &s.log, Audience::Job).await;
@@ -255,10 +273,7 @@ fn claim_resume(
 /// else refuse saying who holds it and what to do.
 async fn held_elsewhere(s: &Session, paths: &EnvPaths, ctx: &Ctx) -> Result<(), Failure> {
     let id = paths.id;
-    let w = World {
-        store: &s.store,
-        provider: s.provider.as_ref(),
-    };
+    let w = s.world();
     let me = recover::operator(&format!("job {}'s prepare", s.job_id()));
     let found = recover::recover(w, paths, &me, &s.settings.suspend, false, ctx)
         .await

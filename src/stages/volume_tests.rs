@@ -266,9 +266,14 @@ async fn a_failed_detach_keeps_the_volume_suspended_and_the_sweep_finishes_it() 
         Default::default(),
         std::time::Duration::from_secs(30),
     );
-    let report = crate::lifecycle::sweep::sweep(s.world(), &s.settings.suspend, &ctx)
-        .await
-        .unwrap();
+    let report = crate::lifecycle::sweep::sweep(
+        s.world(),
+        &s.settings.suspend,
+        crate::lifecycle::sweep::Scope::Full,
+        &ctx,
+    )
+    .await
+    .unwrap();
     assert_eq!(report.recovered, vec![rec.id], "{:?}", report.errors);
     let after = record(&store, 1).unwrap();
     assert_eq!(after.status(), EnvStatus::Suspended);

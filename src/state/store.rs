@@ -87,6 +87,24 @@ impl StateStore {
         Ok(ids)
     }
 
+    /// Everything in `trash/` (a delete that was killed half-way), with its
+    /// age in seconds.
+    pub fn trash_entries(&self) -> Result<Vec<(PathBuf, u64)>> {
+        let dir = self.trash_dir();
+        let entries = match fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e).with_context(|| format!("listing {}", dir.display())),
+        };
+        let mut out = Vec::new();
+        for entry in entries {
+            let path = entry?.path();
+            let age = age_secs(&path);
+            out.push((path, age));
+        }
+        Ok(out)
+    }
+
     /// Entries under `environments/` that are not an environment (a staging
     /// directory a killed create left), and everything in `trash/` (a delete
     /// that was killed half-way), with their age in seconds.
@@ -158,6 +176,16 @@ impl StateStore {
         }
         remove_tree(&doomed)
     }
+}
+
+/// Seconds since `path` was last modified (0 if that cannot be read).
+pub fn age_secs(path: &Path) -> u64 {
+    fs::symlink_metadata(path)
+        .ok()
+        .and_then(|m| m.modified().ok())
+        .and_then(|t| t.elapsed().ok())
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// `rm -rf`; already gone is fine.

@@ -320,6 +320,13 @@ fn a_machine_lost_under_a_job_keeps_the_volume_when_the_failure_trigger_says_so(
         assert_volume_settled(&rig, "machine lost");
         let said = std::fs::read_to_string(&notes).unwrap();
         assert!(said.contains("\"reason\":\"machine lost\""), "{said}");
+        let events = rig.dormant(&["events", &key, "--json"]);
+        let events = String::from_utf8_lossy(&events.stdout).to_string();
+        assert!(
+            events.lines().any(|l| l.contains("\"event\":\"suspended\"")
+                && l.contains("\"cause\":\"machine_lost\"")),
+            "the event log says why: {events}"
+        );
         let r2 = rig.run(
             &job(5)
                 .resume(&key)

@@ -1248,13 +1248,17 @@ async fn the_ttl_sweep_terminates_expired_suspended_instances_only() {
         .unwrap();
         records.push((spec, m));
     }
+    let events = dormant::events::EventLog::new(rig.store.root(), &rig.settings.events);
     let world = dormant::lifecycle::World {
         store: &rig.store,
         provider: p.as_ref(),
+        events: &events,
     };
-    let report = dormant::lifecycle::sweep::sweep(world, &rig.settings.suspend, &rig.ctx(120))
-        .await
-        .unwrap();
+    let full = dormant::lifecycle::sweep::Scope::Full;
+    let report =
+        dormant::lifecycle::sweep::sweep(world, &rig.settings.suspend, full, &rig.ctx(120))
+            .await
+            .unwrap();
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     let (old, old_m) = &records[0];
     let (young, young_m) = &records[1];

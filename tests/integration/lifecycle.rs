@@ -218,3 +218,32 @@ fn a_resume_within_the_grace_of_a_dead_holder_is_refused_saying_when_it_recovers
     );
     assert_eq!(rig.status(&key).as_deref(), Some("active"), "untouched");
 }
+
+#[test]
+fn a_cleanup_sweeps_one_slice_and_dormant_sweep_the_rest() {
+    let rig = Rig::new("41", "s_0123456789ab", "[suspend]\nttl = \"1h\"\n");
+    let store = StateStore::open(&rig.state_dir).unwrap();
+    const EXPIRED: usize = 200;
+    for _ in 0..EXPIRED {
+        let id = uuid::Uuid::new_v4();
+        dormant::state::testing::place(&store, id, EnvStatus::Suspended, None, 7200, None).unwrap();
+    }
+    let count = || store.environment_ids().unwrap().len();
+    // A job's cleanup: its own environment, then one slice of the others.
+    assert_result(&rig.run(&job(5)), JobResult::Success);
+    let slice = dormant::lifecycle::sweep::SLICE;
+    assert_eq!(
+        count(),
+        EXPIRED - slice,
+        "a cleanup looks at one slice only"
+    );
+    assert_result(&rig.run(&job(5)), JobResult::Success);
+    assert_eq!(
+        count(),
+        EXPIRED - 2 * slice,
+        "the next cleanup, the next slice"
+    );
+    let out = rig.dormant(&["sweep"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(count(), 0, "dormant sweep looks at every environment");
+}

@@ -31,11 +31,13 @@ mod ec2_volume_mode;
 #[cfg(feature = "ec2")]
 mod ec2_volume_spot;
 mod edge;
+mod events;
 mod harness;
 mod hygiene;
 mod job_request;
 #[cfg(feature = "testing")]
 mod lifecycle;
+mod metrics;
 #[cfg(feature = "ec2")]
 mod moto;
 #[cfg(feature = "ec2")]

@@ -267,6 +267,18 @@ fn scan(rep: &mut RoundReport, state: &Path) -> BTreeMap<String, String> {
                     rep.fail("unparsable_state", path.display().to_string());
                 }
             }
+            if name.ends_with(".jsonl") {
+                // The event log: 19 jobs and the sweeps append at once.
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                if !text.is_empty() && !text.ends_with('\n') {
+                    rep.fail("torn_event_line", path.display().to_string());
+                }
+                for line in text.lines() {
+                    if serde_json::from_str::<serde_json::Value>(line).is_err() {
+                        rep.fail("damaged_event_line", format!("{}: {line}", path.display()));
+                    }
+                }
+            }
             let in_jobs = dir.file_name().is_some_and(|d| d == "jobs");
             if in_jobs && name.ends_with(".json") {
                 rep.fail("job_state_left", name.clone());

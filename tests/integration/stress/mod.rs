@@ -51,6 +51,14 @@ pub const FAILURES: &[(&str, &str)] = &[
         "a temp file (*.tmp) left in the state dir",
     ),
     (
+        "torn_event_line",
+        "an event log file (events/*.jsonl) that does not end on a newline",
+    ),
+    (
+        "damaged_event_line",
+        "a line of the event log that does not parse (torn or interleaved)",
+    ),
+    (
         "stuck_status",
         "a record neither suspended nor gone once every process ended",
     ),

@@ -1,10 +1,36 @@
 //! The wrapper run under a local `sh`, exactly as sshd would run it.
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use super::*;
+
+/// A shell as sshd starts one: every signal at its default. The test process
+/// may run with some ignored (`nohup` ignores SIGHUP), and a shell cannot undo
+/// a signal ignored when it started, so without this `kill -HUP $$` would
+/// test the suite's start instead of the wrapper.
+fn as_sshd_would(cmd: &mut Command) -> &mut Command {
+    // SAFETY: between fork and exec this calls only signal(2), which is
+    // async-signal-safe, and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            for sig in [
+                libc::SIGHUP,
+                libc::SIGINT,
+                libc::SIGQUIT,
+                libc::SIGTERM,
+                libc::SIGUSR1,
+                libc::SIGUSR2,
+                libc::SIGPIPE,
+            ] {
+                libc::signal(sig, libc::SIG_DFL);
+            }
+            Ok(())
+        })
+    }
+}
 
 #[test]
 fn reports_are_parsed_and_anything_else_passes_through() {
@@ -70,7 +96,7 @@ impl Run {
         tmp: &std::path::Path,
     ) -> Run {
         let body = script_with_env(script.as_bytes(), &[]).unwrap();
-        let mut child = Command::new(shell)
+        let mut child = as_sshd_would(&mut Command::new(shell))
             .arg("-c")
             .arg(command_line(body.len(), workdir, watch))
             .env("TMPDIR", tmp)
@@ -265,7 +291,7 @@ fn the_wrapper_says_whether_the_watched_file_exists_after_the_script() {
 #[test]
 fn a_truncated_script_is_not_run() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut child = Command::new("sh")
+    let mut child = as_sshd_would(&mut Command::new("sh"))
         .arg("-c")
         .arg(command_line(100, None, None))
         .env("TMPDIR", tmp.path())

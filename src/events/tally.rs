@@ -1,0 +1,358 @@
+//! The counters and histograms of `dormant metrics`, folded from the event
+//! log: events by kind and cause, failures by step, prepare time of new and
+//! resumed environments, suspend time, time suspended before a resume, and
+//! the sweeps — per provider.
+//!
+//! **Why a metrics run stays cheap as the log grows:** a checkpoint,
+//! `events/metrics.json`, holds the totals so far and the position (file,
+//! byte offset) up to which they count. A run loads it, reads only the lines
+//! appended since, folds them in, and saves it again: its cost is the number
+//! of new events since the last run (the package's timer runs it every
+//! minute), not the size of the log. The checkpoint also keeps the counters
+//! monotonic across rotations: a file deleted by rotation was already counted.
+//! It is derived data: a damaged or foreign one is set aside
+//! (`metrics.json.damaged`) and rebuilt from the log, with a warning.
+
+use std::collections::BTreeMap;
+use std::io::{self, Write};
+use std::path::Path;
+
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+
+use super::read::{read_from, Line, Position};
+use super::Event;
+use crate::state::store::{self, FORMAT_VERSION};
+
+/// The checkpoint's name in the log's directory.
+pub const CHECKPOINT: &str = "metrics.json";
+/// Changes when what is counted changes: an older checkpoint is rebuilt.
+const TALLY_FORMAT: u32 = 1;
+
+/// Histogram buckets (upper bounds, seconds) from a tenth of a second to 30
+/// days: a resume takes seconds, a new VM minutes, a suspension days.
+pub const BUCKETS: [f64; 22] = [
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 10800.0,
+    21600.0, 43200.0, 86400.0, 172800.0, 604800.0, 1209600.0, 2592000.0,
+];
+
+/// One histogram's counts: per bucket (not cumulative; the last is `+Inf`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Histogram {
+    pub counts: Vec<u64>,
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            counts: vec![0; BUCKETS.len() + 1],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+}
+
+impl Histogram {
+    fn observe(&mut self, v: f64) {
+        if !v.is_finite() || v < 0.0 {
+            return;
+        }
+        let i = BUCKETS
+            .iter()
+            .position(|b| v <= *b)
+            .unwrap_or(BUCKETS.len());
+        if self.counts.len() != BUCKETS.len() + 1 {
+            self.counts = vec![0; BUCKETS.len() + 1];
+        }
+        self.counts[i] += 1;
+        self.sum += v;
+        self.count += 1;
+    }
+}
+
+/// Everything counted so far, and where the count stopped. Keys are label
+/// values joined by tabs (JSON objects need string keys).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tally {
+    pub version: u32,
+    pub tally_format: u32,
+    pub pos: Option<Position>,
+    /// provider, event, cause
+    pub events: BTreeMap<String, u64>,
+    /// provider, step
+    pub failures: BTreeMap<String, u64>,
+    /// metric, provider, extra label value (mode or scope; empty if none)
+    pub histograms: BTreeMap<String, Histogram>,
+    /// provider, scope
+    pub sweep_unvisited: BTreeMap<String, u64>,
+    pub damaged: u64,
+    pub missed_files: u64,
+    pub last_full_sweep_ms: u64,
+}
+
+impl Default for Tally {
+    fn default() -> Self {
+        Tally {
+            version: FORMAT_VERSION,
+            tally_format: TALLY_FORMAT,
+            pos: None,
+            events: BTreeMap::new(),
+            failures: BTreeMap::new(),
+            histograms: BTreeMap::new(),
+            sweep_unvisited: BTreeMap::new(),
+            damaged: 0,
+            missed_files: 0,
+            last_full_sweep_ms: 0,
+        }
+    }
+}
+
+/// A label value as written: lines are dormant's own, but a damaged or
+/// foreign one must not add a label that breaks the exposition format or
+/// multiplies the series.
+fn label(v: &str) -> &str {
+    let ok = !v.is_empty()
+        && v.len() <= 64
+        && v.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+    if ok {
+        v
+    } else {
+        "other"
+    }
+}
+
+fn key(parts: &[&str]) -> String {
+    parts
+        .iter()
+        .map(|p| label(p))
+        .collect::<Vec<_>>()
+        .join("\t")
+}
+
+impl Tally {
+    /// Counts one event.
+    pub fn fold(&mut self, e: &Event) {
+        let provider = label(&e.provider);
+        *self
+            .events
+            .entry(key(&[provider, &e.event, &e.cause]))
+            .or_default() += 1;
+        let mut observe = |metric: &str, extra: &str, v: Option<f64>| {
+            if let Some(v) = v {
+                let extra = if extra.is_empty() { "" } else { label(extra) };
+                self.histograms
+                    .entry(format!("{metric}\t{provider}\t{extra}"))
+                    .or_default()
+                    .observe(v);
+            }
+        };
+        match e.event.as_str() {
+            "created" => observe("prepare", "new", e.duration_s),
+            "resumed" => {
+                let mode = if e.cause == "shell" {
+                    "shell"
+                } else {
+                    "resume"
+                };
+                observe("prepare", mode, e.duration_s);
+                observe("suspended_before_resume", "", e.suspended_s);
+            }
+            "suspended" => observe("suspend", "", e.duration_s),
+            "sweep" => {
+                observe("sweep", &e.cause, e.duration_s);
+                if let Some(s) = &e.sweep {
+                    *self
+                        .sweep_unvisited
+                        .entry(key(&[provider, &e.cause]))
+                        .or_default() += s.unvisited;
+                }
+                if e.cause == "full" {
+                    self.last_full_sweep_ms = self.last_full_sweep_ms.max(e.ts_ms);
+                }
+            }
+            "failed" => *self.failures.entry(key(&[provider, &e.cause])).or_default() += 1,
+            _ => {}
+        }
+    }
+
+    /// Loads the checkpoint in `dir`, folds in what was appended since, and
+    /// saves it. Warnings (a checkpoint rebuilt, or not saved) are returned
+    /// for the caller to print; the numbers are right either way.
+    pub fn update(dir: &Path) -> Result<(Tally, Vec<String>)> {
+        let mut warnings = Vec::new();
+        let path = dir.join(CHECKPOINT);
+        let loaded = match store::read_json::<Tally>(&path) {
+            Ok(t) => t.filter(|t| t.tally_format == TALLY_FORMAT),
+            Err(e) => {
+                let aside = dir.join(format!("{CHECKPOINT}.damaged"));
+                let _ = std::fs::rename(&path, &aside);
+                warnings.push(format!(
+                    "{e:#}; moved to {} and counted again from the event log",
+                    aside.display()
+                ));
+                None
+            }
+        };
+        let existed = loaded.is_some();
+        let mut tally = loaded.unwrap_or_default();
+        let before = tally.pos;
+        let progress = read_from(dir, tally.pos, &mut |line| {
+            if let Line::Event(e, _) = line {
+                tally.fold(&e);
+            }
+        })?;
+        tally.pos = progress.pos;
+        tally.damaged += progress.damaged;
+        tally.missed_files += progress.missed_files;
+        if tally.pos.is_some() && (tally.pos != before || !existed) {
+            // Unsynced: a power loss only means the next run counts again
+            // from the previous checkpoint.
+            if let Err(e) = store::write_json_unsynced(&path, &tally) {
+                warnings.push(format!(
+                    "{e:#}; the counts are right, but the next run reads the log again from where \
+                     the last saved checkpoint stopped"
+                ));
+            }
+        }
+        Ok((tally, warnings))
+    }
+
+    /// The Prometheus text of everything counted (every family, also empty).
+    pub fn render(&self, out: &mut dyn Write) -> io::Result<()> {
+        family(
+            out,
+            "dormant_events_total",
+            "counter",
+            "Lifecycle events in the event log, by provider, event and cause (for failed: the step).",
+        )?;
+        for (k, n) in &self.events {
+            let [p, e, c] = split::<3>(k);
+            writeln!(
+                out,
+                "dormant_events_total{{provider=\"{p}\",event=\"{e}\",cause=\"{c}\"}} {n}"
+            )?;
+        }
+        family(
+            out,
+            "dormant_failures_total",
+            "counter",
+            "Failed steps (create, start, connect, stop, delete), by provider and step.",
+        )?;
+        for (k, n) in &self.failures {
+            let [p, s] = split::<2>(k);
+            writeln!(
+                out,
+                "dormant_failures_total{{provider=\"{p}\",step=\"{s}\"}} {n}"
+            )?;
+        }
+        self.histogram(out, "prepare", "mode", "Prepare time in seconds: a new environment made (mode new), a suspended one resumed for a job (resume) or a shell (shell).")?;
+        self.histogram(
+            out,
+            "suspend",
+            "",
+            "Suspend time in seconds: stopping the machine at the end of a job.",
+        )?;
+        self.histogram(
+            out,
+            "suspended_before_resume",
+            "",
+            "How long an environment had been suspended when it was resumed, in seconds.",
+        )?;
+        self.histogram(
+            out,
+            "sweep",
+            "scope",
+            "Sweep time in seconds: dormant sweep (scope full) or a cleanup's slice (slice).",
+        )?;
+        family(
+            out,
+            "dormant_sweep_unvisited_total",
+            "counter",
+            "Environments a sweep did not reach before its time bound ran out.",
+        )?;
+        for (k, n) in &self.sweep_unvisited {
+            let [p, s] = split::<2>(k);
+            writeln!(
+                out,
+                "dormant_sweep_unvisited_total{{provider=\"{p}\",scope=\"{s}\"}} {n}"
+            )?;
+        }
+        family(
+            out,
+            "dormant_last_full_sweep_timestamp_seconds",
+            "gauge",
+            "When the last full sweep (dormant sweep) ended, Unix time; 0 if none is in the log.",
+        )?;
+        writeln!(
+            out,
+            "dormant_last_full_sweep_timestamp_seconds {}",
+            self.last_full_sweep_ms as f64 / 1000.0
+        )?;
+        family(
+            out,
+            "dormant_event_lines_damaged_total",
+            "counter",
+            "Event log lines that could not be read (torn or corrupt), skipped.",
+        )?;
+        writeln!(out, "dormant_event_lines_damaged_total {}", self.damaged)?;
+        family(
+            out,
+            "dormant_event_files_missed_total",
+            "counter",
+            "Event log files rotated away before dormant metrics counted them (run it more often, or raise events.keep_files).",
+        )?;
+        writeln!(
+            out,
+            "dormant_event_files_missed_total {}",
+            self.missed_files
+        )
+    }
+
+    fn histogram(
+        &self,
+        out: &mut dyn Write,
+        metric: &str,
+        extra: &str,
+        help: &str,
+    ) -> io::Result<()> {
+        let name = format!("dormant_{metric}_seconds");
+        family(out, &name, "histogram", help)?;
+        for (k, h) in &self.histograms {
+            let [m, p, x] = split::<3>(k);
+            if m != metric {
+                continue;
+            }
+            let labels = if extra.is_empty() {
+                format!("provider=\"{p}\"")
+            } else {
+                format!("provider=\"{p}\",{extra}=\"{x}\"")
+            };
+            let mut cumulative = 0;
+            for (i, bound) in BUCKETS.iter().enumerate() {
+                cumulative += h.counts.get(i).copied().unwrap_or(0);
+                writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}")?;
+            }
+            writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", h.count)?;
+            writeln!(out, "{name}_sum{{{labels}}} {}", h.sum)?;
+            writeln!(out, "{name}_count{{{labels}}} {}", h.count)?;
+        }
+        Ok(())
+    }
+}
+
+fn family(out: &mut dyn Write, name: &str, kind: &str, help: &str) -> io::Result<()> {
+    writeln!(out, "# HELP {name} {help}")?;
+    writeln!(out, "# TYPE {name} {kind}")
+}
+
+/// The `N` label values of a key (missing ones empty).
+fn split<const N: usize>(k: &str) -> [&str; N] {
+    let mut out = [""; N];
+    for (slot, part) in out.iter_mut().zip(k.split('\t')) {
+        *slot = part;
+    }
+    out
+}

@@ -1,0 +1,146 @@
+//! `dormant metrics` from the event log, through the binary: its output
+//! parsed by the Prometheus client library's own text parser
+//! (`prometheus_client`, pinned in the test venv by
+//! `scripts/install-test-deps.sh`), its counters equal to the events counted
+//! by hand from `dormant events --json`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use crate::events::{events_json, text, RUNNER, SYSTEM};
+use crate::harness::*;
+
+/// The Python interpreter of the test venv (`scripts/install-test-deps.sh`
+/// installs `prometheus_client` there).
+fn python() -> PathBuf {
+    if let Ok(p) = std::env::var("DORMANT_TEST_PYTHON") {
+        if !p.is_empty() {
+            return PathBuf::from(p);
+        }
+    }
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    assert!(
+        p.exists(),
+        "the test venv's Python is not at {}: run scripts/install-test-deps.sh \
+         (or point DORMANT_TEST_PYTHON at a Python with prometheus_client)",
+        p.display()
+    );
+    p
+}
+
+/// Parses Prometheus text with `prometheus_client`'s own parser; returns
+/// every sample as (name, labels, value).
+fn parse_with_prometheus_client(exposition: &str) -> Vec<(String, BTreeMap<String, String>, f64)> {
+    const SCRIPT: &str = r#"
+import json, sys
+from prometheus_client.parser import text_string_to_metric_families
+out = []
+for family in text_string_to_metric_families(sys.stdin.read()):
+    for s in family.samples:
+        out.append([s.name, s.labels, s.value])
+print(json.dumps(out))
+"#;
+    use std::io::Write;
+    let mut child = std::process::Command::new(python())
+        .args(["-c", SCRIPT])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(exposition.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "prometheus_client could not parse it: {}\n{exposition}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn metrics_parse_with_prometheus_client_and_equal_the_events_counted_by_hand() {
+    let rig = Rig::local(RUNNER, SYSTEM);
+    let r = rig.run(&job(5).suspend_on(true, false));
+    let key = r.key.clone().unwrap();
+    assert_result(
+        &rig.run(&job(5).resume(&key).suspend_on(true, false)),
+        JobResult::Success,
+    );
+    // A metrics run in between: the next one counts only what came after.
+    let out = rig.dormant(&["metrics"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_result(&rig.run(&job(5).resume(&key)), JobResult::Success);
+    assert_result(&rig.run(&job(5)), JobResult::Success);
+    let r = rig.run(&job(5).script("exit 3").suspend_on(false, true));
+    assert!(
+        matches!(r.result, JobResult::BuildFailure(_)),
+        "{}",
+        r.log()
+    );
+    assert!(rig.dormant(&["sweep"]).status.success());
+    let out = rig.dormant(&["metrics"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let samples = parse_with_prometheus_client(&String::from_utf8(out.stdout).unwrap());
+
+    let mut by_hand: BTreeMap<(String, String), f64> = BTreeMap::new();
+    let events = events_json(&rig, &[]);
+    for e in &events {
+        let k = (
+            e["event"].as_str().unwrap().into(),
+            e["cause"].as_str().unwrap().into(),
+        );
+        *by_hand.entry(k).or_default() += 1.0;
+    }
+    let mut counted: BTreeMap<(String, String), f64> = BTreeMap::new();
+    for (name, labels, value) in &samples {
+        if name == "dormant_events_total" {
+            assert_eq!(labels["provider"], "local");
+            counted.insert((labels["event"].clone(), labels["cause"].clone()), *value);
+        }
+    }
+    assert_eq!(counted, by_hand);
+    assert_eq!(by_hand.get(&("created".into(), "job".into())), Some(&3.0));
+    let sample = |name: &str, label: (&str, &str)| {
+        samples
+            .iter()
+            .find(|(n, l, _)| n == name && l.get(label.0).map(String::as_str) == Some(label.1))
+            .map(|(_, _, v)| *v)
+    };
+    assert_eq!(
+        sample("dormant_prepare_seconds_count", ("mode", "new")),
+        Some(3.0)
+    );
+    assert_eq!(
+        sample("dormant_prepare_seconds_count", ("mode", "resume")),
+        Some(2.0)
+    );
+    assert_eq!(
+        sample(
+            "dormant_suspended_before_resume_seconds_count",
+            ("provider", "local")
+        ),
+        Some(2.0)
+    );
+    let suspends = by_hand[&("suspended".to_string(), "triggers".to_string())];
+    assert_eq!(
+        sample("dormant_suspend_seconds_count", ("provider", "local")),
+        Some(suspends)
+    );
+    let last_sweep = samples
+        .iter()
+        .find(|(n, _, _)| n == "dormant_last_full_sweep_timestamp_seconds")
+        .unwrap()
+        .2;
+    assert!(last_sweep > 1.7e9, "{last_sweep}");
+    assert_eq!(
+        sample("dormant_environments", ("status", "suspended")),
+        Some(1.0),
+        "the failed job's environment"
+    );
+}
