@@ -105,7 +105,21 @@ pub async fn sweep(
             orphans += 1;
             if delete_orphans {
                 log.info(format!("deleting orphan data volume {}", v.volume.id));
+                let started = std::time::Instant::now();
                 vols.delete_volume(&v.volume, &ctx).await?;
+                // As for an orphan machine: no record, so the event names the volume.
+                let event = Event::new(
+                    Kind::Released,
+                    ReleaseCause::Orphan.as_str(),
+                    provider.name(),
+                )
+                .by(&recover::operator("dormant sweep --delete-orphans"))
+                .duration(started.elapsed())
+                .reason(&format!(
+                    "data volume {} belongs to no environment in the registry",
+                    v.volume.id
+                ));
+                events.record(event, &ctx).await;
             } else {
                 log.warn(format!(
                     "data volume {} ({}) belongs to no environment in {}; \

@@ -249,6 +249,18 @@ fn sweep_release_and_ttl_delete_volumes_and_orphans_are_found() {
     let out = rig.dormant(&["sweep", "--delete-orphans"]);
     assert!(out.status.success(), "{out:?}");
     assert!(volume(&env, &orphan).is_none(), "deleted");
+    // The event log says so.
+    let out = rig.dormant(&["events", "--json"]);
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        lines.iter().any(|e| e["event"] == "released"
+            && e["cause"] == "orphan"
+            && e["reason"].as_str().is_some_and(|r| r.contains(&orphan))),
+        "{lines:?}"
+    );
     assert!(
         volume(&env, &vol).is_some(),
         "the suspended environment's volume is kept"

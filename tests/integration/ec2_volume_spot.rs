@@ -94,6 +94,18 @@ fn an_instance_terminated_under_a_job_is_a_machine_lost_and_its_volume_is_kept()
         .find(|d| d["event"] == "suspend")
         .unwrap_or_else(|| panic!("a suspend notification: {notes}"));
     assert_eq!(suspend["reason"], "machine lost", "{suspend}");
+    // And the event log: suspended, cause machine_lost.
+    let out = rig.dormant(&["events", "--json", &key]);
+    let events: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        events
+            .iter()
+            .any(|e| e["event"] == "suspended" && e["cause"] == "machine_lost"),
+        "{events:?}"
+    );
 
     let r2 = rig.run(
         &harness::job(5)
