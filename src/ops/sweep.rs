@@ -1,7 +1,7 @@
 //! `dormant sweep [--delete-orphans]`: the lifecycle's sweep (TTL, stale
 //! claims, leftovers of killed processes; see `lifecycle/sweep.rs`) with a
-//! report, plus machines the provider manages that no record knows (a lost
-//! state dir), reported or deleted.
+//! report, plus machines and data volumes the provider manages that no
+//! record knows (a lost state dir), reported or deleted.
 
 use anyhow::Result;
 use tokio_util::sync::CancellationToken;
@@ -87,6 +87,32 @@ pub async fn sweep(
     }
     if orphans > 0 {
         log.info(format!("{orphans} orphan machine(s)"));
+    }
+    // Data volumes (volume mode) no record knows.
+    if let Some(vols) = provider.volumes() {
+        let known = store.environment_ids()?;
+        let mut orphans = 0;
+        for v in vols.list_volumes(&ctx).await? {
+            if v.env_id.is_some_and(|id| known.contains(&id)) {
+                continue;
+            }
+            orphans += 1;
+            if delete_orphans {
+                log.info(format!("deleting orphan data volume {}", v.volume.id));
+                vols.delete_volume(&v.volume, &ctx).await?;
+            } else {
+                log.warn(format!(
+                    "data volume {} ({}) belongs to no environment in {}; \
+                     `dormant sweep --delete-orphans` deletes it (and the files on it)",
+                    v.volume.id,
+                    v.state,
+                    store.root().display()
+                ));
+            }
+        }
+        if orphans > 0 {
+            log.info(format!("{orphans} orphan data volume(s)"));
+        }
     }
     let count = report.errors.len();
     if let Some(first) = report.errors.into_iter().next() {

@@ -136,12 +136,18 @@ impl Default for SuspendSettings {
 pub struct LocalSettings {
     /// The shell that runs stage scripts.
     pub shell: PathBuf,
+    /// "machine": the work directory is kept while suspended. "volume": the
+    /// builds and cache dirs live in a directory of their own that a new work
+    /// directory gets on every resume (volume mode without a cloud or a VM:
+    /// for trying it out, and for the crash tests of its lifecycle).
+    pub storage: crate::model::StorageMode,
 }
 
 impl Default for LocalSettings {
     fn default() -> Self {
         LocalSettings {
             shell: PathBuf::from("bash"),
+            storage: crate::model::StorageMode::Machine,
         }
     }
 }

@@ -90,11 +90,13 @@ async fn cleanup_job(s: &Session, ctx: &Ctx) -> Result<()> {
             state.terminated,
             suspends,
             s.settings.suspend.enabled,
+            state.machine_lost.is_some(),
         );
         crate::failpoint!("cleanup:decided");
         let why = Why {
             outcome,
             request,
+            machine_lost: state.machine_lost.clone(),
             suspends,
         };
         settle_environment(s, &state, &paths, &rec, &holder, why, settle, ctx).await?;
@@ -109,18 +111,25 @@ struct Why {
     outcome: Outcome,
     /// The reason of a request the settings honour (`crate::job_request`).
     request: Option<String>,
+    /// Volume mode: what became of the machine that went away under a stage.
+    machine_lost: Option<String>,
     /// Whether the outcome matched a trigger or the request.
     suspends: bool,
 }
 
+/// The notify hook's reason when a volume-mode environment is kept after its
+/// machine went away under the job.
+pub const MACHINE_LOST: &str = "machine lost";
+
 impl Why {
     fn suspend_reason(&self) -> Reason<SuspendCause> {
-        match &self.request {
-            Some(r) => Reason::new(
+        match (&self.machine_lost, &self.request) {
+            (Some(_), _) => Reason::new(SuspendCause::MachineLost, MACHINE_LOST),
+            (None, Some(r)) => Reason::new(
                 SuspendCause::JobRequest,
                 format!("requested by the job: {r}"),
             ),
-            None => Reason::new(
+            (None, None) => Reason::new(
                 SuspendCause::Triggers,
                 format!("job {}", self.outcome.as_str()),
             ),
@@ -211,7 +220,7 @@ async fn settle_environment(
             ));
             let reason = format!("resume by job {} did not reach a stage", state.job_id);
             let unused = Reason::new(SuspendCause::Unused, &reason);
-            let done = lifecycle::suspend(w, paths, holder, false, &unused, ctx).await;
+            let done = lifecycle::suspend(w, paths, holder, false, transport, &unused, ctx).await;
             if done.is_ok() {
                 announce(s, Event::Suspend, rec, reason).await;
             }
@@ -223,6 +232,9 @@ async fn settle_environment(
                 "was terminated".to_string()
             } else if !state.prepared() {
                 "did not finish prepare".to_string()
+            } else if let Some(lost) = &state.machine_lost {
+                // Nothing asked to keep it: a new job without a failure trigger.
+                format!("{} ({MACHINE_LOST}: {lost})", outcome.as_str())
             } else {
                 outcome.as_str().to_string()
             };
@@ -258,21 +270,29 @@ async fn suspend(
     ctx: &Ctx,
 ) -> Result<()> {
     let id = state.env_id;
-    match &why.request {
-        Some(r) => s.log.info(format!(
+    match (&why.machine_lost, &why.request) {
+        (Some(lost), _) => s.log.info(format!(
+            "job {} {}: its machine went away under it ({lost}): keeping environment {id}'s \
+             data volume (machine lost); a job with its key resumes it on a new machine",
+            state.job_id,
+            why.outcome.as_str()
+        )),
+        (None, Some(r)) => s.log.info(format!(
             "job {} {}: suspending: requested by the job: {r}",
             state.job_id,
             why.outcome.as_str()
         )),
-        None => s.log.info(format!(
+        (None, None) => s.log.info(format!(
             "job {} {}: suspending environment {id}",
             state.job_id,
             why.outcome.as_str()
         )),
     }
+    // A lost machine cannot be asked to unmount anything.
+    let guest = transport.filter(|_| why.machine_lost.is_none());
     // A suspension in progress finishes even if SIGTERM arrives.
     let reason = why.suspend_reason();
-    let suspended = lifecycle::suspend(s.world(), paths, holder, true, &reason, ctx).await;
+    let suspended = lifecycle::suspend(s.world(), paths, holder, true, guest, &reason, ctx).await;
     if s.cancel.is_cancelled() {
         s.log.info(format!(
             "termination arrived during the suspension of {id}: releasing it now"

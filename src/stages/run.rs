@@ -13,6 +13,7 @@ use anyhow::{Context, Result};
 
 use crate::context::Ctx;
 use crate::exit::{write_build_exit_code, Failure};
+use crate::model::StorageMode;
 use crate::state::job::{hold_job_alive, LockedJob};
 use crate::state::{registry, JobState, Mode, Phase, StageRecord, StageResult};
 use crate::transport::{Ran, Script, ScriptExit};
@@ -70,7 +71,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
             "skipping {stage}: environment {} was resumed and keeps the working tree the suspended job left",
             state.env_id
         ));
-        record_stage(s, stage, StageResult::Skipped, None, &ctx).await?;
+        record_stage(s, stage, StageResult::Skipped, None, None, &ctx).await?;
         return Ok(());
     }
     let body = std::fs::read(script_path)
@@ -81,7 +82,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         .with_context(|| format!("environment {} has no machine", state.env_id))?;
     let paths = s.store.env_paths(state.env_id);
     let transport = s.transports.open(&s.provider.target(&machine)?, &paths)?;
-    let request_file = crate::job_request::path_for(&s.settings, &paths)?;
+    let request_file = crate::job_request::path_for(&s.settings, &paths, record.storage)?;
     let env = vec![
         (
             "DORMANT_ENVIRONMENT_KEY".to_string(),
@@ -115,8 +116,17 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         }
         _ => None,
     };
-    let (recorded, outcome) = classify(s, &state, stage, result)?;
-    record_stage(s, stage, recorded, request, &ctx).await?;
+    // Volume mode: a connection lost because the machine is gone (a spot
+    // reclaim, someone deleting it) is a machine lost, which cleanup settles
+    // keeping the volume as the job's triggers say.
+    let lost = match (&result, record.storage) {
+        (Err(_), StorageMode::Volume) => {
+            crate::lifecycle::volume::machine_lost(s.world(), &machine, &ctx).await
+        }
+        _ => None,
+    };
+    let (recorded, outcome) = classify(s, &state, stage, result, lost.as_deref())?;
+    record_stage(s, stage, recorded, request, lost, &ctx).await?;
     outcome
 }
 
@@ -125,6 +135,7 @@ fn classify(
     state: &JobState,
     stage: &str,
     result: Result<Ran>,
+    lost: Option<&str>,
 ) -> Result<(StageResult, Result<(), Failure>)> {
     Ok(match result {
         Ok(Ran {
@@ -150,10 +161,22 @@ fn classify(
                 state.env_id
             ))),
         ),
-        Err(e) => (
-            StageResult::System,
-            Err(Failure::System(e.context(format!("running {stage} in environment {}", state.env_id)))),
-        ),
+        Err(e) => {
+            let e = match lost {
+                Some(lost) => e.context(format!(
+                    "{}: {lost}; its data volume is kept if the job's triggers keep a failure or \
+                     the job resumed it, and a job with the key resumes it on a new machine",
+                    crate::stages::cleanup::MACHINE_LOST
+                )),
+                None => e,
+            };
+            (
+                StageResult::System,
+                Err(Failure::System(
+                    e.context(format!("running {stage} in environment {}", state.env_id)),
+                )),
+            )
+        }
     })
 }
 
@@ -162,6 +185,7 @@ async fn record_stage(
     stage: &str,
     result: StageResult,
     request: Option<String>,
+    machine_lost: Option<String>,
     ctx: &Ctx,
 ) -> Result<()> {
     // Deaf to SIGTERM: a termination must still be recorded, so cleanup releases.
@@ -179,6 +203,9 @@ async fn record_stage(
     });
     if request.is_some() {
         state.job_request = request;
+    }
+    if machine_lost.is_some() {
+        state.machine_lost = machine_lost;
     }
     locked.save_stage(&state)
 }

@@ -6,6 +6,8 @@ pub mod local;
 mod relay;
 pub mod ssh;
 
+use std::time::Duration;
+
 use anyhow::Result;
 use async_trait::async_trait;
 
@@ -59,6 +61,15 @@ pub struct Script<'a> {
     pub watch: Option<&'a str>,
 }
 
+/// How one of dormant's own commands in the environment ended ([`Transport::exec`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecOutput {
+    /// The exit code; `None` if a signal ended it.
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
 #[async_trait]
 pub trait Transport: Send + Sync {
     /// Prepare: waits (bounded by `ctx.deadline`, with progress in the job log)
@@ -80,6 +91,15 @@ pub trait Transport: Send + Sync {
     async fn take_file(&self, path: &str, max: usize, ctx: &Ctx) -> Result<Option<Vec<u8>>> {
         let _ = (path, max, ctx);
         anyhow::bail!("this transport cannot read files in the environment")
+    }
+
+    /// Runs one of dormant's own commands (never a job's script: the data
+    /// volume's mount and unmount) through the environment's shell, its
+    /// output captured. Over SSH it uses the job's master (a new connection
+    /// only if none runs). Bounded by `limit` and `ctx.deadline`.
+    async fn exec(&self, line: &str, limit: Duration, ctx: &Ctx) -> Result<ExecOutput> {
+        let _ = (line, limit, ctx);
+        anyhow::bail!("this transport cannot run commands in the environment")
     }
 
     /// `dormant shell`: the command that opens a login shell in `dir` on the

@@ -118,6 +118,7 @@ impl Ec2 {
             variables: BTreeMap::new(),
             ssh_public_key: Some(TEST_KEY.into()),
             paths: self.store.env_paths(env_id),
+            volume: None,
         }
     }
 

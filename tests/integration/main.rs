@@ -6,6 +6,8 @@
 mod core;
 #[cfg(feature = "testing")]
 mod crash;
+#[cfg(feature = "testing")]
+mod crash_volume;
 #[cfg(feature = "ec2")]
 mod ec2;
 #[cfg(feature = "ec2")]
@@ -28,6 +30,8 @@ mod metrics;
 mod moto;
 mod notify;
 mod qemu;
+#[cfg(feature = "testing")]
+mod qemu_volume;
 mod shell;
 mod ssh;
 mod sshd;

@@ -218,6 +218,7 @@ mod tests {
                 .collect(),
             ssh_public_key: Some("ssh-ed25519 AAAA test".into()),
             paths: crate::state::EnvPaths::new(std::path::Path::new("/s"), id),
+            volume: None,
         }
     }
 

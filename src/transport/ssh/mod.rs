@@ -14,6 +14,7 @@ mod hostkey;
 mod master;
 pub mod ready;
 mod remote;
+pub mod repin;
 
 // The transport's public API for providers that reach machines over SSH (the
 // `ssh` provider removes workspaces over an environment's master); providers
@@ -27,7 +28,7 @@ use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 
 use self::channel::Once;
-use super::{Ran, Script, Transport};
+use super::{ExecOutput, Ran, Script, Transport};
 use crate::context::Ctx;
 use crate::model::EnvPaths;
 use crate::model::SshTarget;
@@ -151,6 +152,26 @@ impl Transport for SshTransport {
         }
         parse_take_file(&out.stdout)
             .with_context(|| format!("reading {path} on {dest}: unexpected answer"))
+    }
+
+    async fn exec(&self, line: &str, limit: Duration, ctx: &Ctx) -> Result<ExecOutput> {
+        let ctx = ctx.within(limit);
+        let session = self.master.session(&ctx, Purpose::Reconnect).await?;
+        let dest = self.master.destination();
+        let out = tokio::time::timeout(ctx.remaining(), session.raw_command(line).output())
+            .await
+            .with_context(|| {
+                format!(
+                    "a command on {dest} did not finish within {} s",
+                    limit.as_secs()
+                )
+            })?
+            .with_context(|| format!("running a command on {dest}"))?;
+        Ok(ExecOutput {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        })
     }
 
     async fn shell_command(
