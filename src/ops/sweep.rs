@@ -46,9 +46,13 @@ pub async fn sweep(
         report.errors.len()
     ));
     // Machines the provider manages that no record knows: a lost state dir.
+    // The records are read after the listing: an environment's record is
+    // made before its machine, so a machine a prepare made while this sweep
+    // listed has its record by then and is not taken for an orphan.
+    let listed = provider.list(&ctx).await?;
     let known = store.environment_ids()?;
     let mut orphans = 0;
-    for m in provider.list(&ctx).await? {
+    for m in listed {
         if m.env_id.is_some_and(|id| known.contains(&id)) {
             continue;
         }
@@ -90,16 +94,32 @@ pub async fn sweep(
     }
     // Data volumes (volume mode) no record knows.
     if let Some(vols) = provider.volumes() {
+        // Listed first, as the machines above: a record is made before its volume.
+        let listed = vols.list_volumes(&ctx).await?;
         let known = store.environment_ids()?;
         let mut orphans = 0;
-        for v in vols.list_volumes(&ctx).await? {
+        for v in listed {
             if v.env_id.is_some_and(|id| known.contains(&id)) {
                 continue;
             }
             orphans += 1;
             if delete_orphans {
                 log.info(format!("deleting orphan data volume {}", v.volume.id));
+                let started = std::time::Instant::now();
                 vols.delete_volume(&v.volume, &ctx).await?;
+                // As for an orphan machine: no record, so the event names the volume.
+                let event = Event::new(
+                    Kind::Released,
+                    ReleaseCause::Orphan.as_str(),
+                    provider.name(),
+                )
+                .by(&recover::operator("dormant sweep --delete-orphans"))
+                .duration(started.elapsed())
+                .reason(&format!(
+                    "data volume {} belongs to no environment in the registry",
+                    v.volume.id
+                ));
+                events.record(event, &ctx).await;
             } else {
                 log.warn(format!(
                     "data volume {} ({}) belongs to no environment in {}; \

@@ -148,7 +148,7 @@ pub fn dirs(settings: &Settings, paths: &EnvPaths, storage: StorageMode) -> Resu
     match settings.provider {
         ProviderKind::Local => Ok(local::dirs(paths, storage)),
         ProviderKind::Ssh => settings.ssh.dirs(paths),
-        ProviderKind::Ec2 => settings.ec2.dirs(paths),
+        ProviderKind::Ec2 => settings.ec2.dirs(paths, storage),
         ProviderKind::Qemu => Ok(settings.qemu.dirs(paths, storage)),
     }
 }
@@ -158,7 +158,8 @@ pub fn storage_setting(settings: &Settings) -> StorageMode {
     match settings.provider {
         ProviderKind::Local => settings.local.storage,
         ProviderKind::Qemu => settings.qemu.storage,
-        ProviderKind::Ssh | ProviderKind::Ec2 => StorageMode::Machine,
+        ProviderKind::Ec2 => settings.ec2.storage,
+        ProviderKind::Ssh => StorageMode::Machine,
     }
 }
 

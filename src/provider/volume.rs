@@ -20,6 +20,7 @@ use uuid::Uuid;
 
 use crate::context::Ctx;
 use crate::model::{EnvPaths, GuestMount, Machine, ManagedVolume, Volume};
+use crate::provider::MachineSpec;
 
 /// The ext4 label of a data volume dormant formats (cloud-init's `fs_setup`
 /// and the guest's mount command agree on it).
@@ -36,6 +37,13 @@ pub struct VolumeSpec {
     pub project_id: u64,
     pub job_id: u64,
     pub paths: EnvPaths,
+    /// A new environment's first machine, when the caller knows it. A
+    /// provider whose volumes can only attach where they were made (an EBS
+    /// volume lives in one zone) may launch this machine first, wherever
+    /// there is capacity, and make the volume beside it; its
+    /// `create_or_reclaim` then adopts the machine (found by its name or
+    /// tags, as a retried prepare's would be).
+    pub machine: Option<MachineSpec>,
 }
 
 /// The data volume of a suspended environment no longer exists (deleted

@@ -227,7 +227,7 @@ const SYSTEM_DIRS: &[&str] = &[
 
 /// Why `path` cannot be a data disk's mount point, if it cannot: it goes
 /// into fstab and a shell script, so plain characters only.
-fn mount_problem(path: &str) -> Option<String> {
+pub(super) fn mount_problem(path: &str) -> Option<String> {
     if !path.starts_with('/') || path == "/" || path.ends_with('/') {
         return Some(format!(
             "{path:?} must be an absolute path below / without a trailing slash (e.g. \"/dormant\")"
@@ -252,7 +252,7 @@ fn mount_problem(path: &str) -> Option<String> {
 }
 
 /// Whether `dir` is `mount` or inside it.
-fn inside(dir: &str, mount: &str) -> bool {
+pub(super) fn inside(dir: &str, mount: &str) -> bool {
     dir == mount
         || dir
             .strip_prefix(mount)

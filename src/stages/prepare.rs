@@ -114,6 +114,7 @@ async fn prepare_new(
             project_id: spec.project_id,
             job_id: spec.job_id,
             paths: paths.clone(),
+            machine: Some(spec.clone()),
         };
         let make_key = |v: &Volume| volume_environment_key(s, &system_id, env_id, v);
         let volume = match volume::create(s.world(), &paths, &holder, &vspec, make_key, ctx).await {

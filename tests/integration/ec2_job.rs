@@ -133,3 +133,44 @@ fn a_job_suspends_its_instance_and_a_later_job_resumes_it_then_releases_it() {
     );
     println!("job 1 EC2 calls: {job1_calls:?}\njob 2 EC2 calls: {job2_calls:?}");
 }
+
+/// Spot on a runner without suspension: the job's prepare finds no spot
+/// capacity, launches on-demand (the fallback is on), says so in the job log,
+/// runs, and its cleanup terminates the instance.
+#[test]
+fn a_spot_job_falls_back_to_on_demand_when_spot_has_no_capacity() {
+    let env = Ec2Env::start();
+    let rig = env.rig(
+        "7",
+        "s_0123456789ab",
+        &env.settings(
+            &format!(
+                "{}market = \"spot\"\non_demand_fallback = true\n",
+                env.connect_address()
+            ),
+            "[suspend]\nenabled = false\n",
+        ),
+    );
+    env.proxy.no_capacity(crate::moto::Shortage::spot());
+    let r = rig.run(&harness::job(5).script("echo ran on ec2"));
+    assert_result(&r, JobResult::Success);
+    let log = r.log();
+    assert!(log.contains("ran on ec2"), "{log}");
+    assert!(
+        log.contains("no capacity for t3.medium spot in")
+            && log.contains("(ec2.on_demand_fallback)"),
+        "{log}"
+    );
+    let runs: Vec<String> = env
+        .proxy
+        .calls()
+        .into_iter()
+        .filter(|c| c.action == "RunInstances")
+        .map(|c| c.body)
+        .collect();
+    assert_eq!(runs.len(), 2, "spot, then on-demand");
+    assert!(runs[0].contains("InstanceMarketOptions.MarketType=spot"));
+    assert!(!runs[1].contains("InstanceMarketOptions"));
+    assert_eq!(env.proxy.count("TerminateInstances"), 1, "released");
+    assert!(!rig.env_dir(r.key.as_ref().unwrap()).exists());
+}
