@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::store::{FORMAT_VERSION, VOLUME_FORMAT_VERSION};
-use super::volume::{HostKeyChange, VolumeState};
+use super::volume_state::{HostKeyChange, VolumeState};
 use crate::model::{Machine, StorageMode};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use aws_sdk_ec2::Client;
 use serde::{Deserialize, Serialize};
 
-use super::errors::{api_error, ErrorKind};
+use super::errors::capacity_reason;
 use super::instance::{self, tag, tag_filter, LIVE_STATES};
 use super::placement::Launched;
 use super::volume;
@@ -298,16 +298,4 @@ pub fn note_release(store: &StateStore, runner_id: &str) {
 
 fn read_marker(path: &Path) -> Option<String> {
     std::fs::read_to_string(path).ok()
-}
-
-/// The capacity error as a line for the job log; any other error is passed on.
-pub fn capacity_reason(e: anyhow::Error) -> Result<String> {
-    match api_error(&e) {
-        Some(a) if a.kind == ErrorKind::Capacity => Ok(format!(
-            "EC2 {}: {}",
-            a.code.as_deref().unwrap_or("capacity"),
-            a.message
-        )),
-        _ => Err(e),
-    }
 }

@@ -269,6 +269,18 @@ pub fn api_error(err: &anyhow::Error) -> Option<&ApiError> {
     err.downcast_ref::<ApiError>()
 }
 
+/// The capacity error as a line for the job log; any other error is passed on.
+pub fn capacity_reason(e: anyhow::Error) -> anyhow::Result<String> {
+    match api_error(&e) {
+        Some(a) if a.kind == ErrorKind::Capacity => Ok(format!(
+            "EC2 {}: {}",
+            a.code.as_deref().unwrap_or("capacity"),
+            a.message
+        )),
+        _ => Err(e),
+    }
+}
+
 pub fn is_not_found(err: &anyhow::Error) -> bool {
     api_error(err).is_some_and(|e| e.kind == ErrorKind::NotFound)
 }

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::Result;
 
-use super::capacity::capacity_reason;
+use super::errors::capacity_reason;
 use crate::context::Ctx;
 use crate::settings::ec2::Market;
 

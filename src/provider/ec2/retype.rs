@@ -18,7 +18,8 @@ use aws_sdk_ec2::types::AttributeValue;
 use aws_sdk_ec2::Client;
 
 use super::call::call;
-use super::capacity::{self, capacity_reason};
+use super::capacity;
+use super::errors::capacity_reason;
 use super::field;
 use super::instance::InstanceInfo;
 use super::Ec2Provider;
