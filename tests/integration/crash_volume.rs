@@ -320,6 +320,21 @@ fn a_machine_lost_under_a_job_keeps_the_volume_when_the_failure_trigger_says_so(
         assert_volume_settled(&rig, "machine lost");
         let said = std::fs::read_to_string(&notes).unwrap();
         assert!(said.contains("\"reason\":\"machine lost\""), "{said}");
+        // Where the environment lives now: its volume, no machine.
+        let doc: serde_json::Value = said
+            .lines()
+            .rev()
+            .find(|l| l.contains("\"event\":\"suspend\""))
+            .map(|l| serde_json::from_str(l).unwrap())
+            .unwrap_or_else(|| panic!("no suspend document: {said}"));
+        assert_eq!(doc["storage"], "volume", "{doc}");
+        assert!(doc["machine"].is_null(), "{doc}");
+        assert!(
+            doc["volume"]["id"]
+                .as_str()
+                .is_some_and(|v| v.ends_with("/volume")),
+            "{doc}"
+        );
         let events = rig.dormant(&["events", &key, "--json"]);
         let events = String::from_utf8_lossy(&events.stdout).to_string();
         assert!(
