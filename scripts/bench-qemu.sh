@@ -10,6 +10,10 @@
 #                       dormant: prepare of the resuming job (restore, clock, login)
 #   suspend             machine: ACPI power-off to QEMU's exit / stop+save+quit
 #                       dormant: cleanup of the suspending job
+#   volume mode         resume  machine: a new overlay, boot with the data disk to the banner
+#   (storage="volume")          dormant: prepare of the resuming job (new VM, attach, mount)
+#                       suspend machine: QMP quit to QEMU's exit, the overlay deleted
+#                               dormant: cleanup (guest sync+unmount, quit, VM deleted)
 #
 # The machine rows run QEMU by hand with the command line dormant uses; the
 # dormant rows run `dormant try` (two whole jobs per mode). Everything stays on
@@ -86,6 +90,9 @@ start_vm() { # start_vm PORT [EXTRA...]: the command line the qemu provider buil
     -netdev "user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:$port-:22" -device virtio-net-pci,netdev=net0 \
     -drive "file=$work/seed.iso,if=virtio,format=raw,readonly=on" "$@"
 }
+# Volume mode's data disk, as src/provider/qemu/vm.rs attaches it.
+data_disk=(-drive "file=$work/data.qcow2,if=none,id=data,format=qcow2"
+  -device virtio-blk-pci,drive=data,serial=dormant-data,addr=0x10)
 
 declare -A M D
 for run in $(seq 1 "$RUNS"); do
@@ -117,8 +124,28 @@ for run in $(seq 1 "$RUNS"); do
   M[restore]+="$(secs "$t0" "$t1") "
   pid=$(cat "$work/qemu.pid"); qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"
 
+  # Volume mode by hand: a first boot formats and mounts the data disk (the
+  # user-data dormant sends), then a resume is a new overlay booted with it.
+  printf '#cloud-config\nssh_authorized_keys:\n  - %s\nfs_setup:\n  - label: dormant-data\n    filesystem: ext4\n    device: /dev/disk/by-id/virtio-dormant-data\n    partition: auto\nmounts:\n  - [ /dev/disk/by-id/virtio-dormant-data, /dormant, ext4, "defaults,nofail", "0", "2" ]\n' \
+    "$(cat "$work/key.pub")" >"$work/user-data"
+  rm -f "$work/seed.iso" "$work/data.qcow2"
+  genisoimage -quiet -output "$work/seed.iso" -volid cidata -joliet -rock "$work/user-data" "$work/meta-data"
+  qemu-img create -q -f qcow2 "$work/data.qcow2" 1G
+  for boot in first resume; do
+    rm -f "$work/overlay.qcow2"
+    t0=$(now); qemu-img create -q -f qcow2 -b "$IMG/base.qcow2" -F qcow2 "$work/overlay.qcow2"
+    start_vm "$port" "${data_disk[@]}"; wait_banner "$port"; t1=$(now)
+    [ "$boot" = resume ] && M[resume-volume]+="$(secs "$t0" "$t1") "
+    pid=$(cat "$work/qemu.pid")
+    t0=$(now); qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"; rm -f "$work/overlay.qcow2"; t1=$(now)
+    [ "$boot" = resume ] && M[suspend-volume]+="$(secs "$t0" "$t1") "
+  done
+  rm -f "$work/data.qcow2"
+
   # --- dormant, in the same run (so both sides see the same machine load) ----
-  for mode in shutdown hibernate; do
+  for mode in shutdown hibernate volume; do
+    storage=machine suspend_mode=$mode
+    [ "$mode" = volume ] && { storage=volume; suspend_mode=shutdown; }
     cat >"$work/dormant.toml" <<EOF
 provider = "qemu"
 system_id = "s_bench"
@@ -130,7 +157,9 @@ cpus = 2
 memory_mib = 1024
 restrict_network = true
 boot_timeout = "10m"
-suspend_mode = "$mode"
+suspend_mode = "$suspend_mode"
+storage = "$storage"
+volume_size = "1G"
 image = { disk = "$IMG/base.qcow2", kernel = "$IMG/vmlinuz", initrd = "$IMG/initrd.img" }
 EOF
     out=$(DORMANT_STATE_DIR="$work/${mode:0:1}$run" "$BIN" --config "$work/dormant.toml" try 2>&1) || {
@@ -160,3 +189,5 @@ row "resume after shutdown" "${M[boot]}" "${D[resume-shutdown]}"
 row "resume after hibernate" "${M[restore]}" "${D[resume-hibernate]}"
 row "suspend: shutdown" "${M[shutdown]}" "${D[suspend-shutdown]}"
 row "suspend: hibernate" "${M[hibernate]}" "${D[suspend-hibernate]}"
+row "resume, volume mode" "${M[resume-volume]}" "${D[resume-volume]}"
+row "suspend, volume mode" "${M[suspend-volume]}" "${D[suspend-volume]}"

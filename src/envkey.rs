@@ -135,6 +135,18 @@ impl fmt::Display for EnvironmentKey {
     }
 }
 
+/// The key field saying an environment is in volume mode (`storage=volume`);
+/// machine-mode keys do not carry it, so they are what they always were.
+pub const STORAGE_FIELD: &str = "storage";
+
+/// The storage mode a key says: volume mode if it carries `storage=volume`.
+pub fn storage_of(key: &EnvironmentKey) -> crate::model::StorageMode {
+    match key.field(STORAGE_FIELD) {
+        Some("volume") => crate::model::StorageMode::Volume,
+        _ => crate::model::StorageMode::Machine,
+    }
+}
+
 fn is_unreserved(b: u8) -> bool {
     b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~')
 }

@@ -23,7 +23,7 @@
 use anyhow::Result;
 
 use crate::context::Ctx;
-use crate::provider::Dirs;
+use crate::provider::{Dirs, StorageMode};
 use crate::settings::Settings;
 use crate::state::EnvPaths;
 use crate::transport::Transport;
@@ -45,8 +45,8 @@ pub fn path(dirs: &Dirs) -> String {
 }
 
 /// The file's path for an environment, from the settings alone (like config).
-pub fn path_for(settings: &Settings, paths: &EnvPaths) -> Result<String> {
-    Ok(path(&crate::provider::dirs(settings, paths)?))
+pub fn path_for(settings: &Settings, paths: &EnvPaths, storage: StorageMode) -> Result<String> {
+    Ok(path(&crate::provider::dirs(settings, paths, storage)?))
 }
 
 /// The reason: the first line, without control characters, trimmed and bounded.
@@ -145,7 +145,7 @@ mod tests {
         assert_eq!(path(&dirs), "/home/admin/builds/.dormant-suspend-request");
         let state = tempfile::tempdir().unwrap();
         let paths = EnvPaths::new(state.path(), uuid::Uuid::nil());
-        let local = path_for(&Settings::default(), &paths).unwrap();
+        let local = path_for(&Settings::default(), &paths, StorageMode::Machine).unwrap();
         assert_eq!(
             local,
             format!(

@@ -53,6 +53,8 @@ pub fn main_entry() -> i32 {
         job.driver_var("DORMANT_FAILPOINT"),
         job.driver_var("DORMANT_FAILPOINT_ONCE"),
     );
+    #[cfg(feature = "ec2")]
+    provider::ec2::guest_seam::init(job.driver_var("DORMANT_TEST_EC2_VOLUMES"));
     let codes = job.exit_codes();
     std::panic::set_hook(Box::new(|info| {
         eprintln!("dormant: internal error (a bug, please report it): {info}");

@@ -35,6 +35,85 @@ impl Machine {
     }
 }
 
+/// How an environment keeps its files while suspended: the `storage` setting
+/// of a provider, fixed per environment when it is made (its record and key
+/// say which).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StorageMode {
+    /// The machine is kept (stopped, powered off, hibernated): everything on
+    /// its disks survives. Today's behaviour, the default.
+    #[default]
+    Machine,
+    /// The builds and cache dirs live on a data volume; suspend deletes the
+    /// machine and keeps only the volume; resume makes a new machine from the
+    /// image configured now and attaches the volume.
+    Volume,
+}
+
+impl StorageMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StorageMode::Machine => "machine",
+            StorageMode::Volume => "volume",
+        }
+    }
+
+    pub fn is_machine(&self) -> bool {
+        *self == StorageMode::Machine
+    }
+}
+
+/// A provider's handle on the data volume of a volume-mode environment: an
+/// EBS volume id, a disk file. Stored in the record; `fields` are
+/// provider-specific (zone, size).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Volume {
+    pub id: String,
+    #[serde(default)]
+    pub fields: BTreeMap<String, String>,
+}
+
+impl Volume {
+    pub fn new(id: impl Into<String>) -> Self {
+        Volume {
+            id: id.into(),
+            fields: BTreeMap::new(),
+        }
+    }
+    pub fn with(mut self, k: &str, v: impl Into<String>) -> Self {
+        self.fields.insert(k.to_string(), v.into());
+        self
+    }
+    pub fn field(&self, k: &str) -> Option<&str> {
+        self.fields.get(k).map(String::as_str)
+    }
+}
+
+/// A data volume found by listing what the provider manages (orphan detection).
+#[derive(Debug, Clone)]
+pub struct ManagedVolume {
+    pub volume: Volume,
+    /// The environment it belongs to, from its tags or path; `None` when no
+    /// record of this state dir knows it.
+    pub env_id: Option<Uuid>,
+    /// The provider's word for its state (`available`, `in-use`, `file`).
+    pub state: String,
+}
+
+/// Where the guest finds the data volume and mounts it (volume mode).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestMount {
+    /// The block device as the guest names it, stable across machines
+    /// (`/dev/disk/by-id/...`); `None` when there is nothing to mount (the
+    /// `local` provider's volume is a directory the attach links in).
+    pub device: Option<String>,
+    /// Where it is mounted.
+    pub mountpoint: String,
+    /// Directories on it the login user must own: the builds and cache dirs.
+    pub user_dirs: Vec<String>,
+}
+
 /// How the machine's state looks to the provider.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MachineState {

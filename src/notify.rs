@@ -18,7 +18,7 @@ use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use uuid::Uuid;
 
-use crate::provider::Machine;
+use crate::model::{Machine, StorageMode, Volume};
 
 /// How much of the hook's stderr an error message quotes.
 const STDERR_KEPT: usize = 2048;
@@ -54,7 +54,16 @@ pub struct Notification {
     /// `local`, `ssh`, `ec2`, ...
     pub provider: String,
     /// The provider's handle: instance id, directory or workspace, and its fields.
+    /// `null` for a volume-mode environment while it is suspended (it has no machine).
     pub machine: Option<Machine>,
+    /// `machine` or `volume` (`storage` of the provider's settings when the
+    /// environment was made): whether a suspension keeps the machine or only
+    /// its data volume.
+    pub storage: StorageMode,
+    /// Volume mode: the data volume (EBS volume id with its region and zone,
+    /// the qemu or local volume's path), which is where the environment lives
+    /// while it is suspended. `null` in machine mode.
+    pub volume: Option<Volume>,
     /// Why, in words: "job success (suspend_on_success)", "requested by the job: ...".
     pub reason: Option<String>,
     /// When, as RFC 3339 UTC (`2026-11-23T13:40:00Z`).
@@ -75,6 +84,8 @@ impl Notification {
             job_url: None,
             provider: provider.into(),
             machine: None,
+            storage: StorageMode::Machine,
+            volume: None,
             reason: None,
             time: rfc3339(crate::state::now_unix()),
         }
@@ -89,6 +100,8 @@ impl Notification {
         n.project_id = Some(rec.project_id);
         n.project_path = rec.project_path.clone();
         n.machine = rec.machine.clone();
+        n.storage = rec.storage;
+        n.volume = rec.volume.as_ref().and_then(|v| v.volume.clone());
         n
     }
 

@@ -7,11 +7,15 @@
 //! side effects); used by the stages and the operator commands, which do not
 //! import each other. Each effect records its event in the event log
 //! (`crate::events`) once its result is recorded: this is the one place a
-//! suspension or a release is written there.
+//! suspension or a release is written there. `volume` and `guest` are volume
+//! mode's effects; `lost` says whether a machine went away under a job.
 
+pub mod guest;
+pub mod lost;
 pub mod recover;
 pub mod sweep;
 mod sweep_slice;
+pub mod volume;
 
 use std::time::Instant;
 
@@ -19,7 +23,7 @@ use anyhow::{Context, Result};
 
 use crate::context::Ctx;
 use crate::events::{Event, EventLog, Kind, ReleaseCause, Step, SuspendCause};
-use crate::model::EnvPaths;
+use crate::model::{EnvPaths, StorageMode};
 use crate::provider::Provider;
 use crate::state::registry::{self, UpdateError};
 use crate::state::{EnvironmentRecord, Holder, StateStore};
@@ -72,11 +76,16 @@ pub fn update_error<E: std::fmt::Display>(e: UpdateError<E>) -> anyhow::Error {
 /// with the error recorded and returned), then its `suspended` event (and a
 /// `failed` one for a failed stop). Deaf to SIGTERM: a stop in progress
 /// finishes. `fresh`: a new suspension (its TTL starts now), not a resume put back.
+///
+/// Volume mode: instead of the stop, the guest (reached through `guest`, when
+/// the caller has a connection to it) syncs and unmounts the data volume, the
+/// volume is detached and the machine deleted (`volume::settle_detached`).
 pub async fn suspend(
     w: World<'_>,
     paths: &EnvPaths,
     holder: &Holder,
     fresh: bool,
+    guest: Option<&dyn Transport>,
     why: &Reason<SuspendCause>,
     ctx: &Ctx,
 ) -> Result<EnvironmentRecord> {
@@ -86,9 +95,10 @@ pub async fn suspend(
         .map_err(update_error)?;
     crate::failpoint!("suspend:intent");
     let started = Instant::now();
-    let stopped = match &rec.machine {
-        Some(m) => w.provider.stop(m, &ctx).await,
-        None => Ok(()),
+    let stopped = match (&rec.storage, &rec.machine) {
+        (StorageMode::Volume, _) => volume::settle_detached(w, paths, holder, guest, &ctx).await,
+        (StorageMode::Machine, Some(m)) => w.provider.stop(m, &ctx).await,
+        (StorageMode::Machine, None) => Ok(()),
     };
     let took = started.elapsed();
     crate::failpoint!("suspend:stopped");
@@ -111,11 +121,16 @@ pub async fn suspend(
     } else {
         w.events.record(event, &ctx).await;
     }
-    stopped.with_context(|| {
-        format!(
+    stopped.with_context(|| match rec.storage {
+        StorageMode::Machine => format!(
             "stopping the machine of environment {} (it is kept as suspended; the next resume starts it)",
             paths.id
-        )
+        ),
+        StorageMode::Volume => format!(
+            "detaching the data volume of environment {} and deleting its machine (it is kept as \
+             suspended, its volume intact; the next resume or `dormant sweep` finishes this)",
+            paths.id
+        ),
     })?;
     Ok(rec)
 }
@@ -165,19 +180,29 @@ pub async fn release(
             }
         },
     };
-    if let Some(machine) = &machine {
-        if let Err(e) = w.provider.delete(machine, &ctx).await {
-            let text = format!("{e:#}");
-            let _ = registry::update(paths, &ctx, |r| r.release_failed(holder, text)).await;
-            close(transport, id, &ctx).await;
-            w.events.record(failed(&e), &ctx).await;
-            return Err(e).with_context(|| {
-                format!("releasing environment {id} (it stays `releasing`; a later `dormant sweep` retries)")
-            });
-        }
+    let mut deleted = match &machine {
+        Some(machine) => w.provider.delete(machine, &ctx).await,
+        None => Ok(()),
+    };
+    if deleted.is_ok() && rec.storage == StorageMode::Volume {
+        crate::failpoint!("release:deleted");
+        deleted = delete_volume(w, paths, &rec, &ctx).await;
+    }
+    if let Err(e) = deleted {
+        let text = format!("{e:#}");
+        let _ = registry::update(paths, &ctx, |r| r.release_failed(holder, text)).await;
+        close(transport, id, &ctx).await;
+        w.events.record(failed(&e), &ctx).await;
+        return Err(e).with_context(|| {
+            format!("releasing environment {id} (it stays `releasing`; a later `dormant sweep` retries)")
+        });
     }
     let took = started.elapsed();
-    crate::failpoint!("release:deleted");
+    if rec.storage == StorageMode::Volume {
+        crate::failpoint!("release:volume-deleted");
+    } else {
+        crate::failpoint!("release:deleted");
+    }
     // After the delete (the `ssh` provider removes a workspace over it), before
     // the files (which hold its control socket).
     close(transport, id, &ctx).await;
@@ -188,6 +213,37 @@ pub async fn release(
         .reason(&why.text)
         .duration(took);
     w.events.record(event, &ctx).await;
+    Ok(())
+}
+
+/// Volume mode's release: the data volume goes after the machine. Its id is
+/// the record's, else it is looked up (a create killed before recording it).
+async fn delete_volume(
+    w: World<'_>,
+    paths: &EnvPaths,
+    rec: &EnvironmentRecord,
+    ctx: &Ctx,
+) -> Result<()> {
+    let vols = volume::volumes(w)?;
+    let recorded = rec.volume.as_ref().and_then(|v| v.volume.clone());
+    let found = match recorded {
+        Some(v) => Some(v),
+        None => vols.find_volume(paths.id, ctx).await.with_context(|| {
+            format!(
+                "looking up the data volume of environment {} before deleting it",
+                paths.id
+            )
+        })?,
+    };
+    if let Some(v) = found {
+        ctx.log.info(format!(
+            "deleting data volume {} of environment {}",
+            v.id, paths.id
+        ));
+        vols.delete_volume(&v, ctx)
+            .await
+            .with_context(|| format!("deleting data volume {}", v.id))?;
+    }
     Ok(())
 }
 

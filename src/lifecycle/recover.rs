@@ -126,7 +126,7 @@ pub async fn recover(
         }
         Settle::Suspend | Settle::Resuspend => {
             let why = Reason::new(SuspendCause::Recovered, &words).job(old.job_id());
-            super::suspend(w, paths, me, settled == Settle::Suspend, &why, ctx).await?;
+            super::suspend(w, paths, me, settled == Settle::Suspend, None, &why, ctx).await?;
             Some(notify::Event::Suspend)
         }
         Settle::Nothing => None,

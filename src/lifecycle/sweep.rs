@@ -136,6 +136,13 @@ pub async fn sweep(
         let expired = rec.status() == EnvStatus::Suspended
             && now_unix().saturating_sub(rec.last_activity()) >= ttl;
         let failed_release = rec.status() == EnvStatus::Releasing;
+        if !expired && super::volume::has_leftovers(&rec) {
+            match finish_volume_suspend(w, &paths, &me, &rec, ctx).await {
+                Ok(()) => report.recovered.push(*id),
+                Err(e) => report.errors.push(e),
+            }
+            continue;
+        }
         if expired {
             ctx.log.info(format!(
                 "environment {id} has been suspended longer than the TTL ({}): releasing it",
@@ -171,6 +178,43 @@ pub async fn sweep(
     sweep_job_leftovers(w, policy, &mut report);
     record_summary(w, scope, &report, started, ctx).await;
     Ok(report)
+}
+
+/// A suspended volume-mode environment whose machine a suspend did not
+/// delete (its detach or delete failed, the error recorded): claimed like a
+/// resume would, its volume detached and its machine deleted, then
+/// suspended again as it was (its TTL unchanged).
+async fn finish_volume_suspend(
+    w: World<'_>,
+    paths: &crate::model::EnvPaths,
+    me: &crate::state::Holder,
+    rec: &crate::state::EnvironmentRecord,
+    ctx: &Ctx,
+) -> Result<()> {
+    ctx.log.info(format!(
+        "environment {}: its suspension left machine {} (volume {}; {}): finishing it",
+        rec.id,
+        rec.machine
+            .as_ref()
+            .map(|m| m.id.as_str())
+            .unwrap_or("(not recorded)"),
+        rec.volume
+            .as_ref()
+            .map(|v| v.step().as_str())
+            .unwrap_or("-"),
+        rec.last_error.as_deref().unwrap_or("no error recorded")
+    ));
+    let _alive = crate::state::lock::LiveLock::hold(&paths.holder_live)?;
+    registry::update(paths, ctx, |r| r.claim_for_resume(me))
+        .await
+        .map_err(super::update_error)?;
+    let why = super::Reason::new(
+        crate::events::SuspendCause::Unused,
+        "finishing a suspension whose detach or delete had failed",
+    );
+    super::suspend(w, paths, me, false, None, &why, ctx)
+        .await
+        .map(drop)
 }
 
 /// The sweep's `sweep` event: always for a full sweep; for a cleanup's slice

@@ -20,8 +20,15 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
     if !json {
         writeln!(
             out,
-            "{:<36}  {:<10}  {:<8}  {:>7}  {:>10}  {:>4}  {:<10}  KEY",
-            "ENVIRONMENT", "STATUS", "PROVIDER", "PROJECT", "SUSPENDED", "JOBS", "HELD BY"
+            "{:<36}  {:<10}  {:<8}  {:<7}  {:>7}  {:>10}  {:>4}  {:<10}  KEY",
+            "ENVIRONMENT",
+            "STATUS",
+            "PROVIDER",
+            "STORAGE",
+            "PROJECT",
+            "SUSPENDED",
+            "JOBS",
+            "HELD BY"
         )?;
     }
     for id in store.environment_ids()? {
@@ -40,10 +47,11 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
                     .unwrap_or_else(|| "-".into());
                 writeln!(
                     out,
-                    "{:<36}  {:<10}  {:<8}  {:>7}  {:>10}  {:>4}  {:<10}  {}",
+                    "{:<36}  {:<10}  {:<8}  {:<7}  {:>7}  {:>10}  {:>4}  {:<10}  {}",
                     rec.id,
                     rec.status().as_str(),
                     rec.provider,
+                    rec.storage.as_str(),
                     rec.project_id,
                     age,
                     rec.job_count,
@@ -71,9 +79,29 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
     Ok(())
 }
 
-/// A record as one JSON line: its fields plus `status` and `holder`.
+/// A record as one JSON line: its fields, with `storage` always said.
 fn record_json(rec: &EnvironmentRecord) -> Result<String> {
-    Ok(serde_json::to_string(rec)?)
+    Ok(serde_json::to_string(&Shown::of(rec))?)
+}
+
+/// A record as shown: its fields in their order, plus `storage` for a
+/// machine-mode record (whose file leaves it out, so it stays what older
+/// dormants wrote).
+#[derive(serde::Serialize)]
+struct Shown<'a> {
+    #[serde(flatten)]
+    record: &'a EnvironmentRecord,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    storage: Option<&'static str>,
+}
+
+impl<'a> Shown<'a> {
+    fn of(record: &'a EnvironmentRecord) -> Self {
+        Shown {
+            record,
+            storage: record.storage.is_machine().then_some("machine"),
+        }
+    }
 }
 
 pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -> Result<()> {
@@ -85,15 +113,16 @@ pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -
             store.environments_dir().display()
         )
     })?;
-    // The record's fields, then its last events: still one JSON document.
+    // The record's fields (with its storage mode, which a machine-mode
+    // record's file leaves out), then its last events: one JSON document.
     #[derive(serde::Serialize)]
     struct Inspected<'a> {
         #[serde(flatten)]
-        record: &'a EnvironmentRecord,
+        record: Shown<'a>,
         last_events: Vec<crate::events::Event>,
     }
     let doc = Inspected {
-        record: &rec,
+        record: Shown::of(&rec),
         last_events: crate::events::read::last_of(
             &crate::events::dir(store.root()),
             id,

@@ -28,8 +28,9 @@ use crate::context::{Ctx, JobLog};
 use crate::events::{Event, EventLog, Kind, ReleaseCause, Step, SuspendCause};
 use crate::job::Job;
 use crate::lifecycle::recover::{self, Found};
+use crate::lifecycle::volume::{self, Relaunch};
 use crate::lifecycle::{self, update_error, Reason, World};
-use crate::model::{EnvPaths, Machine};
+use crate::model::{EnvPaths, Machine, StorageMode};
 use crate::notify::{self, Audience, Notification};
 use crate::settings::Settings;
 use crate::state::lock::LiveLock;
@@ -89,7 +90,7 @@ pub async fn shell(settings: &Settings, job: &Job, req: &ShellRequest, log: JobL
     } else {
         log.info(format!("suspending environment {id}"));
         let why = Reason::new(SuspendCause::Shell, "dormant shell ended");
-        lifecycle::suspend(w, &paths, &me, entered.is_ok(), &why, &ctx)
+        lifecycle::suspend(w, &paths, &me, entered.is_ok(), None, &why, &ctx)
             .await
             .map(drop)
     };
@@ -126,7 +127,7 @@ async fn claim(
     me: &Holder,
     settings: &Settings,
     ctx: &Ctx,
-) -> Result<Machine> {
+) -> Result<Option<Machine>> {
     let id = paths.id;
     for attempt in 0..2 {
         let claimed = registry::update(paths, ctx, |r| {
@@ -135,7 +136,9 @@ async fn claim(
         })
         .await;
         match claimed {
-            Ok((_, Some(machine))) => return Ok(machine),
+            // Volume mode: a new machine is made for it.
+            Ok((rec, _)) if rec.storage == StorageMode::Volume => return Ok(None),
+            Ok((_, Some(machine))) => return Ok(Some(machine)),
             Ok((_, None)) => bail!("environment {id} has no machine to open a shell in"),
             Err(UpdateError::Gone(_)) => bail!(
                 "environment {id} is not in this runner's registry: it was released or expired; \
@@ -169,7 +172,7 @@ async fn enter(
     job: &Job,
     paths: &EnvPaths,
     me: &Holder,
-    machine: Machine,
+    machine: Option<Machine>,
     req: &ShellRequest,
     signals: &Signals,
     ctx: &Ctx,
@@ -186,25 +189,40 @@ async fn enter(
         })
     };
     // Ctrl-C, SIGTERM or SIGHUP while it starts: stop, and suspend it again.
-    let machine = tokio::select! {
-        m = w.provider.start(&machine, ctx) => match m {
-            Ok(m) => m,
-            Err(e) => {
-                let e = e.context(format!("starting environment {id}"));
-                if let Some(event) = failed(Step::Start, &e, registry::peek(paths)?) {
-                    w.events.record(event, ctx).await;
-                }
-                return Err(e);
-            }
+    // Volume mode records its new machine itself; a started one is recorded here.
+    let relaunch = Relaunch::default();
+    let started_machine = match machine {
+        Some(machine) => tokio::select! {
+            m = w.provider.start(&machine, ctx) => m.map(|m| (m, false)),
+            s = signals.any(true) => bail!("{s} while starting environment {id}"),
         },
-        s = signals.any(true) => bail!("{s} while starting environment {id}"),
+        None => tokio::select! {
+            m = volume::relaunch(w, paths, me, &relaunch, ctx) => m.map(|m| (m, true)),
+            s = signals.any(true) => bail!("{s} while starting environment {id}"),
+        },
     };
-    let (rec, ()) = registry::update(paths, ctx, |r| r.machine_started(me, machine.clone()))
-        .await
-        .map_err(update_error)?;
+    let machine = match started_machine {
+        Ok((machine, recorded)) => {
+            if !recorded {
+                registry::update(paths, ctx, |r| r.machine_started(me, machine.clone()))
+                    .await
+                    .map_err(update_error)?;
+            }
+            machine
+        }
+        Err(e) => {
+            let e = e.context(format!("starting environment {id}"));
+            if let Some(event) = failed(Step::Start, &e, registry::peek(paths)?) {
+                w.events.record(event, ctx).await;
+            }
+            return Err(e);
+        }
+    };
+    let rec = registry::peek(paths)?
+        .with_context(|| format!("environment {id} has no record any more"))?;
     let transport = crate::transport::open(&w.provider.target(&machine)?, paths, settings, job)?;
     tokio::select! {
-        c = transport.connect(ctx) => if let Err(e) = c {
+        c = volume::connect(paths, me, transport.as_ref(), w.provider.volumes(), ctx) => if let Err(e) = c {
             if let Some(event) = failed(Step::Connect, &e, Some(rec.clone())) {
                 w.events.record(event, ctx).await;
             }
@@ -238,7 +256,7 @@ async fn enter(
 /// The job's `CI_PROJECT_DIR`: `<builds_dir>/<project path>` (the runner's
 /// layout for a builds dir that is not shared), else the builds dir.
 fn project_dir(settings: &Settings, paths: &EnvPaths, rec: &EnvironmentRecord) -> Result<String> {
-    let builds = crate::provider::dirs(settings, paths)?.builds;
+    let builds = crate::provider::dirs(settings, paths, rec.storage)?.builds;
     Ok(match &rec.project_path {
         Some(p) => format!("{}/{p}", builds.trim_end_matches('/')),
         None => builds,

@@ -1,7 +1,7 @@
 //! `dormant sweep [--delete-orphans]`: the lifecycle's sweep (TTL, stale
 //! claims, leftovers of killed processes; see `lifecycle/sweep.rs`) with a
-//! report, plus machines the provider manages that no record knows (a lost
-//! state dir), reported or deleted.
+//! report, plus machines and data volumes the provider manages that no
+//! record knows (a lost state dir), reported or deleted.
 
 use anyhow::Result;
 use tokio_util::sync::CancellationToken;
@@ -46,9 +46,13 @@ pub async fn sweep(
         report.errors.len()
     ));
     // Machines the provider manages that no record knows: a lost state dir.
+    // The records are read after the listing: an environment's record is
+    // made before its machine, so a machine a prepare made while this sweep
+    // listed has its record by then and is not taken for an orphan.
+    let listed = provider.list(&ctx).await?;
     let known = store.environment_ids()?;
     let mut orphans = 0;
-    for m in provider.list(&ctx).await? {
+    for m in listed {
         if m.env_id.is_some_and(|id| known.contains(&id)) {
             continue;
         }
@@ -87,6 +91,48 @@ pub async fn sweep(
     }
     if orphans > 0 {
         log.info(format!("{orphans} orphan machine(s)"));
+    }
+    // Data volumes (volume mode) no record knows.
+    if let Some(vols) = provider.volumes() {
+        // Listed first, as the machines above: a record is made before its volume.
+        let listed = vols.list_volumes(&ctx).await?;
+        let known = store.environment_ids()?;
+        let mut orphans = 0;
+        for v in listed {
+            if v.env_id.is_some_and(|id| known.contains(&id)) {
+                continue;
+            }
+            orphans += 1;
+            if delete_orphans {
+                log.info(format!("deleting orphan data volume {}", v.volume.id));
+                let started = std::time::Instant::now();
+                vols.delete_volume(&v.volume, &ctx).await?;
+                // As for an orphan machine: no record, so the event names the volume.
+                let event = Event::new(
+                    Kind::Released,
+                    ReleaseCause::Orphan.as_str(),
+                    provider.name(),
+                )
+                .by(&recover::operator("dormant sweep --delete-orphans"))
+                .duration(started.elapsed())
+                .reason(&format!(
+                    "data volume {} belongs to no environment in the registry",
+                    v.volume.id
+                ));
+                events.record(event, &ctx).await;
+            } else {
+                log.warn(format!(
+                    "data volume {} ({}) belongs to no environment in {}; \
+                     `dormant sweep --delete-orphans` deletes it (and the files on it)",
+                    v.volume.id,
+                    v.state,
+                    store.root().display()
+                ));
+            }
+        }
+        if orphans > 0 {
+            log.info(format!("{orphans} orphan data volume(s)"));
+        }
     }
     let count = report.errors.len();
     if let Some(first) = report.errors.into_iter().next() {

@@ -5,6 +5,7 @@
 //! workspace on one of a list of SSH hosts), `ec2` (one instance per environment,
 //! behind the default-on `ec2` cargo feature), `qemu` (one VM per environment
 //! on the runner host). `cloud_init` is the user-data both VM providers send.
+//! `volume` is the companion trait of volume mode (`storage = "volume"`).
 //! Tests inject fakes.
 
 pub mod cloud_init;
@@ -13,6 +14,7 @@ pub mod ec2;
 pub mod local;
 pub mod qemu;
 pub mod ssh_hosts;
+pub mod volume;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -25,7 +27,11 @@ use crate::context::Ctx;
 use crate::settings::{ProviderKind, Settings};
 use crate::state::StateStore;
 
-pub use crate::model::{Dirs, EnvPaths, Machine, MachineState, ManagedMachine, SshTarget, Target};
+pub use crate::model::{
+    Dirs, EnvPaths, GuestMount, Machine, MachineState, ManagedMachine, ManagedVolume, SshTarget,
+    StorageMode, Target, Volume,
+};
+pub use volume::{VolumeGone, VolumeSpec, Volumes};
 
 /// A job's request that the operator's settings do not allow (an image or an
 /// instance type outside an allow-list). Prepare reports it as a refusal (build
@@ -59,6 +65,10 @@ pub struct MachineSpec {
     /// deliver it to the machine (EC2 user-data). `None` when `needs_ssh_key` is false.
     pub ssh_public_key: Option<String>,
     pub paths: EnvPaths,
+    /// Volume mode: the data volume the machine is for. A provider places
+    /// the machine where the volume can attach (its zone), and attaches it at
+    /// launch if that is the only way it can (QEMU).
+    pub volume: Option<Volume>,
 }
 
 impl MachineSpec {
@@ -77,6 +87,19 @@ pub trait Provider: Send + Sync {
     /// Whether the machine must be given the environment's SSH public key at creation.
     fn needs_ssh_key(&self) -> bool {
         false
+    }
+
+    /// The storage mode of new environments (the provider's `storage`
+    /// setting). An environment keeps the mode it was made with.
+    fn storage(&self) -> StorageMode {
+        StorageMode::Machine
+    }
+
+    /// Volume mode's operations, if this provider offers it. Present whatever
+    /// `storage` says: environments made in volume mode stay resumable after
+    /// the setting goes back to `machine`.
+    fn volumes(&self) -> Option<&dyn Volumes> {
+        None
     }
 
     /// Makes the machine, or adopts the one an earlier attempt made under the
@@ -119,20 +142,34 @@ pub trait Provider: Send + Sync {
 
 /// The directories for `config`: stable per environment and computed from
 /// settings alone — config builds no provider and makes no call — so a resumed
-/// job gets the same `CI_PROJECT_DIR` as the job that suspended.
-pub fn dirs(settings: &Settings, paths: &EnvPaths) -> Result<Dirs> {
+/// job gets the same `CI_PROJECT_DIR` as the job that suspended. `storage`
+/// is the environment's (a resume key says it), else the setting's.
+pub fn dirs(settings: &Settings, paths: &EnvPaths, storage: StorageMode) -> Result<Dirs> {
     match settings.provider {
-        ProviderKind::Local => Ok(local::dirs(paths)),
+        ProviderKind::Local => Ok(local::dirs(paths, storage)),
         ProviderKind::Ssh => settings.ssh.dirs(paths),
-        ProviderKind::Ec2 => settings.ec2.dirs(paths),
-        ProviderKind::Qemu => settings.qemu.dirs(paths),
+        ProviderKind::Ec2 => settings.ec2.dirs(paths, storage),
+        ProviderKind::Qemu => Ok(settings.qemu.dirs(paths, storage)),
+    }
+}
+
+/// The storage mode the settings give new environments of the selected provider.
+pub fn storage_setting(settings: &Settings) -> StorageMode {
+    match settings.provider {
+        ProviderKind::Local => settings.local.storage,
+        ProviderKind::Qemu => settings.qemu.storage,
+        ProviderKind::Ec2 => settings.ec2.storage,
+        ProviderKind::Ssh => StorageMode::Machine,
     }
 }
 
 /// Builds the provider the settings select.
 pub fn from_settings(settings: &Settings, store: &StateStore) -> Result<Arc<dyn Provider>> {
     match settings.provider {
-        ProviderKind::Local => Ok(Arc::new(local::LocalProvider::new(store.clone()))),
+        ProviderKind::Local => Ok(Arc::new(local::LocalProvider::new(
+            store.clone(),
+            settings.local.storage,
+        ))),
         ProviderKind::Ssh => Ok(Arc::new(ssh_hosts::SshHostsProvider::new(
             settings.ssh.clone(),
             store.clone(),

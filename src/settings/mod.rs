@@ -9,6 +9,7 @@
 pub mod bounds;
 pub mod duration;
 pub mod ec2;
+mod ec2_checks;
 pub mod events;
 pub mod qemu;
 pub mod ssh;
@@ -136,12 +137,18 @@ impl Default for SuspendSettings {
 pub struct LocalSettings {
     /// The shell that runs stage scripts.
     pub shell: PathBuf,
+    /// "machine": the work directory is kept while suspended. "volume": the
+    /// builds and cache dirs live in a directory of their own that a new work
+    /// directory gets on every resume (volume mode without a cloud or a VM:
+    /// for trying it out, and for the crash tests of its lifecycle).
+    pub storage: crate::model::StorageMode,
 }
 
 impl Default for LocalSettings {
     fn default() -> Self {
         LocalSettings {
             shell: PathBuf::from("bash"),
+            storage: crate::model::StorageMode::Machine,
         }
     }
 }
@@ -287,6 +294,21 @@ impl Settings {
             .validate(self.provider == ProviderKind::Ssh, problems);
         self.ec2
             .validate(self.provider == ProviderKind::Ec2, problems);
+        if self.provider == ProviderKind::Ec2
+            && self.ec2.market == ec2::Market::Spot
+            && self.suspend.enabled
+            && self.ec2.storage == crate::model::StorageMode::Machine
+        {
+            // A one-time spot instance cannot be stopped, and EC2 reclaims it
+            // when it likes: an environment that *is* the instance would be lost.
+            problems.push(
+                "ec2.market: \"spot\" cannot hold a suspended environment in machine mode: a spot instance \
+                 cannot be stopped, and EC2 may reclaim it at any time, taking the environment's disk with it; \
+                 set ec2.storage = \"volume\" (the environment lives on a data volume that outlives its \
+                 instances) or suspend.enabled = false (no suspension)"
+                    .into(),
+            );
+        }
         self.qemu
             .validate(self.provider == ProviderKind::Qemu, problems);
     }

@@ -6,11 +6,10 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::Result;
 use serde::Deserialize;
 
 use super::HumanDuration;
-use crate::model::{Dirs, EnvPaths};
+use crate::model::{Dirs, EnvPaths, StorageMode};
 use uuid::Uuid;
 
 /// The kernel command line when `kernel` is set and `kernel_args` is not: root
@@ -55,6 +54,18 @@ pub struct QemuSettings {
     pub builds_dir: Option<String>,
     /// cache_dir inside the VM; default `<home of ssh_user>/cache`.
     pub cache_dir: Option<String>,
+    /// "machine": suspend keeps the VM's disk (powered off or hibernated).
+    /// "volume": the builds and cache dirs live on a second disk of their own;
+    /// suspend deletes the VM and its disk, resume boots a new one from the
+    /// base image configured then (docs/qemu.md, "Volume mode").
+    pub storage: StorageMode,
+    /// Volume mode: the virtual size of an environment's data disk (qcow2,
+    /// allocated as it is written).
+    pub volume_size: String,
+    /// Volume mode: where the data disk is mounted in the VM. The builds and
+    /// cache dirs are `builds` and `cache` in it (or builds_dir / cache_dir,
+    /// which must then be inside it).
+    pub volume_mount: String,
 }
 
 impl Default for QemuSettings {
@@ -77,6 +88,9 @@ impl Default for QemuSettings {
             boot_timeout: HumanDuration::from_secs(5 * 60),
             builds_dir: None,
             cache_dir: None,
+            storage: StorageMode::Machine,
+            volume_size: DEFAULT_VOLUME_SIZE.into(),
+            volume_mount: DEFAULT_VOLUME_MOUNT.into(),
         }
     }
 }
@@ -174,16 +188,75 @@ pub enum QemuSuspendMode {
     Hibernate,
 }
 
-/// `qemu-img` sizes: digits and one of K, M, G, T.
-fn valid_size(s: &str) -> bool {
-    let Some(unit) = s.chars().last() else {
-        return false;
-    };
+pub const DEFAULT_VOLUME_SIZE: &str = "20G";
+pub const DEFAULT_VOLUME_MOUNT: &str = "/dormant";
+/// The largest data disk: far beyond any job's files, and far from what
+/// qcow2 and ext4 can address.
+const MAX_VOLUME_BYTES: u64 = 16 << 40;
+
+/// `qemu-img` sizes in bytes: digits and one of K, M, G, T.
+fn size_bytes(s: &str) -> Option<u64> {
+    let unit = s.chars().last()?;
     let digits = &s[..s.len() - unit.len_utf8()];
-    matches!(unit, 'K' | 'M' | 'G' | 'T')
-        && !digits.is_empty()
-        && digits.chars().all(|c| c.is_ascii_digit())
-        && digits.parse::<u64>().is_ok_and(|n| n > 0)
+    let shift = match unit {
+        'K' => 10,
+        'M' => 20,
+        'G' => 30,
+        'T' => 40,
+        _ => return None,
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    digits
+        .parse::<u64>()
+        .ok()
+        .filter(|n| *n > 0)
+        .and_then(|n| n.checked_mul(1 << shift))
+}
+
+fn valid_size(s: &str) -> bool {
+    size_bytes(s).is_some()
+}
+
+/// Directories a data disk must not be mounted on: the guest's own system.
+const SYSTEM_DIRS: &[&str] = &[
+    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/opt", "/proc", "/root", "/run",
+    "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var",
+];
+
+/// Why `path` cannot be a data disk's mount point, if it cannot: it goes
+/// into fstab and a shell script, so plain characters only.
+pub(super) fn mount_problem(path: &str) -> Option<String> {
+    if !path.starts_with('/') || path == "/" || path.ends_with('/') {
+        return Some(format!(
+            "{path:?} must be an absolute path below / without a trailing slash (e.g. \"/dormant\")"
+        ));
+    }
+    if !path
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '/' | '-' | '_' | '.'))
+        || path.split('/').any(|c| c == "." || c == "..")
+        || path.contains("//")
+    {
+        return Some(format!(
+            "{path:?} may hold only letters, digits, '-', '_', '.' and '/' (it goes into the guest's fstab)"
+        ));
+    }
+    if SYSTEM_DIRS.contains(&path) {
+        return Some(format!(
+            "{path:?} is a system directory of the guest: mount the data disk on a directory of its own"
+        ));
+    }
+    None
+}
+
+/// Whether `dir` is `mount` or inside it.
+pub(super) fn inside(dir: &str, mount: &str) -> bool {
+    dir == mount
+        || dir
+            .strip_prefix(mount)
+            .is_some_and(|rest| rest.starts_with('/'))
 }
 
 /// Where a VM's QMP socket lives, inside its environment dir.
@@ -275,8 +348,49 @@ impl QemuSettings {
             if let Some(d) = dir {
                 if !d.starts_with('/') {
                     p(key, format!("{d:?} must be an absolute path inside the VM"));
+                } else if self.storage == StorageMode::Volume && !inside(d, &self.volume_mount) {
+                    p(
+                        key,
+                        format!(
+                            "{d:?} is not on the data disk (qemu.volume_mount = {:?}): with storage = \"volume\" \
+                             only what is on it is kept; leave it out or put it inside",
+                            self.volume_mount
+                        ),
+                    );
                 }
             }
+        }
+        match size_bytes(&self.volume_size) {
+            None => p(
+                "volume_size",
+                format!(
+                    "{:?} is not a size: write e.g. \"20G\" or \"512M\"",
+                    self.volume_size
+                ),
+            ),
+            Some(b) if b > MAX_VOLUME_BYTES => p(
+                "volume_size",
+                format!("{:?} is more than the maximum, 16T", self.volume_size),
+            ),
+            Some(b) if b < 64 << 20 => p(
+                "volume_size",
+                format!(
+                    "{:?} is too small for an ext4 filesystem with a checkout (at least 64M)",
+                    self.volume_size
+                ),
+            ),
+            Some(_) => {}
+        }
+        if let Some(why) = mount_problem(&self.volume_mount) {
+            p("volume_mount", why);
+        }
+        if self.storage == StorageMode::Volume && self.suspend_mode == QemuSuspendMode::Hibernate {
+            p(
+                "suspend_mode",
+                "\"hibernate\" cannot apply with storage = \"volume\": a suspended volume-mode \
+                 environment has no VM to keep memory for (its VM is deleted); leave suspend_mode out"
+                    .into(),
+            );
         }
     }
 
@@ -289,13 +403,26 @@ impl QemuSettings {
         }
     }
 
-    /// builds_dir / cache_dir for config (no I/O): every VM has its own disk.
-    pub fn dirs(&self, _paths: &EnvPaths) -> Result<Dirs> {
-        Ok(super::own_disk_dirs(
-            &self.ssh_user,
-            self.builds_dir.as_deref(),
-            self.cache_dir.as_deref(),
-        ))
+    /// builds_dir / cache_dir for config (no I/O): every VM has its own
+    /// disk; in volume mode they are on the data disk.
+    pub fn dirs(&self, _paths: &EnvPaths, storage: StorageMode) -> Dirs {
+        match storage {
+            StorageMode::Machine => super::own_disk_dirs(
+                &self.ssh_user,
+                self.builds_dir.as_deref(),
+                self.cache_dir.as_deref(),
+            ),
+            StorageMode::Volume => Dirs {
+                builds: self
+                    .builds_dir
+                    .clone()
+                    .unwrap_or_else(|| format!("{}/builds", self.volume_mount)),
+                cache: self
+                    .cache_dir
+                    .clone()
+                    .unwrap_or_else(|| format!("{}/cache", self.volume_mount)),
+            },
+        }
     }
 }
 

@@ -18,9 +18,11 @@ fn a_minimal_section_parses_with_documented_defaults() {
     assert_eq!(q.cpu_model(), "host");
     assert_eq!(q.suspend_mode, QemuSuspendMode::Shutdown);
     assert_eq!(
-        q.dirs(&EnvPaths::new(Path::new("/s"), uuid::Uuid::nil()))
-            .unwrap()
-            .builds,
+        q.dirs(
+            &EnvPaths::new(Path::new("/s"), uuid::Uuid::nil()),
+            StorageMode::Machine
+        )
+        .builds,
         "/home/debian/builds"
     );
 }
@@ -93,6 +95,9 @@ fn the_example_documents_every_qemu_setting() {
         "boot_timeout",
         "builds_dir",
         "cache_dir",
+        "storage",
+        "volume_size",
+        "volume_mount",
     ] {
         assert!(
             section.contains(key),
@@ -110,6 +115,9 @@ fn the_example_documents_every_qemu_setting() {
             format!("shutdown_timeout = \"{}s\"", d.shutdown_timeout.as_secs()),
             true,
         ),
+        (format!("volume_size = \"{}\"", d.volume_size), true),
+        (format!("volume_mount = \"{}\"", d.volume_mount), true),
+        ("storage = \"machine\"".to_string(), true),
     ] {
         assert_eq!(section.contains(&line), want, "{line}");
     }
@@ -143,4 +151,72 @@ fn sizes() {
     for bad in ["", "G", "20", "20GB", "0G", "-1G", "2.5G"] {
         assert!(!valid_size(bad), "{bad}");
     }
+}
+
+#[test]
+fn volume_mode_settings_are_checked() {
+    let parse = |extra: &str| {
+        Settings::parse_str(&format!(
+            "provider = \"qemu\"\n[qemu]\nimage = \"/i/b.qcow2\"\n{extra}"
+        ))
+    };
+    let s = parse("storage = \"volume\"\n").unwrap();
+    assert_eq!(s.qemu.storage, StorageMode::Volume);
+    let paths = EnvPaths::new(Path::new("/s"), uuid::Uuid::nil());
+    let d = s.qemu.dirs(&paths, StorageMode::Volume);
+    assert_eq!(
+        (d.builds.as_str(), d.cache.as_str()),
+        ("/dormant/builds", "/dormant/cache")
+    );
+    let d = parse("storage = \"volume\"\nvolume_mount = \"/data\"\nbuilds_dir = \"/data/b\"\n")
+        .unwrap()
+        .qemu
+        .dirs(&paths, StorageMode::Volume);
+    assert_eq!(
+        (d.builds.as_str(), d.cache.as_str()),
+        ("/data/b", "/data/cache")
+    );
+    for (extra, says) in [
+        ("storage = \"disk\"\n", "qemu.storage: unknown variant"),
+        (
+            "volume_size = \"20\"\n",
+            "qemu.volume_size: \"20\" is not a size",
+        ),
+        (
+            "volume_size = \"17T\"\n",
+            "qemu.volume_size: \"17T\" is more than the maximum, 16T",
+        ),
+        (
+            "volume_size = \"1M\"\n",
+            "qemu.volume_size: \"1M\" is too small",
+        ),
+        (
+            "volume_mount = \"data\"\n",
+            "qemu.volume_mount: \"data\" must be an absolute path",
+        ),
+        (
+            "volume_mount = \"/\"\n",
+            "qemu.volume_mount: \"/\" must be an absolute path below /",
+        ),
+        ("volume_mount = \"/my data\"\n", "may hold only letters"),
+        ("volume_mount = \"/a/../etc\"\n", "may hold only letters"),
+        ("volume_mount = \"/home\"\n", "is a system directory"),
+        (
+            "storage = \"volume\"\nbuilds_dir = \"/home/debian/builds\"\n",
+            "qemu.builds_dir: \"/home/debian/builds\" is not on the data disk",
+        ),
+        (
+            "storage = \"volume\"\nsuspend_mode = \"hibernate\"\n",
+            "qemu.suspend_mode: \"hibernate\" cannot apply with storage = \"volume\"",
+        ),
+        (
+            "storage = \"volume\"\ncache_dir = \"/dormantx/c\"\n",
+            "qemu.cache_dir: \"/dormantx/c\" is not on the data disk",
+        ),
+    ] {
+        let e = format!("{:#}", parse(extra).unwrap_err());
+        assert!(e.contains(says), "{extra}: {e}");
+    }
+    // Outside volume mode builds_dir may be anywhere.
+    parse("builds_dir = \"/home/debian/builds\"\n").unwrap();
 }

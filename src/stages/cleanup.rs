@@ -19,6 +19,7 @@ use anyhow::Result;
 use crate::context::Ctx;
 use crate::events::{ReleaseCause, SuspendCause};
 use crate::exit::Failure;
+use crate::lifecycle::lost::MACHINE_LOST;
 use crate::lifecycle::{self, sweep, Reason};
 use crate::model::EnvPaths;
 use crate::notify::{self, Audience, Event, Notification};
@@ -94,11 +95,13 @@ async fn cleanup_job(s: &Session, ctx: &Ctx) -> Result<()> {
             state.terminated,
             suspends,
             s.settings.suspend.enabled,
+            state.machine_lost.is_some(),
         );
         crate::failpoint!("cleanup:decided");
         let why = Why {
             outcome,
             request,
+            machine_lost: state.machine_lost.clone(),
             suspends,
         };
         settle_environment(s, &state, &paths, &rec, &holder, why, settle, ctx).await?;
@@ -113,18 +116,21 @@ struct Why {
     outcome: Outcome,
     /// The reason of a request the settings honour (`crate::job_request`).
     request: Option<String>,
+    /// Volume mode: what became of the machine that went away under a stage.
+    machine_lost: Option<String>,
     /// Whether the outcome matched a trigger or the request.
     suspends: bool,
 }
 
 impl Why {
     fn suspend_reason(&self) -> Reason<SuspendCause> {
-        match &self.request {
-            Some(r) => Reason::new(
+        match (&self.machine_lost, &self.request) {
+            (Some(_), _) => Reason::new(SuspendCause::MachineLost, MACHINE_LOST),
+            (None, Some(r)) => Reason::new(
                 SuspendCause::JobRequest,
                 format!("requested by the job: {r}"),
             ),
-            None => Reason::new(
+            (None, None) => Reason::new(
                 SuspendCause::Triggers,
                 format!("job {}", self.outcome.as_str()),
             ),
@@ -205,7 +211,12 @@ async fn settle_environment(
         .and_then(|t| s.transports.open(&t, paths).ok());
     let transport = transport.as_deref();
     if settle != Settle::Nothing && paths.stages_left.exists() {
-        stop_leftovers(s, rec, paths, transport, ctx).await;
+        if state.machine_lost.is_some() {
+            // Nothing of the job runs on a machine that went away.
+            let _ = std::fs::remove_file(&paths.stages_left);
+        } else {
+            stop_leftovers(s, rec, paths, transport, ctx).await;
+        }
     }
     let w = s.world();
     let result = match settle {
@@ -218,7 +229,7 @@ async fn settle_environment(
             ));
             let reason = format!("resume by job {} did not reach a stage", state.job_id);
             let unused = Reason::new(SuspendCause::Unused, &reason);
-            let done = lifecycle::suspend(w, paths, holder, false, &unused, ctx).await;
+            let done = lifecycle::suspend(w, paths, holder, false, transport, &unused, ctx).await;
             if done.is_ok() {
                 announce(s, Event::Suspend, rec, reason).await;
             }
@@ -230,6 +241,9 @@ async fn settle_environment(
                 "was terminated".to_string()
             } else if !state.prepared() {
                 "did not finish prepare".to_string()
+            } else if let Some(lost) = &state.machine_lost {
+                // Nothing asked to keep it: a new job without a failure trigger.
+                format!("{} ({MACHINE_LOST}: {lost})", outcome.as_str())
             } else {
                 outcome.as_str().to_string()
             };
@@ -267,10 +281,9 @@ async fn stop_leftovers(
     ctx: &Ctx,
 ) {
     let Some(t) = transport else { return };
-    let check = rec.machine.as_ref().map(|machine| super::run::StillThere {
+    let check = rec.machine.as_ref().map(|machine| lifecycle::lost::Watch {
         provider: s.provider.as_ref(),
         machine,
-        env: paths.id,
     });
     let check = check
         .as_ref()
@@ -278,6 +291,12 @@ async fn stop_leftovers(
     let ctx = ctx.uncancellable().within(LEFTOVERS_BUDGET);
     match t.stop_leftovers(check, &ctx).await {
         Ok(()) => {
+            let _ = std::fs::remove_file(&paths.stages_left);
+        }
+        // Nothing runs on a machine that is gone or stopped (and a machine
+        // stopped with its memory kept is stopped by the next prepare's probe).
+        Err(e) if e.downcast_ref::<crate::transport::MachineLost>().is_some() => {
+            tracing::debug!("no leftovers to stop: {e:#}");
             let _ = std::fs::remove_file(&paths.stages_left);
         }
         Err(e) => s.log.warn(format!(
@@ -299,21 +318,29 @@ async fn suspend(
     ctx: &Ctx,
 ) -> Result<()> {
     let id = state.env_id;
-    match &why.request {
-        Some(r) => s.log.info(format!(
+    match (&why.machine_lost, &why.request) {
+        (Some(lost), _) => s.log.info(format!(
+            "job {} {}: its machine went away under it ({lost}): keeping environment {id}'s \
+             data volume (machine lost); a job with its key resumes it on a new machine",
+            state.job_id,
+            why.outcome.as_str()
+        )),
+        (None, Some(r)) => s.log.info(format!(
             "job {} {}: suspending: requested by the job: {r}",
             state.job_id,
             why.outcome.as_str()
         )),
-        None => s.log.info(format!(
+        (None, None) => s.log.info(format!(
             "job {} {}: suspending environment {id}",
             state.job_id,
             why.outcome.as_str()
         )),
     }
+    // A lost machine cannot be asked to unmount anything.
+    let guest = transport.filter(|_| why.machine_lost.is_none());
     // A suspension in progress finishes even if SIGTERM arrives.
     let reason = why.suspend_reason();
-    let suspended = lifecycle::suspend(s.world(), paths, holder, true, &reason, ctx).await;
+    let suspended = lifecycle::suspend(s.world(), paths, holder, true, guest, &reason, ctx).await;
     if s.cancel.is_cancelled() {
         s.log.info(format!(
             "termination arrived during the suspension of {id}: releasing it now"

@@ -18,6 +18,7 @@ fn ok() -> FakeTransports {
     FakeTransports {
         exit_code: 0,
         fail_connect: false,
+        ..Default::default()
     }
 }
 
@@ -93,6 +94,7 @@ async fn a_resume_whose_connection_fails_is_stopped_again_and_kept() {
     let broken = FakeTransports {
         exit_code: 0,
         fail_connect: true,
+        ..Default::default()
     };
     let (s, _) = session(&store, &p, broken, 2, resume(&key, false), "running");
     assert!(crate::stages::prepare::prepare(&s).await.is_err());
@@ -251,6 +253,7 @@ async fn a_retried_prepare_adopts_its_half_released_environment() {
     let broken = FakeTransports {
         exit_code: 0,
         fail_connect: true,
+        ..Default::default()
     };
     let (s, _) = session(&store, &p, broken, 1, suspend_on_success(), "running");
     assert!(crate::stages::prepare::prepare(&s).await.is_err());

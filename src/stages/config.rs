@@ -19,15 +19,22 @@ pub fn config(settings: &Settings, job: &Job, out: &mut dyn Write) -> Result<(),
     // A resume runs in the environment its key names, so its builds_dir (and so
     // CI_PROJECT_DIR) is the suspended job's. A malformed key is refused by
     // prepare with a clear message; here it just gets a new job's id.
-    let env_id = input
+    // Its storage mode too: the key of a volume-mode environment says
+    // `storage=volume` (its dirs are on the volume), whatever the setting is now.
+    let key = input
         .suspend
         .resume_key
         .as_deref()
-        .and_then(|k| EnvironmentKey::parse(k).ok())
-        .map(|k| k.env_id)
-        .unwrap_or_else(|| crate::identity::new_env_id(&runner_id, input.job_id));
+        .and_then(|k| EnvironmentKey::parse(k).ok());
+    let (env_id, storage) = match &key {
+        Some(k) => (k.env_id, crate::envkey::storage_of(k)),
+        None => (
+            crate::identity::new_env_id(&runner_id, input.job_id),
+            crate::provider::storage_setting(settings),
+        ),
+    };
     let paths = EnvPaths::new(&settings.state_dir(job)?, env_id);
-    let dirs = crate::provider::dirs(settings, &paths)?;
+    let dirs = crate::provider::dirs(settings, &paths, storage)?;
     let doc = ConfigOutput {
         builds_dir: Some(dirs.builds),
         cache_dir: Some(dirs.cache),

@@ -18,6 +18,7 @@ fn ok() -> FakeTransports {
     FakeTransports {
         exit_code: 0,
         fail_connect: false,
+        ..Default::default()
     }
 }
 
@@ -176,6 +177,7 @@ async fn a_failed_connection_in_prepare_is_a_failed_step_then_a_release() {
     let broken = FakeTransports {
         exit_code: 0,
         fail_connect: true,
+        ..Default::default()
     };
     let (s, _) = session(&store, &p, broken, 1, on_success(), "running");
     assert!(prepare(&s).await.is_err());

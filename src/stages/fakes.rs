@@ -12,11 +12,12 @@ use tokio_util::sync::CancellationToken;
 use crate::context::{Ctx, JobLog};
 use crate::job::{Job, JobInput, SuspendRequest};
 use crate::provider::{
-    Machine, MachineSpec, MachineState, ManagedMachine, Provider, SshTarget, Target,
+    GuestMount, Machine, MachineSpec, MachineState, ManagedMachine, ManagedVolume, Provider,
+    SshTarget, StorageMode, Target, Volume, VolumeGone, VolumeSpec, Volumes,
 };
 use crate::settings::Settings;
 use crate::state::{EnvPaths, StateStore};
-use crate::transport::{Ran, Script, ScriptExit, Transport};
+use crate::transport::{ExecOutput, Ran, Script, ScriptExit, Transport};
 
 use super::{Session, Transports};
 
@@ -31,6 +32,11 @@ pub struct FakeCloud {
     pub fail_after_create: bool,
     /// Fired while a stop is in progress (a SIGTERM arriving mid-suspension).
     pub cancel_during_stop: Option<CancellationToken>,
+    /// The storage mode of new environments.
+    pub storage: StorageMode,
+    /// Volume mode: volume id → "available", "attached to <machine>", "deleted".
+    pub volumes: BTreeMap<String, String>,
+    pub fail_detach: bool,
 }
 
 #[derive(Clone, Default)]
@@ -54,6 +60,14 @@ impl FakeProvider {
 impl Provider for FakeProvider {
     fn name(&self) -> &'static str {
         "fake"
+    }
+
+    fn storage(&self) -> StorageMode {
+        self.cloud.lock().unwrap().storage
+    }
+
+    fn volumes(&self) -> Option<&dyn Volumes> {
+        Some(self)
     }
 
     async fn create_or_reclaim(&self, spec: &MachineSpec, _ctx: &Ctx) -> Result<Machine> {
@@ -144,39 +158,148 @@ impl Provider for FakeProvider {
     }
 }
 
+impl FakeProvider {
+    pub fn volume(&self, id: &str) -> Option<String> {
+        self.cloud.lock().unwrap().volumes.get(id).cloned()
+    }
+    fn set_volume(&self, id: &str, state: String) {
+        self.cloud
+            .lock()
+            .unwrap()
+            .volumes
+            .insert(id.to_string(), state);
+    }
+}
+
+#[async_trait]
+impl Volumes for FakeProvider {
+    async fn create_volume(&self, spec: &VolumeSpec, _ctx: &Ctx) -> Result<Volume> {
+        let id = format!("vol-{}", spec.env_id.simple());
+        self.call(format!("create_volume {id}"));
+        if self.volume(&id).is_none() {
+            self.set_volume(&id, "available".into());
+        }
+        Ok(Volume::new(id).with("zone", "fake-1a"))
+    }
+    async fn find_volume(&self, env_id: uuid::Uuid, _ctx: &Ctx) -> Result<Option<Volume>> {
+        let id = format!("vol-{}", env_id.simple());
+        Ok(self
+            .volume(&id)
+            .filter(|s| s != "deleted")
+            .map(|_| Volume::new(id)))
+    }
+    async fn attach(&self, v: &Volume, m: &Machine, _ctx: &Ctx) -> Result<()> {
+        self.call(format!("attach {} {}", v.id, m.id));
+        match self.volume(&v.id).as_deref() {
+            None | Some("deleted") => {
+                Err(VolumeGone(format!("fake volume {} is gone", v.id)).into())
+            }
+            _ => {
+                self.set_volume(&v.id, format!("attached to {}", m.id));
+                Ok(())
+            }
+        }
+    }
+    async fn detach(&self, v: &Volume, m: &Machine, unmounted: bool, _ctx: &Ctx) -> Result<()> {
+        self.call(format!("detach {} {} unmounted={unmounted}", v.id, m.id));
+        if self.cloud.lock().unwrap().fail_detach {
+            bail!("fake detach failure");
+        }
+        self.set_volume(&v.id, "available".into());
+        Ok(())
+    }
+    async fn delete_volume(&self, v: &Volume, _ctx: &Ctx) -> Result<()> {
+        self.call(format!("delete_volume {}", v.id));
+        self.set_volume(&v.id, "deleted".into());
+        Ok(())
+    }
+    async fn list_volumes(&self, _ctx: &Ctx) -> Result<Vec<ManagedVolume>> {
+        let c = self.cloud.lock().unwrap();
+        Ok(c.volumes
+            .iter()
+            .filter(|(_, s)| *s != "deleted")
+            .map(|(id, s)| ManagedVolume {
+                volume: Volume::new(id.clone()),
+                env_id: id
+                    .strip_prefix("vol-")
+                    .and_then(|u| uuid::Uuid::parse_str(u).ok()),
+                state: s.clone(),
+            })
+            .collect())
+    }
+    fn guest_mount(&self, _v: &Volume) -> GuestMount {
+        GuestMount {
+            device: Some("/dev/fake".into()),
+            mountpoint: "/dormant".into(),
+            user_dirs: vec!["/dormant/builds".into()],
+        }
+    }
+    fn key_fields(&self, v: &Volume) -> Vec<(String, String)> {
+        vec![("volume".into(), v.id.clone())]
+    }
+}
+
 /// Transports whose scripts all exit with `exit_code`.
+#[derive(Clone, Default)]
 pub struct FakeTransports {
     pub exit_code: i32,
     pub fail_connect: bool,
+    /// Every stage's transport breaks (a lost connection).
+    pub fail_run: bool,
+    /// The guest does not manage to unmount the volume.
+    pub fail_unmount: bool,
+    /// dormant's own commands (`Transport::exec`), first line of each.
+    pub execs: Arc<Mutex<Vec<String>>>,
 }
 
-struct FakeTransport {
-    exit_code: i32,
-    fail_connect: bool,
-}
+struct FakeTransport(FakeTransports);
 
 impl Transports for FakeTransports {
     fn open(&self, _t: &Target, _p: &EnvPaths) -> Result<Box<dyn Transport>> {
-        Ok(Box::new(FakeTransport {
-            exit_code: self.exit_code,
-            fail_connect: self.fail_connect,
-        }))
+        Ok(Box::new(FakeTransport(self.clone())))
     }
 }
 
 #[async_trait]
 impl Transport for FakeTransport {
     async fn connect(&self, _ctx: &Ctx) -> Result<()> {
-        if self.fail_connect {
+        if self.0.fail_connect {
             bail!("fake connection failure");
         }
         Ok(())
     }
     async fn run_script(&self, _s: &Script<'_>, _ctx: &Ctx) -> Result<Ran> {
-        Ok(Ran::unwatched(ScriptExit::Code(self.exit_code)))
+        if self.0.fail_run {
+            bail!("fake: the connection was lost");
+        }
+        Ok(Ran::unwatched(ScriptExit::Code(self.0.exit_code)))
     }
     async fn close(&self, _ctx: &Ctx) -> Result<()> {
         Ok(())
+    }
+    async fn exec(
+        &self,
+        line: &str,
+        _limit: std::time::Duration,
+        _ctx: &Ctx,
+    ) -> Result<ExecOutput> {
+        // The guest's mount and unmount commands: recognised by what they say.
+        let unmount = line.contains("say unmounted");
+        self.0
+            .execs
+            .lock()
+            .unwrap()
+            .push(if unmount { "unmount" } else { "mount" }.to_string());
+        let (code, said) = match (unmount, self.0.fail_unmount) {
+            (true, true) => (1, "dormant-volume: error: /dormant is still in use"),
+            (true, false) => (0, "dormant-volume: unmounted"),
+            (false, _) => (0, "dormant-volume: mounted /dormant"),
+        };
+        Ok(ExecOutput {
+            code: Some(code),
+            stdout: format!("{said}\n"),
+            stderr: String::new(),
+        })
     }
 }
 

@@ -115,6 +115,8 @@ impl Session {
 
 #[cfg(test)]
 pub(crate) mod fakes;
+#[cfg(test)]
+mod volume_tests;
 
 #[cfg(test)]
 #[path = "events_tests.rs"]

@@ -8,7 +8,7 @@ use crate::context::Ctx;
 use crate::events::{Event, Kind, Step};
 use crate::provider::Machine;
 use crate::state::job::LockedJob;
-use crate::state::{registry, EnvPaths, JobState, Mode, Phase};
+use crate::state::{registry, EnvPaths, Holder, JobState, Mode, Phase};
 
 use super::Session;
 
@@ -32,16 +32,20 @@ pub(super) fn job_state(
     Ok(state)
 }
 
-/// Waits for the environment to run commands (SSH readiness, tool probes).
+/// Waits for the environment to run commands (SSH readiness, tool probes);
+/// in volume mode also pins a new machine's host key and mounts the volume
+/// (`lifecycle::volume::connect`).
 pub(super) async fn connect(
     s: &Session,
     paths: &EnvPaths,
+    holder: &Holder,
     machine: &Machine,
     ctx: &Ctx,
 ) -> Result<()> {
     let target = s.provider.target(machine)?;
     let transport = s.transports.open(&target, paths)?;
-    transport.connect(ctx).await
+    crate::lifecycle::volume::connect(paths, holder, transport.as_ref(), s.provider.volumes(), ctx)
+        .await
 }
 
 /// Records in the event log that `step` of this job's prepare failed (the

@@ -18,8 +18,9 @@ use crate::context::Ctx;
 use crate::envkey::EnvironmentKey;
 use crate::events::{Event, Kind, Step};
 use crate::exit::Failure;
-use crate::lifecycle::update_error;
-use crate::provider::{Machine, MachineSpec, Refusal};
+use crate::lifecycle::{update_error, volume};
+use crate::model::{StorageMode, Volume};
+use crate::provider::{Machine, MachineSpec, Refusal, VolumeSpec};
 use crate::state::job::{hold_job_alive, LockedJob};
 use crate::state::registry::{self, UpdateError};
 use crate::state::{EnvPaths, EnvironmentRecord, Holder, Mode, NewEnvironment, Phase};
@@ -78,7 +79,7 @@ async fn prepare_new(
     } else {
         None
     };
-    let spec = MachineSpec {
+    let mut spec = MachineSpec {
         env_id,
         name: MachineSpec::machine_name(env_id),
         runner_id: s.runner_id.clone(),
@@ -89,11 +90,43 @@ async fn prepare_new(
         variables: s.job.job_variables(),
         ssh_public_key,
         paths: paths.clone(),
+        volume: None,
     };
+    let storage = registry::peek(&paths)?
+        .map(|r| r.storage)
+        .unwrap_or_default();
     s.log.info(format!(
-        "creating a new {} environment {env_id}",
-        s.provider.name()
+        "creating a new {} environment {env_id}{}",
+        s.provider.name(),
+        if storage == StorageMode::Volume {
+            " (volume mode: its builds and cache dirs on a data volume of their own)"
+        } else {
+            ""
+        }
     ));
+    let mut volume_key = None;
+    if storage == StorageMode::Volume {
+        let vspec = VolumeSpec {
+            env_id,
+            name: spec.name.clone(),
+            runner_id: spec.runner_id.clone(),
+            system_id: spec.system_id.clone(),
+            project_id: spec.project_id,
+            job_id: spec.job_id,
+            paths: paths.clone(),
+            machine: Some(spec.clone()),
+        };
+        let make_key = |v: &Volume| volume_environment_key(s, &system_id, env_id, v);
+        let volume = match volume::create(s.world(), &paths, &holder, &vspec, make_key, ctx).await {
+            Ok(v) => v,
+            Err(e) => {
+                record_failure(s, &paths, Step::Create, &e, ctx).await;
+                return Err(refused_or_system(e));
+            }
+        };
+        volume_key = Some(volume_environment_key(s, &system_id, env_id, &volume));
+        spec.volume = Some(volume::begin_attach(&paths, &holder, ctx).await?);
+    }
     let made = s
         .provider
         .create_or_reclaim(&spec, ctx)
@@ -107,15 +140,21 @@ async fn prepare_new(
         }
     };
     crate::failpoint!("prepare:created");
-    let key = environment_key(s, &system_id, env_id, &machine);
+    let key = volume_key.unwrap_or_else(|| environment_key(s, &system_id, env_id, &machine));
     registry::update(&paths, ctx, |r| {
         r.machine_made(&holder, machine.clone(), key.clone())
     })
     .await
     .map_err(update_error)?;
     crate::failpoint!("prepare:recorded");
+    if let Some(v) = &spec.volume {
+        if let Err(e) = volume::attach(s.world(), &paths, &holder, v, &machine, ctx).await {
+            record_failure(s, &paths, Step::Create, &e, ctx).await;
+            return Err(refused_or_system(e));
+        }
+    }
 
-    if let Err(e) = connect(s, &paths, &machine, ctx).await {
+    if let Err(e) = connect(s, &paths, &holder, &machine, ctx).await {
         record_failure(s, &paths, Step::Connect, &e, ctx).await;
         return Err(e.into());
     }
@@ -152,6 +191,8 @@ async fn claim_new(
             project_id: s.input.project_id,
             project_path: s.input.project_path.clone(),
             job_id: s.job_id(),
+            storage: s.provider.storage(),
+            image: s.input.image.clone(),
         },
         holder.clone(),
     );
@@ -191,12 +232,31 @@ async fn claim_new(
 
 /// A provider's [`Refusal`] (an allow-list said no) is the job's fault and is
 /// not retried; anything else is a system failure.
-fn refused_or_system(e: anyhow::Error) -> Failure {
+pub(super) fn refused_or_system(e: anyhow::Error) -> Failure {
     if e.downcast_ref::<Refusal>().is_some() {
         Failure::Refused(e)
     } else {
         Failure::System(e)
     }
+}
+
+/// A volume-mode environment's key: it names the volume (what the
+/// environment is while suspended), never a machine, which changes.
+fn volume_environment_key(
+    s: &Session,
+    system_id: &str,
+    env_id: uuid::Uuid,
+    volume: &Volume,
+) -> String {
+    let mut key = EnvironmentKey::new(&s.runner_id, system_id, env_id)
+        .with_field("provider", s.provider.name())
+        .with_field(crate::envkey::STORAGE_FIELD, StorageMode::Volume.as_str());
+    if let Some(vols) = s.provider.volumes() {
+        for (k, v) in vols.key_fields(volume) {
+            key = key.with_field(&k, &v);
+        }
+    }
+    key.encode()
 }
 
 fn environment_key(s: &Session, system_id: &str, env_id: uuid::Uuid, machine: &Machine) -> String {

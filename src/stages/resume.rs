@@ -12,9 +12,11 @@ use crate::envkey::EnvironmentKey;
 use crate::events::{Event, Kind, Step};
 use crate::exit::Failure;
 use crate::lifecycle::recover::{self, Found};
+use crate::lifecycle::volume::{self, Relaunch};
 use crate::lifecycle::{human_age, update_error};
+use crate::model::StorageMode;
 use crate::notify::{self, Audience, Notification};
-use crate::provider::{Machine, MachineGone};
+use crate::provider::{Machine, MachineGone, Refusal, VolumeGone};
 use crate::state::job::LockedJob;
 use crate::state::registry::{self, UpdateError};
 use crate::state::transitions::same_holder;
@@ -109,26 +111,52 @@ pub(super) async fn prepare_resume(
         "resuming {} environment {env_id}",
         s.provider.name()
     ));
-    let started_machine = s.provider.start(&machine, ctx).await;
-    if let Err(e) = &started_machine {
-        record_failure(s, &paths, Step::Start, e, ctx).await;
-    }
-    let machine = started_machine.map_err(|e| {
+    let gone = |e: anyhow::Error| {
         if e.downcast_ref::<MachineGone>().is_some() {
             Failure::Refused(e.context(format!(
                 "environment {env_id} cannot be resumed: its machine is gone; run the job without \
                  the key to start a new environment (`dormant release {env_id}` forgets this one)"
             )))
+        } else if e.downcast_ref::<VolumeGone>().is_some() {
+            Failure::Refused(e.context(format!(
+                "environment {env_id} cannot be resumed: its data volume is gone; run the job without \
+                 the key to start a new environment (`dormant release {env_id}` forgets this one)"
+            )))
+        } else if e.downcast_ref::<Refusal>().is_some() {
+            Failure::Refused(
+                e.context(format!("resuming environment {env_id}; it stays suspended")),
+            )
         } else {
             Failure::System(e.context(format!("resuming environment {env_id}; it stays suspended")))
         }
-    })?;
-    crate::failpoint!("resume:started");
-    registry::update(&paths, ctx, |r| r.machine_started(&holder, machine.clone()))
-        .await
-        .map_err(update_error)?;
+    };
+    let machine = match machine {
+        Some(machine) => {
+            let started_machine = s.provider.start(&machine, ctx).await;
+            if let Err(e) = &started_machine {
+                record_failure(s, &paths, Step::Start, e, ctx).await;
+            }
+            let machine = started_machine.map_err(gone)?;
+            crate::failpoint!("resume:started");
+            registry::update(&paths, ctx, |r| r.machine_started(&holder, machine.clone()))
+                .await
+                .map_err(update_error)?;
+            machine
+        }
+        None => {
+            let relaunch = Relaunch {
+                job_id: s.job_id(),
+                variables: s.job.job_variables(),
+            };
+            let relaunched = volume::relaunch(s.world(), &paths, &holder, &relaunch, ctx).await;
+            if let Err(e) = &relaunched {
+                record_failure(s, &paths, Step::Start, e, ctx).await;
+            }
+            relaunched.map_err(gone)?
+        }
+    };
 
-    if let Err(e) = connect(s, &paths, &machine, ctx).await {
+    if let Err(e) = connect(s, &paths, &holder, &machine, ctx).await {
         record_failure(s, &paths, Step::Connect, &e, ctx).await;
         return Err(Failure::System(
             e.context(format!("environment {env_id} stays suspended")),
@@ -154,9 +182,15 @@ pub(super) async fn prepare_resume(
         .unwrap_or(0);
     s.log.info(format!(
         "resumed environment {env_id} (suspended {}, job {} in it); get_sources will be skipped: \
-         the working tree is as the suspended job left it",
+         the working tree is as the suspended job left it{}",
         human_age(age),
-        rec.job_count
+        rec.job_count,
+        if rec.storage == StorageMode::Volume {
+            " (volume mode: a new machine from the image configured now; only the builds and cache \
+             dirs are kept, everything else — $HOME, /etc, installed packages — is fresh from the image)"
+        } else {
+            ""
+        }
     ));
     announce(s, &key, env_id, true);
     // Its failure is one short line here: prepare's output is the job log.
@@ -168,13 +202,14 @@ pub(super) async fn prepare_resume(
 }
 
 /// Under the record lock: may this job resume the environment? If so, claims
-/// it (`suspended` → `resuming`) and returns its machine.
+/// it (`suspended` → `resuming`) and returns its machine to start — `None`
+/// for a volume-mode environment, which gets a new machine.
 fn claim_resume(
     s: &Session,
     r: &mut EnvironmentRecord,
     key: &EnvironmentKey,
     holder: &Holder,
-) -> Result<Machine, NotClaimed> {
+) -> Result<Option<Machine>, NotClaimed> {
     let env_id = r.id;
     let refuse = |m: String| NotClaimed::Refused(Failure::refused(m));
     if r.project_id != s.input.project_id {
@@ -198,11 +233,30 @@ fn claim_resume(
             }
         }
     }
-    let machine = r.machine.clone().ok_or_else(|| {
-        NotClaimed::Refused(Failure::System(anyhow::anyhow!(
-            "environment {env_id} has no machine in its record; `dormant release {env_id}` forgets it"
-        )))
-    })?;
+    if crate::envkey::storage_of(key) != r.storage {
+        return Err(refuse(format!(
+            "the environment key says storage={} but environment {env_id} is in {} mode: the key was \
+             altered; use the key exactly as it was printed",
+            crate::envkey::storage_of(key).as_str(),
+            r.storage.as_str()
+        )));
+    }
+    let machine = match r.storage {
+        StorageMode::Machine => Some(r.machine.clone().ok_or_else(|| {
+            NotClaimed::Refused(Failure::System(anyhow::anyhow!(
+                "environment {env_id} has no machine in its record; `dormant release {env_id}` forgets it"
+            )))
+        })?),
+        StorageMode::Volume => {
+            if r.volume.as_ref().and_then(|v| v.volume.as_ref()).is_none() {
+                return Err(NotClaimed::Refused(Failure::System(anyhow::anyhow!(
+                    "environment {env_id} has no data volume in its record; `dormant release {env_id}` \
+                     forgets it"
+                ))));
+            }
+            None
+        }
+    };
     match r.holder() {
         // An earlier attempt of this job claimed it (its cleanup did not run).
         Some(h) if same_holder(h, holder) => r.touch(holder).map_err(|e| refuse(e.to_string()))?,

@@ -10,14 +10,14 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use async_trait::async_trait;
 
 use crate::context::Ctx;
 use crate::exit::{write_build_exit_code, Failure};
-use crate::provider::{Machine, MachineState, Provider};
+use crate::lifecycle::lost::{self, MACHINE_LOST};
+use crate::model::StorageMode;
 use crate::state::job::{hold_job_alive, LockedJob};
 use crate::state::{registry, JobState, Mode, Phase, StageRecord, StageResult};
-use crate::transport::{MachineCheck, Ran, Script, ScriptExit};
+use crate::transport::{MachineLost, Ran, Script, ScriptExit};
 
 use super::Session;
 
@@ -72,7 +72,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
             "skipping {stage}: environment {} was resumed and keeps the working tree the suspended job left",
             state.env_id
         ));
-        record_stage(s, stage, StageResult::Skipped, None, &ctx).await?;
+        record_stage(s, stage, StageResult::Skipped, None, None, &ctx).await?;
         return Ok(());
     }
     let body = std::fs::read(script_path)
@@ -83,7 +83,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         .with_context(|| format!("environment {} has no machine", state.env_id))?;
     let paths = s.store.env_paths(state.env_id);
     let transport = s.transports.open(&s.provider.target(&machine)?, &paths)?;
-    let request_file = crate::job_request::path_for(&s.settings, &paths)?;
+    let request_file = crate::job_request::path_for(&s.settings, &paths, record.storage)?;
     let env = vec![
         (
             "DORMANT_ENVIRONMENT_KEY".to_string(),
@@ -93,10 +93,9 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
     ];
     let job_code = crate::job_request::runs_job_code(stage);
     let id = format!("{stage}.{:016x}", fastrand::u64(..));
-    let check = StillThere {
+    let check = lost::Watch {
         provider: s.provider.as_ref(),
         machine: &machine,
-        env: state.env_id,
     };
     // Intent before effect: a `run` killed from here on leaves the mark, and
     // cleanup stops whatever the stage left running in the environment. No
@@ -137,9 +136,36 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         }
         _ => None,
     };
-    let (recorded, outcome) = classify(s, &state, stage, result)?;
-    record_stage(s, stage, recorded, request, &ctx).await?;
+    // A stage that failed because its machine is gone (a spot reclaim,
+    // someone deleting it) is a machine lost: the transport found out while
+    // reconnecting (the same question, `check`), or it is asked once now.
+    let lost = match &result {
+        Err(e) => match e.downcast_ref::<MachineLost>() {
+            Some(said) => Some(Lost {
+                what: said.0.clone(),
+                said: true,
+            }),
+            None => lost::machine_lost(s.provider.as_ref(), &machine, &ctx)
+                .await
+                .map(|what| Lost { what, said: false }),
+        },
+        Ok(_) => None,
+    };
+    let volume = record.storage == StorageMode::Volume;
+    let (recorded, outcome) = classify(s, &state, stage, result, lost.as_ref(), volume)?;
+    // Cleanup settles it by volume mode's rules (the volume kept as the
+    // triggers say); a machine mode environment has nothing to keep of a
+    // machine that is gone, and follows the usual rules.
+    let lost = lost.filter(|_| volume).map(|l| l.what);
+    record_stage(s, stage, recorded, request, lost, &ctx).await?;
     outcome
+}
+
+/// What became of a machine lost under the stage; `said`: the transport's
+/// error says it already.
+struct Lost {
+    what: String,
+    said: bool,
 }
 
 fn classify(
@@ -147,6 +173,8 @@ fn classify(
     state: &JobState,
     stage: &str,
     result: Result<Ran>,
+    lost: Option<&Lost>,
+    volume: bool,
 ) -> Result<(StageResult, Result<(), Failure>)> {
     Ok(match result {
         Ok(Ran {
@@ -172,43 +200,27 @@ fn classify(
                 state.env_id
             ))),
         ),
-        Err(e) => (
-            StageResult::System,
-            Err(Failure::System(e.context(format!("running {stage} in environment {}", state.env_id)))),
-        ),
-    })
-}
-
-/// The run stage's answer to the transport's question while a connection is
-/// lost: the provider says whether the machine still exists (a terminated
-/// instance, a deleted VM will not come back). An answer it cannot give
-/// (the API throttled, say) keeps the wait going.
-pub(super) struct StillThere<'a> {
-    pub provider: &'a dyn Provider,
-    pub machine: &'a Machine,
-    pub env: uuid::Uuid,
-}
-
-#[async_trait]
-impl MachineCheck for StillThere<'_> {
-    async fn still_there(&self, ctx: &Ctx) -> Result<()> {
-        match self.provider.describe(self.machine, ctx).await {
-            Ok(MachineState::Gone) => anyhow::bail!(
-                "the {} machine {} of environment {} is gone (terminated or deleted)",
-                self.provider.name(),
-                self.machine.id,
-                self.env
-            ),
-            Ok(state) => {
-                tracing::debug!(machine = %self.machine.id, %state, "the machine is still there");
-                Ok(())
-            }
-            Err(e) => {
-                tracing::debug!(machine = %self.machine.id, "describing the machine: {e:#}");
-                Ok(())
-            }
+        Err(e) => {
+            let kept = "data volume is kept if the job's triggers keep a failure or the job \
+                        resumed it, and a job with the key resumes it on a new machine";
+            let e = match lost {
+                Some(Lost { said: true, .. }) if volume => {
+                    e.context(format!("the {kept}"))
+                }
+                Some(Lost { said: true, .. }) | None => e,
+                Some(Lost { what, .. }) if volume => {
+                    e.context(format!("{MACHINE_LOST}: {what}; its {kept}"))
+                }
+                Some(Lost { what, .. }) => e.context(format!("{MACHINE_LOST}: {what}")),
+            };
+            (
+                StageResult::System,
+                Err(Failure::System(
+                    e.context(format!("running {stage} in environment {}", state.env_id)),
+                )),
+            )
         }
-    }
+    })
 }
 
 async fn record_stage(
@@ -216,6 +228,7 @@ async fn record_stage(
     stage: &str,
     result: StageResult,
     request: Option<String>,
+    machine_lost: Option<String>,
     ctx: &Ctx,
 ) -> Result<()> {
     // Deaf to SIGTERM: a termination must still be recorded, so cleanup releases.
@@ -233,6 +246,9 @@ async fn record_stage(
     });
     if request.is_some() {
         state.job_request = request;
+    }
+    if machine_lost.is_some() {
+        state.machine_lost = machine_lost;
     }
     locked.save_stage(&state)
 }

@@ -91,6 +91,11 @@ pub struct JobState {
     /// asked for its own suspension (`crate::job_request`).
     #[serde(default)]
     pub job_request: Option<String>,
+    /// Volume mode: the environment's machine went away under a stage of
+    /// this job (what the provider said of it). Cleanup keeps the volume as
+    /// `transitions::at_cleanup` says, and says why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine_lost: Option<String>,
     pub created_at: u64,
     /// Format 1's booleans, read to derive `phase`.
     #[serde(default, skip_serializing)]
@@ -119,6 +124,7 @@ impl JobState {
             terminated: false,
             stages: Vec::new(),
             job_request: None,
+            machine_lost: None,
             created_at: super::now_unix(),
             claimed: false,
             prepare_completed: false,

@@ -20,6 +20,8 @@ pub mod store;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod transitions;
+pub mod volume;
+pub mod volume_state;
 
 pub use crate::model::EnvPaths;
 pub use job::{JobState, Phase, StageRecord, StageResult};
@@ -27,6 +29,7 @@ pub use lock::FileLock;
 pub use record::{Claim, EnvStatus, EnvironmentRecord, Holder, Mode, NewEnvironment};
 pub use store::StateStore;
 pub use transitions::{NotAllowed, Settle};
+pub use volume_state::{HostKeyChange, VolumeState, VolumeStep};
 
 /// Seconds since the Unix epoch: what state files record as times.
 pub fn now_unix() -> u64 {

@@ -8,8 +8,9 @@
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::store::FORMAT_VERSION;
-use crate::model::Machine;
+use super::store::{FORMAT_VERSION, VOLUME_FORMAT_VERSION};
+use super::volume_state::{HostKeyChange, VolumeState};
+use crate::model::{Machine, StorageMode};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -155,6 +156,17 @@ pub struct EnvironmentRecord {
     /// The last time a stale claim on it was recovered, and how.
     #[serde(default)]
     pub last_recovery: Option<String>,
+    /// `machine` (the default: not written, so a machine-mode record is what
+    /// it always was) or `volume`.
+    #[serde(default, skip_serializing_if = "StorageMode::is_machine")]
+    pub storage: StorageMode,
+    /// Volume mode: the data volume and how far it is attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<VolumeState>,
+    /// Host keys pinned anew for a new machine of the environment (volume
+    /// mode), oldest first, the last few kept: what changed and when.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_key_changes: Vec<HostKeyChange>,
 }
 
 /// What a new environment's record is made from.
@@ -166,13 +178,18 @@ pub struct NewEnvironment<'a> {
     pub project_id: u64,
     pub project_path: Option<String>,
     pub job_id: u64,
+    pub storage: StorageMode,
+    /// The job's `image:` (volume mode: every later machine is made from
+    /// what it names then).
+    pub image: Option<String>,
 }
 
 impl EnvironmentRecord {
     /// A new environment, `creating`, held by `holder` (the job making it).
     pub fn new(n: NewEnvironment<'_>, holder: Holder) -> Self {
+        let volume = (n.storage == StorageMode::Volume).then(|| VolumeState::creating(n.image));
         EnvironmentRecord {
-            version: FORMAT_VERSION,
+            version: version_for(n.storage),
             id: n.id,
             key: None,
             provider: n.provider.to_string(),
@@ -191,6 +208,9 @@ impl EnvironmentRecord {
             job_count: 1,
             last_error: None,
             last_recovery: None,
+            storage: n.storage,
+            volume,
+            host_key_changes: Vec::new(),
         }
     }
 
@@ -251,8 +271,19 @@ impl EnvironmentRecord {
                 });
             }
         }
-        self.version = FORMAT_VERSION;
+        self.version = version_for(self.storage);
         self
+    }
+}
+
+/// The format version a record is written with: a volume-mode record is one
+/// an older dormant must refuse (it would take the missing machine of a
+/// suspended environment for a lost one), a machine-mode record stays
+/// readable by it.
+fn version_for(storage: StorageMode) -> u32 {
+    match storage {
+        StorageMode::Machine => FORMAT_VERSION,
+        StorageMode::Volume => VOLUME_FORMAT_VERSION,
     }
 }
 

@@ -267,6 +267,8 @@ mod tests {
                 project_id: 5,
                 project_path: None,
                 job_id: 1,
+                storage: crate::model::StorageMode::Machine,
+                image: None,
             },
             job(1),
         )

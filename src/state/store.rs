@@ -20,6 +20,13 @@ use crate::model::EnvPaths;
 /// job number, and job state a phase instead of booleans. Version 1 files are
 /// still read (see `record.rs` and `job.rs`).
 pub const FORMAT_VERSION: u32 = 2;
+/// 3: the record of a volume-mode environment (`storage = "volume"`): its
+/// files are on a data volume, its machine is deleted while it is suspended.
+/// Only those records carry it, so a dormant that predates volume mode
+/// refuses them by name and still reads every other file.
+pub const VOLUME_FORMAT_VERSION: u32 = 3;
+/// The newest format this dormant reads.
+pub const NEWEST_FORMAT_VERSION: u32 = VOLUME_FORMAT_VERSION;
 
 /// The state dir.
 #[derive(Debug, Clone)]
@@ -215,9 +222,9 @@ pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<Option<T>> {
         .map_err(|e| corrupt(path, &e.to_string()))?
         .version
         .ok_or_else(|| corrupt(path, "it has no format version"))?;
-    if version > FORMAT_VERSION {
+    if version > NEWEST_FORMAT_VERSION {
         bail!(
-            "state file {} has format version {version}, newer than this dormant understands ({FORMAT_VERSION}): \
+            "state file {} has format version {version}, newer than this dormant understands ({NEWEST_FORMAT_VERSION}): \
              a newer dormant wrote it; upgrade dormant on this host (the file is left untouched)",
             path.display()
         );

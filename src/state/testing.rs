@@ -29,6 +29,8 @@ pub fn place(
             project_id: 5,
             project_path: None,
             job_id: 9,
+            storage: crate::model::StorageMode::Machine,
+            image: None,
         },
         Holder::Operator {
             pid: 0,

@@ -269,6 +269,11 @@ pub enum Reached {
 
 /// What cleanup does with the environment its job holds. `suspends` is
 /// whether the job's outcome matches its triggers (false for cancel/timeout).
+/// `machine_lost`: a volume-mode environment's machine went away under a
+/// stage (a spot reclaim, someone deleting it): the job failed (a system
+/// failure), and its volume is kept when the triggers keep a failure — or
+/// when the job had resumed it, since that environment was kept before the
+/// job came and losing a machine must not lose it.
 pub fn at_cleanup(
     status: EnvStatus,
     mode: Mode,
@@ -276,6 +281,7 @@ pub fn at_cleanup(
     terminated: bool,
     suspends: bool,
     suspend_enabled: bool,
+    machine_lost: bool,
 ) -> Settle {
     match status {
         EnvStatus::Suspended => Settle::Nothing,
@@ -287,7 +293,11 @@ pub fn at_cleanup(
             if mode == Mode::Resume && reached < Reached::Stages {
                 // The job never touched it: it is still what was suspended.
                 Settle::Resuspend
-            } else if reached >= Reached::Ready && suspend_enabled && !terminated && suspends {
+            } else if suspend_enabled
+                && !terminated
+                && ((reached >= Reached::Ready && suspends)
+                    || (machine_lost && (suspends || mode == Mode::Resume)))
+            {
                 Settle::Suspend
             } else {
                 Settle::Release

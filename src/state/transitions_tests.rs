@@ -21,6 +21,8 @@ fn record() -> EnvironmentRecord {
             project_id: 5,
             project_path: None,
             job_id: 1,
+            storage: crate::model::StorageMode::Machine,
+            image: None,
         },
         job(1, Mode::New),
     )
@@ -99,6 +101,7 @@ fn cleanup_never_releases_a_resume_that_did_not_reach_a_stage() {
                             terminated,
                             suspends,
                             enabled,
+                            false,
                         );
                         let held_before_stages =
                             reached < Reached::Stages && status != EnvStatus::Suspended;
@@ -121,9 +124,12 @@ fn cleanup_decisions_over_every_status_phase_and_outcome() {
             for reached in PHASES {
                 for terminated in [false, true] {
                     for suspends in [false, true] {
-                        for enabled in [false, true] {
-                            let d =
-                                at_cleanup(status, mode, reached, terminated, suspends, enabled);
+                        for (enabled, lost) in
+                            [(false, false), (true, false), (false, true), (true, true)]
+                        {
+                            let d = at_cleanup(
+                                status, mode, reached, terminated, suspends, enabled, lost,
+                            );
                             let expected = match status {
                                 EnvStatus::Suspended => Settle::Nothing,
                                 EnvStatus::Creating | EnvStatus::Releasing => Settle::Release,
@@ -131,6 +137,14 @@ fn cleanup_decisions_over_every_status_phase_and_outcome() {
                                 EnvStatus::Active => {
                                     if mode == Mode::Resume && reached != Reached::Stages {
                                         Settle::Resuspend
+                                    } else if lost
+                                        && enabled
+                                        && !terminated
+                                        && (suspends || mode == Mode::Resume)
+                                    {
+                                        // A lost machine keeps the volume of a resumed
+                                        // environment, or as the failure trigger says.
+                                        Settle::Suspend
                                     } else if reached != Reached::Preparing
                                         && enabled
                                         && !terminated
@@ -144,11 +158,13 @@ fn cleanup_decisions_over_every_status_phase_and_outcome() {
                             };
                             assert_eq!(
                                 d, expected,
-                                "{status:?} {mode:?} {reached:?} t={terminated} s={suspends} e={enabled}"
+                                "{status:?} {mode:?} {reached:?} t={terminated} s={suspends} e={enabled} lost={lost}"
                             );
-                            // Suspension is only ever by request, never by default.
+                            // Suspension is only ever by request (or to keep what a
+                            // job resumed), never by default.
                             if d == Settle::Suspend {
-                                assert!(suspends && enabled && !terminated);
+                                assert!(enabled && !terminated);
+                                assert!(suspends || (lost && mode == Mode::Resume));
                             }
                         }
                     }

@@ -34,7 +34,7 @@ use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 use tokio::process::Command;
 
-use super::{relay, Ran, Script, ScriptExit, Transport};
+use super::{relay, ExecOutput, Ran, Script, ScriptExit, Transport};
 use crate::context::Ctx;
 use crate::wait::{Schedule, Wait};
 
@@ -211,6 +211,21 @@ impl Transport for LocalTransport {
 
     async fn take_file(&self, path: &str, max: usize, _ctx: &Ctx) -> Result<Option<Vec<u8>>> {
         take_local_file(std::path::Path::new(path), max)
+    }
+
+    async fn exec(&self, line: &str, limit: Duration, ctx: &Ctx) -> Result<ExecOutput> {
+        let mut cmd = self.command();
+        cmd.arg("-c").arg(line);
+        let limit = limit.min(ctx.remaining());
+        let out = tokio::time::timeout(limit, cmd.output())
+            .await
+            .with_context(|| format!("a command did not finish within {} s", limit.as_secs()))?
+            .with_context(|| format!("running {}", self.shell.display()))?;
+        Ok(ExecOutput {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        })
     }
 
     async fn shell_command(

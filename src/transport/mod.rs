@@ -7,6 +7,8 @@ mod relay;
 pub mod signals;
 pub mod ssh;
 
+use std::time::Duration;
+
 use anyhow::Result;
 use async_trait::async_trait;
 
@@ -51,21 +53,26 @@ impl Ran {
     }
 }
 
-/// The machine of a lost connection will not come back ([`MachineCheck`]
-/// said so): waiting for it ended at once.
+/// The words for a machine that went away under a job, in errors, the notify
+/// hook's reason and the job log (`crate::lifecycle::lost`).
+pub const MACHINE_LOST: &str = "machine lost";
+
+/// The machine of a lost connection will not come back ([`MachineCheck`] said
+/// so, in these words: "machine i-0abc is gone"): waiting for it ended at once.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("{0}")]
+#[error("{}: {}", MACHINE_LOST, .0)]
 pub struct MachineLost(pub String);
 
 /// Asked between attempts to reach a machine whose connection was lost,
 /// whether waiting can still help. The run stage answers from the provider
-/// (`Provider::describe`): a machine that was terminated or deleted will not
-/// come back, so the wait ends at once instead of after the whole
-/// `ssh.reconnect_timeout`.
+/// (`crate::lifecycle::lost`): a machine that was terminated, deleted or
+/// stopped will not come back, so the wait ends at once instead of after the
+/// whole `ssh.reconnect_timeout`.
 #[async_trait]
 pub trait MachineCheck: Send + Sync {
-    /// `Err`: the machine is gone for good; the error says what happened to it.
-    async fn still_there(&self, ctx: &Ctx) -> Result<()>;
+    /// `Some(what became of it)` when the machine is gone for good; `None`
+    /// while it runs, or when the provider cannot tell.
+    async fn lost(&self, ctx: &Ctx) -> Option<String>;
 }
 
 /// One stage script to run.
@@ -87,6 +94,15 @@ pub struct Script<'a> {
     pub id: &'a str,
     /// Whether the machine can still come back while its connection is lost.
     pub machine: Option<&'a dyn MachineCheck>,
+}
+
+/// How one of dormant's own commands in the environment ended ([`Transport::exec`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecOutput {
+    /// The exit code; `None` if a signal ended it.
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
 }
 
 #[async_trait]
@@ -120,6 +136,15 @@ pub trait Transport: Send + Sync {
     async fn take_file(&self, path: &str, max: usize, ctx: &Ctx) -> Result<Option<Vec<u8>>> {
         let _ = (path, max, ctx);
         anyhow::bail!("this transport cannot read files in the environment")
+    }
+
+    /// Runs one of dormant's own commands (never a job's script: the data
+    /// volume's mount and unmount) through the environment's shell, its
+    /// output captured. Over SSH it uses the job's master (a new connection
+    /// only if none runs). Bounded by `limit` and `ctx.deadline`.
+    async fn exec(&self, line: &str, limit: Duration, ctx: &Ctx) -> Result<ExecOutput> {
+        let _ = (line, limit, ctx);
+        anyhow::bail!("this transport cannot run commands in the environment")
     }
 
     /// `dormant shell`: the command that opens a login shell in `dir` on the

@@ -17,8 +17,8 @@ use std::time::Duration;
 use crate::harness::*;
 
 /// `suspend.claim_grace` in these tests: a dead holder counts as gone after it.
-const GRACE: &str = "[suspend]\nclaim_grace = \"1s\"\n";
-const PAST_GRACE: Duration = Duration::from_millis(2100);
+pub(crate) const GRACE: &str = "[suspend]\nclaim_grace = \"1s\"\n";
+pub(crate) const PAST_GRACE: Duration = Duration::from_millis(2100);
 
 /// Where the environments' machines live, to count what leaked.
 pub trait Machines {
@@ -48,7 +48,7 @@ impl Machines for Workspaces {
     }
 }
 
-fn arm(rig: &mut Rig, point: Option<&str>, once: bool) {
+pub(crate) fn arm(rig: &mut Rig, point: Option<&str>, once: bool) {
     rig.runner.env.remove("DORMANT_FAILPOINT");
     rig.runner.env.remove("DORMANT_FAILPOINT_ONCE");
     if let Some(p) = point {
@@ -63,7 +63,7 @@ fn arm(rig: &mut Rig, point: Option<&str>, once: bool) {
     }
 }
 
-fn sweep(rig: &Rig) -> String {
+pub(crate) fn sweep(rig: &Rig) -> String {
     std::thread::sleep(PAST_GRACE);
     let out = rig.dormant(&["sweep"]);
     let text = format!(
@@ -75,7 +75,7 @@ fn sweep(rig: &Rig) -> String {
     text
 }
 
-fn entries(dir: PathBuf) -> Vec<String> {
+pub(crate) fn entries(dir: PathBuf) -> Vec<String> {
     std::fs::read_dir(dir)
         .map(|d| {
             d.flatten()
@@ -88,7 +88,7 @@ fn entries(dir: PathBuf) -> Vec<String> {
 /// Every environment directory has a readable record in one of `statuses`;
 /// no job state, lock, staging or trash entry is left; the machines alive are
 /// exactly the environments'.
-fn assert_settled(rig: &Rig, machines: &dyn Machines, what: &str) -> Vec<String> {
+pub(crate) fn assert_settled(rig: &Rig, machines: &dyn Machines, what: &str) -> Vec<String> {
     let jobs = entries(rig.state_dir.join("jobs"));
     assert!(jobs.is_empty(), "{what}: job files left: {jobs:?}");
     let trash = entries(rig.state_dir.join("trash"));
@@ -119,7 +119,7 @@ fn assert_settled(rig: &Rig, machines: &dyn Machines, what: &str) -> Vec<String>
 }
 
 /// Resumes `key` with a job that checks the file job 1 wrote, then releases it.
-fn resume_and_release(rig: &mut Rig, key: &str, what: &str) {
+pub(crate) fn resume_and_release(rig: &mut Rig, key: &str, what: &str) {
     arm(rig, None, false);
     let r =
         rig.run(&job(5).resume(key).script(
@@ -134,7 +134,7 @@ fn resume_and_release(rig: &mut Rig, key: &str, what: &str) {
 }
 
 /// A new job that keeps its environment on success, writing kept.txt.
-fn keeper() -> dormant::runner_sim::SimJob {
+pub(crate) fn keeper() -> dormant::runner_sim::SimJob {
     job(5)
         .suspend_on(true, false)
         .script("echo precious > kept.txt")

@@ -27,27 +27,27 @@ use crate::moto::{
     REGION, SECRET_KEY, UBUNTU_PATTERN,
 };
 
-const TEST_KEY: &str =
+pub const TEST_KEY: &str =
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDormantTestKeyDormantTestKeyDormantTest dormant-test";
 
-struct Ec2 {
-    moto: Moto,
-    proxy: Proxy,
-    dir: tempfile::TempDir,
-    store: StateStore,
-    settings: Settings,
-    provider: Arc<Ec2Provider>,
+pub struct Ec2 {
+    pub moto: Moto,
+    pub proxy: Proxy,
+    pub dir: tempfile::TempDir,
+    pub store: StateStore,
+    pub settings: Settings,
+    pub provider: Arc<Ec2Provider>,
     /// Straight to moto, not through the proxy: set-up and assertions are not counted.
-    direct: aws_sdk_ec2::Client,
-    subnet: String,
-    image: String,
-    system_id: String,
-    log: Arc<Mutex<Vec<u8>>>,
-    job_log: JobLog,
+    pub direct: aws_sdk_ec2::Client,
+    pub subnet: String,
+    pub image: String,
+    pub system_id: String,
+    pub log: Arc<Mutex<Vec<u8>>>,
+    pub job_log: JobLog,
 }
 
 /// The `[ec2]` section: defaults for these tests, overridden by `extra` (key, TOML value).
-fn ec2_section(proxy: &Proxy, subnet: &str, image: &str, extra: &[(&str, &str)]) -> String {
+pub fn ec2_section(proxy: &Proxy, subnet: &str, image: &str, extra: &[(&str, &str)]) -> String {
     let mut keys: BTreeMap<String, String> = [
         ("region", format!("{REGION:?}")),
         ("endpoint_url", format!("{:?}", proxy.url())),
@@ -71,7 +71,7 @@ fn ec2_section(proxy: &Proxy, subnet: &str, image: &str, extra: &[(&str, &str)])
     text
 }
 
-async fn rig(extra: &[(&str, &str)]) -> Ec2 {
+pub async fn rig(extra: &[(&str, &str)]) -> Ec2 {
     let moto = Moto::start();
     let proxy = Proxy::start(moto.port);
     let direct = direct_client(&moto.url());
@@ -105,7 +105,7 @@ async fn rig(extra: &[(&str, &str)]) -> Ec2 {
 }
 
 impl Ec2 {
-    fn spec(&self) -> MachineSpec {
+    pub fn spec(&self) -> MachineSpec {
         let env_id = Uuid::new_v4();
         MachineSpec {
             env_id,
@@ -118,10 +118,11 @@ impl Ec2 {
             variables: BTreeMap::new(),
             ssh_public_key: Some(TEST_KEY.into()),
             paths: self.store.env_paths(env_id),
+            volume: None,
         }
     }
 
-    fn ctx(&self, secs: u64) -> Ctx {
+    pub fn ctx(&self, secs: u64) -> Ctx {
         Ctx::new(
             self.job_log.clone(),
             CancellationToken::new(),
@@ -129,11 +130,11 @@ impl Ec2 {
         )
     }
 
-    fn log(&self) -> String {
+    pub fn log(&self) -> String {
         String::from_utf8_lossy(&self.log.lock().unwrap()).to_string()
     }
 
-    async fn instance(&self, id: &str) -> Instance {
+    pub async fn instance(&self, id: &str) -> Instance {
         let out = self
             .direct
             .describe_instances()
@@ -144,7 +145,7 @@ impl Ec2 {
         out.reservations()[0].instances()[0].clone()
     }
 
-    async fn state(&self, id: &str) -> InstanceStateName {
+    pub async fn state(&self, id: &str) -> InstanceStateName {
         self.instance(id)
             .await
             .state()
@@ -155,7 +156,7 @@ impl Ec2 {
     }
 
     /// Live (not terminated) instances tagged with this environment.
-    async fn live_of(&self, env: Uuid) -> Vec<Instance> {
+    pub async fn live_of(&self, env: Uuid) -> Vec<Instance> {
         let out = self
             .direct
             .describe_instances()
@@ -182,14 +183,14 @@ impl Ec2 {
     }
 }
 
-fn tags_of(i: &Instance) -> BTreeMap<String, String> {
+pub fn tags_of(i: &Instance) -> BTreeMap<String, String> {
     i.tags()
         .iter()
         .map(|t| (t.key().unwrap().to_string(), t.value().unwrap().to_string()))
         .collect()
 }
 
-fn err_text(e: &anyhow::Error) -> String {
+pub fn err_text(e: &anyhow::Error) -> String {
     format!("{e:#}")
 }
 

@@ -2,7 +2,11 @@
 //! the `ec2` provider: moto behind the recording proxy, the loopback sshd
 //! standing in for every instance (the environment's key reaches it through
 //! user-data, via the `CloudInit` stand-in), and a runner whose settings point
-//! at them. Network rule: the addresses moto hands out are never contacted.
+//! at them. In volume mode the provider's guest seam stands in for the
+//! instance's EBS device (`provider/ec2/guest_seam.rs`). Network rule: the
+//! addresses moto hands out are never contacted.
+
+use aws_sdk_ec2::types::{Filter, Instance, InstanceStateName, Volume};
 
 use crate::harness::Rig;
 use crate::moto::{
@@ -74,6 +78,48 @@ impl Ec2Env {
         )
     }
 
+    /// Volume mode (`storage = "volume"`): `[ec2]` lines (`ec2_lines` added;
+    /// the default subnet unless they name `subnet_ids`) with the data volume
+    /// mounted at `<host dir>/mnt` and the builds and cache dirs on it;
+    /// `tail`: more sections.
+    pub fn volume_settings(&self, ec2_lines: &str, tail: &str) -> String {
+        let subnet = if ec2_lines.contains("subnet_ids") {
+            String::new()
+        } else {
+            format!("subnet_id = \"{}\"\n", self.subnet)
+        };
+        format!(
+            "provider = \"ec2\"\n[ssh]\nready_timeout = \"60s\"\n[ec2]\nregion = \"{REGION}\"\nendpoint_url = \"{}\"\n\
+             image = \"{}\"\nssh_user = \"root\"\n{}{subnet}storage = \"volume\"\nvolume_mount = \"{}\"\n{ec2_lines}{tail}",
+            self.proxy.url(),
+            self.image,
+            self.connect_address(),
+            self.mountpoint().display(),
+        )
+    }
+
+    /// Where the loopback host shows the attached data volume (volume mode).
+    pub fn mountpoint(&self) -> std::path::PathBuf {
+        self.host_dir.path().join("mnt")
+    }
+
+    /// The files of data volume `id` on the loopback host (the guest seam).
+    pub fn volume_files(&self, id: &str) -> std::path::PathBuf {
+        self.host_dir.path().join("volumes").join(id)
+    }
+
+    /// A runner in volume mode: the guest seam on (`DORMANT_TEST_EC2_VOLUMES`:
+    /// the provider links `mountpoint()` to the attached volume's files,
+    /// since the loopback host has no EBS device to mount).
+    pub fn volume_rig(&self, runner_id: &str, system_id: &str, settings: &str) -> Rig {
+        let mut rig = self.rig(runner_id, system_id, settings);
+        rig.runner.env.insert(
+            "DORMANT_TEST_EC2_VOLUMES".into(),
+            self.host_dir.path().join("volumes").display().to_string(),
+        );
+        rig
+    }
+
     /// A runner with these settings and the emulator's credentials.
     pub fn rig(&self, runner_id: &str, system_id: &str, settings: &str) -> Rig {
         let mut rig = Rig::new(runner_id, system_id, settings);
@@ -87,4 +133,68 @@ impl Ec2Env {
         }
         rig
     }
+}
+
+// What the tests look at in the emulator (straight to moto, not counted).
+
+/// A field of an environment key (`volume`, `zone`, ...).
+pub fn key_field(key: &str, name: &str) -> Option<String> {
+    key.split(['&', '?', '/'])
+        .find_map(|f| f.strip_prefix(&format!("{name}=")))
+        .map(str::to_string)
+}
+
+/// The data volume as moto has it (`None`: deleted).
+pub fn volume(env: &Ec2Env, id: &str) -> Option<Volume> {
+    block_on(async {
+        let c = direct_client(&env.moto.url());
+        c.describe_volumes()
+            .volume_ids(id)
+            .send()
+            .await
+            .ok()
+            .and_then(|o| o.volumes().first().cloned())
+    })
+}
+
+/// Every instance moto has (terminated ones too), by launch order.
+pub fn instances(env: &Ec2Env) -> Vec<Instance> {
+    block_on(async {
+        let c = direct_client(&env.moto.url());
+        let out = c.describe_instances().send().await.unwrap();
+        let mut v: Vec<Instance> = out
+            .reservations()
+            .iter()
+            .flat_map(|r| r.instances())
+            .cloned()
+            .collect();
+        v.sort_by_key(|i| i.launch_time().map(|t| t.as_nanos()));
+        v
+    })
+}
+
+pub fn is_live(i: &Instance) -> bool {
+    !matches!(
+        i.state().and_then(|s| s.name()),
+        Some(InstanceStateName::Terminated | InstanceStateName::ShuttingDown)
+    )
+}
+
+/// Data volumes moto has that carry `dormant:volume = data`.
+pub fn data_volumes(env: &Ec2Env) -> Vec<Volume> {
+    block_on(async {
+        let c = direct_client(&env.moto.url());
+        let out = c
+            .describe_volumes()
+            .filters(
+                Filter::builder()
+                    .name("tag:dormant:volume")
+                    .values("data")
+                    .build(),
+            )
+            .send()
+            .await
+            .unwrap();
+        out.volumes().to_vec()
+    })
 }

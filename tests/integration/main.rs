@@ -6,16 +6,30 @@
 mod core;
 #[cfg(feature = "testing")]
 mod crash;
+#[cfg(all(feature = "testing", feature = "ec2"))]
+mod crash_ec2_volume;
+#[cfg(feature = "testing")]
+mod crash_volume;
 #[cfg(feature = "ec2")]
 mod ec2;
 #[cfg(feature = "ec2")]
+mod ec2_calls;
+#[cfg(feature = "ec2")]
 mod ec2_job;
+#[cfg(feature = "ec2")]
+mod ec2_placement;
 #[cfg(feature = "ec2")]
 mod ec2_resume;
 #[cfg(feature = "ec2")]
 mod ec2_rig;
 #[cfg(feature = "ec2")]
 mod ec2_shell;
+#[cfg(feature = "ec2")]
+mod ec2_volume;
+#[cfg(feature = "ec2")]
+mod ec2_volume_mode;
+#[cfg(feature = "ec2")]
+mod ec2_volume_spot;
 mod edge;
 mod events;
 mod harness;
@@ -26,8 +40,12 @@ mod lifecycle;
 mod metrics;
 #[cfg(feature = "ec2")]
 mod moto;
+#[cfg(feature = "ec2")]
+mod moto_refusals;
 mod notify;
 mod qemu;
+#[cfg(feature = "testing")]
+mod qemu_volume;
 mod reattach;
 mod shell;
 mod signals;

@@ -2,10 +2,14 @@
 //! test, killed on drop), and a small HTTP proxy in front of it that records
 //! every EC2 action (to count API calls) and injects what moto cannot produce:
 //! error responses (capacity, throttling, NotFound right after a launch,
-//! UnauthorizedOperation) and slow state transitions (a `running` instance
-//! shown as `pending` for a while; `hold_transitions` holds every start and
-//! stop for a fixed time from its call, for the resume benchmark and the
-//! tests that count polls during a transition).
+//! UnauthorizedOperation), capacity shortages by market, instance type and
+//! zone (`no_capacity`: RunInstances and StartInstances matching them get
+//! `InsufficientInstanceCapacity`, as EC2 answers a launch it has no room
+//! for), EC2's refusal to attach a volume to an instance in another zone
+//! (moto attaches it anyway), and slow state transitions (a `running`
+//! instance shown as `pending` for a while; `hold_transitions` holds every
+//! start and stop for a fixed time from its call, for the resume benchmark
+//! and the tests that count polls during a transition).
 //!
 //! Network rule: only loopback. moto hands out 10.x / 54.x addresses for its
 //! instances; nothing here connects to them.
@@ -21,6 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::harness::free_port;
+pub use crate::moto_refusals::Shortage;
+use crate::moto_refusals::{refusal, Refusals};
 
 /// How long moto may take to answer after it was started (measured ≈ 0.4 s).
 const MOTO_START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -146,6 +152,7 @@ struct State {
 pub struct Proxy {
     pub port: u16,
     state: Arc<Mutex<State>>,
+    refusals: Arc<Mutex<Refusals>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -154,9 +161,11 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let state = Arc::new(Mutex::new(State::default()));
+        let refusals = Arc::new(Mutex::new(Refusals::default()));
         let stop = Arc::new(AtomicBool::new(false));
         {
             let state = state.clone();
+            let refusals = refusals.clone();
             let stop = stop.clone();
             std::thread::spawn(move || {
                 for conn in listener.incoming() {
@@ -164,14 +173,19 @@ impl Proxy {
                         return;
                     }
                     let Ok(conn) = conn else { continue };
-                    let state = state.clone();
+                    let (state, refusals) = (state.clone(), refusals.clone());
                     std::thread::spawn(move || {
-                        let _ = serve(conn, upstream, &state);
+                        let _ = serve(conn, upstream, &state, &refusals);
                     });
                 }
             });
         }
-        Proxy { port, state, stop }
+        Proxy {
+            port,
+            state,
+            refusals,
+            stop,
+        }
     }
 
     pub fn url(&self) -> String {
@@ -187,6 +201,16 @@ impl Proxy {
             status,
             code: code.into(),
         });
+    }
+
+    /// From now on, launches and starts matching `s` find no capacity.
+    pub fn no_capacity(&self, s: Shortage) {
+        self.refusals.lock().unwrap().shortages.push(s);
+    }
+
+    /// Capacity is back everywhere.
+    pub fn capacity_back(&self) {
+        self.refusals.lock().unwrap().shortages.clear();
     }
 
     /// Shows running instances as pending for `d` (`None`: forever).
@@ -289,7 +313,7 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 /// Reads one HTTP/1.1 message head and its Content-Length body.
-fn read_message(
+pub fn read_message(
     conn: &mut impl Read,
     eof_without_length: bool,
 ) -> std::io::Result<(String, Vec<u8>)> {
@@ -326,7 +350,7 @@ fn read_message(
     Ok((head, body))
 }
 
-fn form_value(body: &str, key: &str) -> Option<String> {
+pub fn form_value(body: &str, key: &str) -> Option<String> {
     body.split('&').find_map(|kv| {
         let (k, v) = kv.split_once('=')?;
         (k == key).then(|| v.to_string())
@@ -343,7 +367,25 @@ fn respond(conn: &mut TcpStream, status: u16, body: &[u8]) -> std::io::Result<()
     conn.flush()
 }
 
-fn serve(mut conn: TcpStream, upstream: u16, state: &Mutex<State>) -> std::io::Result<()> {
+fn respond_error(
+    conn: &mut TcpStream,
+    status: u16,
+    code: &str,
+    message: &str,
+) -> std::io::Result<()> {
+    let xml = format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Response><Errors><Error><Code>{code}</Code>\
+         <Message>{message}</Message></Error></Errors><RequestID>fault</RequestID></Response>"
+    );
+    respond(conn, status, xml.as_bytes())
+}
+
+fn serve(
+    mut conn: TcpStream,
+    upstream: u16,
+    state: &Mutex<State>,
+    refusals: &Mutex<Refusals>,
+) -> std::io::Result<()> {
     let (head, body) = read_message(&mut conn, false)?;
     let text = String::from_utf8_lossy(&body).to_string();
     let action = form_value(&text, "Action").unwrap_or_else(|| "?".into());
@@ -385,12 +427,10 @@ fn serve(mut conn: TcpStream, upstream: u16, state: &Mutex<State>) -> std::io::R
         hit
     };
     if let Some(f) = fault {
-        let xml = format!(
-            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Response><Errors><Error><Code>{}</Code>\
-             <Message>injected by the test proxy</Message></Error></Errors><RequestID>fault</RequestID></Response>",
-            f.code
-        );
-        return respond(&mut conn, f.status, xml.as_bytes());
+        return respond_error(&mut conn, f.status, &f.code, "injected by the test proxy");
+    }
+    if let Some((status, code, message)) = refusal(&action, &text, upstream, refusals)? {
+        return respond_error(&mut conn, status, code, &message);
     }
     // Forward with Connection: close, then read moto's answer to the end.
     let mut up = TcpStream::connect(("127.0.0.1", upstream))?;

@@ -185,6 +185,8 @@ fn a_recording_hook_receives_suspend_resume_release_and_expire() {
         "{d}"
     );
     assert_eq!(d["reason"], "job succeeded");
+    assert_eq!(d["storage"], "machine");
+    assert!(d["volume"].is_null(), "{d}");
     assert!(d["time"].as_str().unwrap().ends_with('Z'));
 
     // Resumed without a trigger: resume in prepare, release in cleanup.

@@ -18,10 +18,10 @@ use dormant::provider::qemu::qmp::Qmp;
 use dormant::runner_sim::SimJob;
 use dormant::state::EnvPaths;
 
-const RUNNER: &str = "93";
-const SYSTEM: &str = "s_9e9e9e9e9e9e";
+pub(crate) const RUNNER: &str = "93";
+pub(crate) const SYSTEM: &str = "s_9e9e9e9e9e9e";
 /// The test image's cloud-init default user.
-const USER: &str = "debian";
+pub(crate) const USER: &str = "debian";
 
 static ONE_VM: Mutex<()> = Mutex::new(());
 
@@ -29,12 +29,12 @@ static ONE_VM: Mutex<()> = Mutex::new(());
 /// mutex) and on the whole machine (a lock file in the temp dir, which the
 /// kernel drops if the holder dies), so two checkouts' suites or a benchmark
 /// run side by side never boot two VMs at once on two cores.
-struct OneVm {
+pub(crate) struct OneVm {
     _machine: std::fs::File,
     _binary: std::sync::MutexGuard<'static, ()>,
 }
 
-fn one_vm() -> OneVm {
+pub(crate) fn one_vm() -> OneVm {
     let binary = ONE_VM.lock().unwrap_or_else(|e| e.into_inner());
     let path = std::env::temp_dir().join("dormant-tests-one-vm.lock");
     let machine = std::fs::OpenOptions::new()
@@ -53,7 +53,7 @@ fn one_vm() -> OneVm {
 }
 
 /// The directory holding base.qcow2, vmlinuz and initrd.img.
-fn image_dir() -> PathBuf {
+pub(crate) fn image_dir() -> PathBuf {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
         if let Some(d) = std::env::var_os("DORMANT_TEST_QEMU_IMAGE").filter(|d| !d.is_empty()) {
@@ -117,7 +117,7 @@ fn qemu_rig_with(suspend_mode: &str, extra: &str) -> Rig {
     )
 }
 
-fn env_paths(rig: &Rig, job: &SimJob) -> EnvPaths {
+pub(crate) fn env_paths(rig: &Rig, job: &SimJob) -> EnvPaths {
     EnvPaths::new(
         &rig.state_dir,
         dormant::identity::new_env_id(RUNNER, job.id),
@@ -125,7 +125,7 @@ fn env_paths(rig: &Rig, job: &SimJob) -> EnvPaths {
 }
 
 /// Live QEMU processes whose command line names this environment.
-fn qemu_pids(env: &EnvPaths) -> Vec<i32> {
+pub(crate) fn qemu_pids(env: &EnvPaths) -> Vec<i32> {
     let name = format!("dormant-{}", env.id);
     std::fs::read_dir("/proc")
         .unwrap()
@@ -149,7 +149,7 @@ fn now() -> u64 {
 }
 
 /// `cloud-init schema` from the host's cloud-init: Ok, or its complaint.
-fn cloud_init_schema(user_data: &str) -> Result<(), String> {
+pub(crate) fn cloud_init_schema(user_data: &str) -> Result<(), String> {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("user-data");
     std::fs::write(&file, user_data).unwrap();
@@ -185,6 +185,25 @@ fn the_user_data_every_provider_sends_is_valid_cloud_config() {
         let text = dormant::provider::cloud_init::user_data(id, Some(&public), user).unwrap();
         cloud_init_schema(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
     }
+    // Volume mode: the data disk's fs_setup and mounts too.
+    let mount = dormant::model::GuestMount {
+        device: Some("/dev/disk/by-id/virtio-dormant-data".into()),
+        mountpoint: "/dormant".into(),
+        user_dirs: Vec::new(),
+    };
+    let text =
+        dormant::provider::cloud_init::user_data_with(id, Some(&public), "debian", Some(&mount))
+            .unwrap();
+    assert!(
+        text.contains("fs_setup:") && text.contains("mounts:"),
+        "{text}"
+    );
+    cloud_init_schema(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert!(
+        cloud_init_schema("#cloud-config\nmounts: [ [ /dev/x, /d, ext4, 5 ] ]\nfs_setup: 3\n")
+            .is_err(),
+        "a wrong fs_setup/mounts is refused"
+    );
     // The validator does fail (so the checks above mean something).
     assert!(cloud_init_schema("#cloud-config\nssh_authorized_keys: 5\n").is_err());
     assert!(cloud_init_schema("#cloud-config\nssh_authorized_keys: [\n").is_err());
@@ -209,6 +228,7 @@ fn ec2_sends_the_same_user_data_as_qemu() {
         variables: Default::default(),
         ssh_public_key: Some(public.into()),
         paths: EnvPaths::new(Path::new("/nonexistent"), id),
+        volume: None,
     };
     let encoded = dormant::provider::ec2::launch::user_data(&spec, &settings).unwrap();
     let decoded = aws_smithy_types::base64::decode(&encoded).unwrap();
@@ -435,7 +455,7 @@ fn a_hibernated_vm_resumes_with_its_processes_running_and_its_clock_set() {
     assert!(!env.dir.exists());
 }
 
-fn field(log: &str, name: &str) -> u64 {
+pub(crate) fn field(log: &str, name: &str) -> u64 {
     log.lines()
         .find_map(|l| l.trim().strip_prefix(name)?.trim().parse().ok())
         .unwrap_or_else(|| panic!("no {name:?} line in the job log:\n{log}"))
@@ -556,7 +576,7 @@ fn disarm(rig: &mut Rig) {
 
 /// Kills this environment's QEMU when a test ends, so a failed assertion
 /// leaves no VM behind (release does it on success).
-struct NoVmLeft(EnvPaths);
+pub(crate) struct NoVmLeft(pub(crate) EnvPaths);
 
 impl Drop for NoVmLeft {
     fn drop(&mut self) {
@@ -608,8 +628,8 @@ const READ_COUNTER: &str = "a=$(cat /tmp/counter 2>/dev/null || echo 0); sleep 2
      echo \"counters-running $(pgrep -cf 'dormant-counte[r]')\"";
 
 /// Claims whose holder died count as gone after this (`suspend.claim_grace`).
-const GRACE: &str = "[suspend]\nclaim_grace = \"1s\"\n";
-const PAST_GRACE: Duration = Duration::from_millis(2100);
+pub(crate) const GRACE: &str = "[suspend]\nclaim_grace = \"1s\"\n";
+pub(crate) const PAST_GRACE: Duration = Duration::from_millis(2100);
 
 /// One VM through every way a hibernation can be cut short:
 /// 1. cleanup SIGKILLed while QEMU still writes the memory (a save slowed down

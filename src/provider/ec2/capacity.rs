@@ -1,6 +1,6 @@
 //! Capacity: `ec2.max_environments` (running plus suspended instances of this
-//! runner, counted under a lock so two prepares cannot both take the last
-//! slot) and EC2's own capacity errors (InsufficientInstanceCapacity,
+//! runner — in volume mode plus the data volumes without an instance —
+//! counted under a lock so two prepares cannot both take the last slot) and EC2's own capacity errors (InsufficientInstanceCapacity,
 //! InstanceLimitExceeded, ...) are waited out inside the prepare timeout
 //! through `crate::wait`; a release on this runner manager wakes the waiters.
 
@@ -13,8 +13,10 @@ use anyhow::{Context, Result};
 use aws_sdk_ec2::Client;
 use serde::{Deserialize, Serialize};
 
-use super::errors::{api_error, ErrorKind};
+use super::errors::capacity_reason;
 use super::instance::{self, tag, tag_filter, LIVE_STATES};
+use super::placement::Launched;
+use super::volume;
 use crate::context::Ctx;
 use crate::state::store::{read_json, write_json, FORMAT_VERSION};
 use crate::state::FileLock;
@@ -48,6 +50,9 @@ pub struct Capacity<'a> {
     pub system_id: &'a str,
     /// 0: no limit.
     pub max: u32,
+    /// Volume mode: a suspended environment is a data volume without an
+    /// instance, and counts too.
+    pub count_volumes: bool,
 }
 
 impl Capacity<'_> {
@@ -88,30 +93,51 @@ impl Capacity<'_> {
             .iter()
             .filter(|(id, _)| !found.iter().any(|i| &i.id == id))
             .count();
-        Ok(live + not_visible_yet)
+        let mut volumes_alone = 0;
+        if self.count_volumes {
+            let with_instance: Vec<&str> = found
+                .iter()
+                .filter(|i| LIVE_STATES.contains(&i.state_name.as_str()))
+                .filter_map(|i| i.tag(tag::ENV))
+                .collect();
+            volumes_alone = volume::find(
+                self.client,
+                vec![
+                    tag_filter(tag::MANAGED_BY, tag::MANAGED_BY_VALUE),
+                    tag_filter(tag::RUNNER, self.runner_id),
+                    tag_filter(tag::SYSTEM, self.system_id),
+                    tag_filter(tag::VOLUME, tag::VOLUME_DATA),
+                ],
+                ctx,
+            )
+            .await?
+            .iter()
+            .filter(|v| !v.is_gone())
+            .filter(|v| v.tag(tag::ENV).is_none_or(|e| !with_instance.contains(&e)))
+            .count();
+        }
+        Ok(live + not_visible_yet + volumes_alone)
     }
 
-    /// Calls `launch` once a slot is free and EC2 has capacity; returns its result.
-    pub async fn launch_when_free<F, Fut>(&self, ctx: &Ctx, launch: F) -> Result<String>
+    /// Calls `launch` (one round over the placement choices: `Ok(Err(reason))`
+    /// when none had capacity) once a slot is free, until it launches.
+    pub async fn launch_when_free<F, Fut>(&self, ctx: &Ctx, launch: F) -> Result<Launched>
     where
         F: Fn() -> Fut,
-        Fut: Future<Output = Result<String>>,
+        Fut: Future<Output = Result<Result<Launched, String>>>,
     {
         let marker = released_marker(self.store, self.runner_id);
         wait_for_capacity(ctx, Some(&marker), || self.try_launch(ctx, &launch)).await
     }
 
-    /// One attempt: `Ok(Err(reason))` when there is no capacity now.
-    async fn try_launch<F, Fut>(&self, ctx: &Ctx, launch: &F) -> Result<Result<String, String>>
+    /// One attempt: `Ok(Err(reason))` when there is no slot or no capacity now.
+    async fn try_launch<F, Fut>(&self, ctx: &Ctx, launch: &F) -> Result<Result<Launched, String>>
     where
         F: Fn() -> Fut,
-        Fut: Future<Output = Result<String>>,
+        Fut: Future<Output = Result<Result<Launched, String>>>,
     {
         if self.max == 0 {
-            return match launch().await {
-                Ok(id) => Ok(Ok(id)),
-                Err(e) => capacity_reason(e).map(Err),
-            };
+            return launch().await;
         }
         let (ledger_path, lock_path) = self.paths();
         crate::state::store::ensure_private_dir(ledger_path.parent().expect("ec2 dir"))?;
@@ -128,15 +154,13 @@ impl Capacity<'_> {
         if used >= self.max as usize {
             return Ok(Err(format!("{used} of {} environments in use", self.max)));
         }
-        match launch().await {
-            Ok(id) => {
-                ledger.version = FORMAT_VERSION;
-                ledger.launches.push((id.clone(), now_unix()));
-                write_json(&ledger_path, &ledger)?;
-                Ok(Ok(id))
-            }
-            Err(e) => capacity_reason(e).map(Err),
+        let launched = launch().await?;
+        if let Ok(l) = &launched {
+            ledger.version = FORMAT_VERSION;
+            ledger.launches.push((l.id.clone(), now_unix()));
+            write_json(&ledger_path, &ledger)?;
         }
+        Ok(launched)
     }
 }
 
@@ -146,13 +170,24 @@ where
     F: Fn() -> Fut,
     Fut: Future<Output = Result<()>>,
 {
-    wait_for_capacity(ctx, None, || async {
+    wait_out(ctx, || async {
         match op().await {
             Ok(()) => Ok(Ok(())),
             Err(e) => capacity_reason(e).map(Err),
         }
     })
     .await
+}
+
+/// Repeats `attempt` (`Ok(Err(reason))`: no capacity now) until it succeeds,
+/// backing off as every capacity wait does (a resume trying several instance
+/// types in one attempt).
+pub async fn wait_out<T, F, Fut>(ctx: &Ctx, attempt: F) -> Result<T>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<Result<T, String>>>,
+{
+    wait_for_capacity(ctx, None, attempt).await
 }
 
 /// When the next attempt of a capacity wait is due, and what the last one said.
@@ -218,7 +253,8 @@ where
         // An error after capacity waits (usually the deadline) says what was waited for.
         Some(reason) => e.context(format!(
             "no capacity after {} s: {reason}; raise ec2.max_environments, release suspended environments \
-             (`dormant list`, `dormant release KEY`), pick another instance type or subnet, or raise \
+             (`dormant list`, `dormant release KEY`), add instance types (ec2.fallback_instance_types) or \
+             zones (ec2.subnet_ids), allow on-demand (ec2.on_demand_fallback) with spot, or raise \
              prepare_timeout",
             wait.elapsed().as_secs()
         )),
@@ -262,16 +298,4 @@ pub fn note_release(store: &StateStore, runner_id: &str) {
 
 fn read_marker(path: &Path) -> Option<String> {
     std::fs::read_to_string(path).ok()
-}
-
-/// The capacity error as a line for the job log; any other error is passed on.
-fn capacity_reason(e: anyhow::Error) -> Result<String> {
-    match api_error(&e) {
-        Some(a) if a.kind == ErrorKind::Capacity => Ok(format!(
-            "EC2 {}: {}",
-            a.code.as_deref().unwrap_or("capacity"),
-            a.message
-        )),
-        _ => Err(e),
-    }
 }

@@ -1,6 +1,13 @@
 //! A new environment's instance: adopt what an earlier attempt of the same
 //! prepare launched (found by tags), else launch one within capacity; a
 //! failed create terminates what it launched.
+//!
+//! Volume mode: a machine for a data volume is launched in the subnet of the
+//! volume's zone (an EBS volume attaches only there), without hibernation
+//! (the machine is terminated on suspend), and an instance of the
+//! environment found in another zone is terminated rather than adopted. A
+//! new volume-mode environment's first machine is launched before its volume
+//! (`volumes.rs`), anywhere there is capacity, and its volume made beside it.
 
 use std::time::Duration;
 
@@ -12,28 +19,87 @@ use super::image::{self, ImageResolver};
 use super::instance::{self, tag, tag_filter, InstanceInfo};
 use super::launch::{self, LaunchRequest};
 use super::lifecycle::terminate;
+use super::placement::{self, Rounds, Subnet};
+use super::subnets;
 use super::wait::{wait_for, Want};
-use super::Ec2Provider;
+use super::{field, Ec2Provider};
 use crate::context::Ctx;
-use crate::provider::{Machine, MachineSpec, MachineState};
+use crate::provider::{Machine, MachineSpec, MachineState, StorageMode};
+use crate::settings::ec2::{Market, SuspendMode};
+
+/// Where a launch may go.
+#[derive(Debug, Clone)]
+pub(super) enum Within {
+    /// Any of the subnets (a new environment). `volume_mode`: its volume is
+    /// made beside it next (no hibernation: the machine is never stopped).
+    Anywhere { volume_mode: bool },
+    /// The zone of a data volume: only the subnet there.
+    VolumeZone(VolumePlace),
+}
+
+impl Within {
+    fn zone(&self) -> Option<&str> {
+        match self {
+            Within::VolumeZone(p) => Some(&p.zone),
+            Within::Anywhere { .. } => None,
+        }
+    }
+}
+
+/// What a create launches (or adopts): checked against the allow-lists.
+struct What<'a> {
+    spec: &'a MachineSpec,
+    within: &'a Within,
+    instance_types: &'a [String],
+    image_request: &'a str,
+}
+
+/// Where a data volume is: its region, zone, and the subnet of that zone.
+#[derive(Debug, Clone)]
+pub(super) struct VolumePlace {
+    pub region: String,
+    pub zone: String,
+    pub subnet: Subnet,
+}
 
 /// Terminating what a failed prepare launched gets at most this long.
 const ABANDON_BUDGET: Duration = Duration::from_secs(60);
 
 impl Ec2Provider {
     pub(super) async fn create(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine> {
+        let within = match &spec.volume {
+            Some(v) => Within::VolumeZone(self.volume_place(v, ctx).await?),
+            None => Within::Anywhere { volume_mode: false },
+        };
+        self.create_within(spec, within, ctx).await
+    }
+
+    /// [`Self::create`] where `within` says.
+    pub(super) async fn create_within(
+        &self,
+        spec: &MachineSpec,
+        within: Within,
+        ctx: &Ctx,
+    ) -> Result<Machine> {
         let ctx = self.bounded(ctx);
         // Allow-lists first: a refusal does not depend on what exists in EC2.
-        let instance_type = self.instance_type(spec)?;
+        let instance_types = self.instance_types(spec)?;
         let (image_request, note) = image::choose(&self.settings, spec.image.as_deref())?;
         if let Some(note) = note {
             ctx.log.warn(note);
         }
-        let region = self.clients.default_region().await?;
+        let region = match &within {
+            Within::VolumeZone(place) => place.region.clone(),
+            Within::Anywhere { .. } => self.clients.default_region().await?,
+        };
         let client = self.clients.client(&region).await;
-        let result = self
-            .reclaim_or_launch(&client, &region, spec, &instance_type, &image_request, &ctx)
-            .await;
+        let what = What {
+            spec,
+            within: &within,
+            instance_types: &instance_types,
+            image_request: &image_request,
+        };
+        let result = self.reclaim_or_launch(&client, &region, &what, &ctx).await;
         if result.is_err() {
             self.abandon(&client, spec, &ctx).await;
         }
@@ -70,11 +136,10 @@ impl Ec2Provider {
         &self,
         client: &Client,
         region: &str,
-        spec: &MachineSpec,
-        instance_type: &str,
-        image_request: &str,
+        what: &What<'_>,
         ctx: &Ctx,
     ) -> Result<Machine> {
+        let (spec, within, instance_types) = (what.spec, what.within, what.instance_types);
         let mut found = instance::find(
             client,
             vec![
@@ -90,7 +155,24 @@ impl Ec2Provider {
             .iter()
             .filter(|i| i.state == MachineState::Gone)
             .count();
-        let mut live = found.into_iter().filter(|i| i.state != MachineState::Gone);
+        let mut live: Vec<InstanceInfo> = Vec::new();
+        for i in found.into_iter().filter(|i| i.state != MachineState::Gone) {
+            match within.zone() {
+                Some(z) if i.zone.as_deref() != Some(z) => {
+                    // It cannot take the volume: never adopted, never left running.
+                    ctx.log.warn(format!(
+                        "terminating instance {} of environment {}: it is in zone {}, but the environment's \
+                         data volume is in {z}",
+                        i.id,
+                        spec.env_id,
+                        i.zone.as_deref().unwrap_or("?")
+                    ));
+                    terminate(client, &i.id, ctx).await?;
+                }
+                _ => live.push(i),
+            }
+        }
+        let mut live = live.into_iter();
         if let Some(first) = live.next() {
             ctx.log.info(format!(
                 "adopting instance {} ({}) that an earlier attempt of this prepare launched",
@@ -104,7 +186,9 @@ impl Ec2Provider {
                 terminate(client, &extra.id, ctx).await?;
             }
             let info = self.bring_up(client, first, ctx).await?;
-            return self.machine(region, &info);
+            return Ok(self
+                .machine(region, &info)?
+                .with(field::INSTANCE_TYPES, instance_types.join(",")));
         }
 
         let image = ImageResolver {
@@ -112,45 +196,106 @@ impl Ec2Provider {
             settings: &self.settings,
             region,
         }
-        .resolve(client, image_request, ctx)
+        .resolve(client, what.image_request, ctx)
         .await?;
         let req = LaunchRequest {
             spec,
             settings: &self.settings,
             image: &image,
-            instance_type,
-            client_token: launch::client_token(spec, generation),
+            client_token: match within {
+                Within::Anywhere { volume_mode: false } => launch::client_token(spec, generation),
+                // Every resume of a volume-mode environment launches: a token
+                // of its own each time (EC2 answers a token it saw before with
+                // that launch's instance, terminated long ago). Retries inside
+                // this call share it; a retried prepare finds its launch by tags.
+                _ => launch::fresh_token(),
+            },
             user_data: launch::user_data(spec, &self.settings)?,
+            hibernate: matches!(within, Within::Anywhere { volume_mode: false })
+                && self.settings.suspend_mode == SuspendMode::Hibernate,
         };
+        let subnets = match within {
+            Within::VolumeZone(place) => vec![place.subnet.clone()],
+            Within::Anywhere { .. } => self.subnets(client, region, ctx).await?,
+        };
+        let choices = placement::choices(
+            instance_types,
+            &subnets,
+            self.settings.market,
+            self.settings.on_demand_fallback,
+        );
         let cap = Capacity {
             client,
             store: &self.store,
             runner_id: &spec.runner_id,
             system_id: &spec.system_id,
             max: self.settings.max_environments,
+            count_volumes: self.settings.storage == StorageMode::Volume,
         };
-        let id = cap
-            .launch_when_free(ctx, || launch::run_instance(client, &req, ctx))
+        let rounds = Rounds::default();
+        let launched = cap
+            .launch_when_free(ctx, || {
+                rounds.try_round(&choices, ctx, |k| {
+                    launch::run_instance(client, &req, &choices[k], k, ctx)
+                })
+            })
             .await
             .with_context(|| {
                 format!(
-                    "launching a {instance_type} instance from {} in {} (subnet {})",
+                    "launching a {} instance from {} in {} (subnet {})",
+                    instance_types.join(" / "),
                     image.image_id,
                     region,
-                    self.settings.subnet_id.as_deref().unwrap_or("?")
+                    subnets
+                        .iter()
+                        .map(|s| s.id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(" / ")
                 )
             })?;
+        let (id, choice) = (&launched.id, &launched.choice);
         ctx.log.info(format!(
-            "launched instance {id} ({instance_type}, image {}{}) in {region}",
+            "launched instance {id} ({}{}, image {}{}) in {region}{}",
+            choice.instance_type,
+            if choice.market == Market::Spot {
+                ", spot"
+            } else {
+                ""
+            },
             image.image_id,
             image
                 .name
                 .as_deref()
                 .map(|n| format!(" {n}"))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            if subnets.len() > 1 {
+                format!(", subnet {}", choice.subnet)
+            } else {
+                String::new()
+            }
         ));
-        let info = wait_for(client, &id, Want::Running, ctx).await?;
-        self.machine(region, &info)
+        let info = wait_for(client, id, Want::Running, ctx).await?;
+        Ok(self
+            .machine(region, &info)?
+            .with(field::INSTANCE_TYPES, instance_types.join(",")))
+    }
+
+    /// The subnets a new environment may start in; with more than one, their
+    /// zones (cached for good: `subnets.rs`). One subnet needs no lookup.
+    pub(super) async fn subnets(
+        &self,
+        client: &Client,
+        region: &str,
+        ctx: &Ctx,
+    ) -> Result<Vec<Subnet>> {
+        let ids = self.settings.subnets();
+        if ids.len() < 2 {
+            return Ok(ids
+                .into_iter()
+                .map(|id| Subnet { id, zone: None })
+                .collect());
+        }
+        subnets::with_zones(client, &self.store, region, &ids, ctx).await
     }
 
     /// After a failed create: terminate whatever this environment launched (it

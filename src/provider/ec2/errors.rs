@@ -66,8 +66,12 @@ const CAPACITY_CODES: &[&str] = &[
     "InstanceLimitExceeded",
     "VcpuLimitExceeded",
     "MaxSpotInstanceCountExceeded",
+    "SpotMaxPriceTooLow",
     "Unsupported",
 ];
+
+/// The instance or volume is not (or no longer, or not yet) visible.
+const NOT_FOUND_CODES: &[&str] = &["InvalidInstanceID.NotFound", "InvalidVolume.NotFound"];
 
 const CREDENTIAL_CODES: &[&str] = &[
     "AuthFailure",
@@ -102,7 +106,7 @@ impl ApiError {
             _ if no_credentials => ErrorKind::Fatal,
             (Some(c), _) if THROTTLE_CODES.contains(&c.as_str()) => ErrorKind::Throttled,
             (Some(c), _) if CAPACITY_CODES.contains(&c.as_str()) => ErrorKind::Capacity,
-            (Some(c), _) if c == "InvalidInstanceID.NotFound" => ErrorKind::NotFound,
+            (Some(c), _) if NOT_FOUND_CODES.contains(&c.as_str()) => ErrorKind::NotFound,
             (
                 _,
                 SdkError::TimeoutError(_)
@@ -193,7 +197,9 @@ where
              (or the job's image: and ec2.allowed_images) and ec2.image_owners"
                 .into()
         }
-        c if c.starts_with("InvalidSubnet") => "check ec2.subnet_id (the subnet must exist in ec2.region)".into(),
+        c if c.starts_with("InvalidSubnet") => {
+            "check ec2.subnet_id / ec2.subnet_ids (the subnets must exist in ec2.region)".into()
+        }
         c if c.starts_with("InvalidGroup") || c.starts_with("InvalidSecurityGroup") => {
             "check ec2.security_group_ids (the groups must be in the subnet's VPC)".into()
         }
@@ -212,22 +218,42 @@ where
                 "check ec2.instance_type / ec2.allowed_instance_types".into()
             } else if lower.contains("iaminstanceprofile") || lower.contains("instance profile") {
                 "check ec2.iam_instance_profile".into()
+            } else if action == "CreateVolume" {
+                "check ec2.data_volume_* settings".into()
             } else if lower.contains("volume") || lower.contains("blockdevice") || lower.contains("kms") {
                 "check ec2.root_volume_* settings".into()
             } else if lower.contains("subnet") {
-                "check ec2.subnet_id".into()
+                "check ec2.subnet_id / ec2.subnet_ids".into()
+            } else if lower.contains("spot") || lower.contains("market") {
+                "check ec2.market (spot is not offered for every instance type and image)".into()
             } else if lower.contains("hibernat") {
                 "check ec2.suspend_mode and the root volume settings".into()
             } else {
                 return None;
             }
         }
+        "InvalidVolume.NotFound" if action.contains("Volume") => return None,
         "InvalidBlockDeviceMapping" | "InvalidVolume.NotFound" => "check ec2.root_volume_* settings".into(),
+        "InvalidKMSKey.InvalidState" | "KMS.NotFoundException" | "InvalidKMSKey.NotFound"
+            if action == "CreateVolume" =>
+        {
+            "check ec2.data_volume_kms_key_id".into()
+        }
         "InvalidKMSKey.InvalidState" | "KMS.NotFoundException" => "check ec2.root_volume_kms_key_id".into(),
+        "InvalidVolume.ZoneMismatch" => {
+            "a volume can only be attached to an instance in its own zone: the environment's volume must \
+             resume in the subnet of its zone (ec2.subnet_ids)"
+                .into()
+        }
+        "VolumeLimitExceeded" => {
+            "the account's EBS storage quota for this volume type is reached: release suspended environments \
+             (`dormant list`) or raise the quota"
+                .into()
+        }
         "IncorrectInstanceState" => return None,
         c if CAPACITY_CODES.contains(&c) => {
-            "EC2 has no capacity for this instance type in the subnet's zone, or an account quota is reached: \
-             pick another ec2.instance_type or ec2.subnet_id, or raise the quota"
+            "EC2 has no capacity for this instance type in the subnet's zone (and market), or an account quota \
+             is reached: add ec2.fallback_instance_types or zones (ec2.subnet_ids), or raise the quota"
                 .into()
         }
         c if THROTTLE_CODES.contains(&c) => {
@@ -241,6 +267,18 @@ where
 /// The classified API error inside an `anyhow` chain, if there is one.
 pub fn api_error(err: &anyhow::Error) -> Option<&ApiError> {
     err.downcast_ref::<ApiError>()
+}
+
+/// The capacity error as a line for the job log; any other error is passed on.
+pub fn capacity_reason(e: anyhow::Error) -> anyhow::Result<String> {
+    match api_error(&e) {
+        Some(a) if a.kind == ErrorKind::Capacity => Ok(format!(
+            "EC2 {}: {}",
+            a.code.as_deref().unwrap_or("capacity"),
+            a.message
+        )),
+        _ => Err(e),
+    }
 }
 
 pub fn is_not_found(err: &anyhow::Error) -> bool {

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::Result;
-use aws_sdk_ec2::types::{Filter, Instance, InstanceStateName};
+use aws_sdk_ec2::types::{Filter, Instance, InstanceLifecycleType, InstanceStateName};
 use aws_sdk_ec2::Client;
 
 use super::call::call;
@@ -21,6 +21,10 @@ pub mod tag {
     pub const SYSTEM: &str = "dormant:system";
     pub const PROJECT: &str = "dormant:project";
     pub const JOB: &str = "dormant:job";
+    /// On an environment's data volume (volume mode) only: tells it from the
+    /// instance's root volume, which carries the other tags too.
+    pub const VOLUME: &str = "dormant:volume";
+    pub const VOLUME_DATA: &str = "data";
 }
 
 #[derive(Debug, Clone)]
@@ -34,6 +38,12 @@ pub struct InstanceInfo {
     pub public_ip: Option<String>,
     pub launched_at: Option<u64>,
     pub state_reason: Option<String>,
+    pub instance_type: Option<String>,
+    /// The instance's availability zone.
+    pub zone: Option<String>,
+    pub subnet_id: Option<String>,
+    /// Bought on the spot market (EC2 may reclaim it).
+    pub spot: bool,
 }
 
 impl InstanceInfo {
@@ -67,6 +77,13 @@ impl InstanceInfo {
                 .and_then(|r| r.message())
                 .filter(|m| !m.is_empty())
                 .map(str::to_string),
+            instance_type: i.instance_type().map(|t| t.as_str().to_string()),
+            zone: i
+                .placement()
+                .and_then(|p| p.availability_zone())
+                .map(str::to_string),
+            subnet_id: i.subnet_id().map(str::to_string),
+            spot: i.instance_lifecycle() == Some(&InstanceLifecycleType::Spot),
         }
     }
 

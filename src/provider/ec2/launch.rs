@@ -7,17 +7,19 @@
 use anyhow::{bail, Result};
 use aws_sdk_ec2::types::{
     BlockDeviceMapping, EbsBlockDevice, HibernationOptionsRequest, HttpTokensState,
-    IamInstanceProfileSpecification, InstanceMetadataEndpointState, InstanceMetadataOptionsRequest,
-    InstanceType, ResourceType, Tag, TagSpecification, VolumeType,
+    IamInstanceProfileSpecification, InstanceInterruptionBehavior, InstanceMarketOptionsRequest,
+    InstanceMetadataEndpointState, InstanceMetadataOptionsRequest, InstanceType, MarketType,
+    ResourceType, SpotInstanceType, SpotMarketOptions, Tag, TagSpecification, VolumeType,
 };
 use aws_sdk_ec2::Client;
 
 use super::call::call;
 use super::image::ImageInfo;
 use super::instance::tag;
+use super::placement::Choice;
 use crate::context::Ctx;
 use crate::provider::MachineSpec;
-use crate::settings::ec2::{Ec2Settings, SuspendMode};
+use crate::settings::ec2::{Ec2Settings, Market};
 
 /// The tags of an environment's instance and volumes.
 pub fn tags(spec: &MachineSpec, settings: &Ec2Settings) -> Vec<(String, String)> {
@@ -53,19 +55,60 @@ pub fn user_data(spec: &MachineSpec, settings: &Ec2Settings) -> Result<String> {
     Ok(aws_smithy_types::base64::encode(text))
 }
 
+/// What every choice of a launch shares.
 pub struct LaunchRequest<'a> {
     pub spec: &'a MachineSpec,
     pub settings: &'a Ec2Settings,
     pub image: &'a ImageInfo,
-    pub instance_type: &'a str,
+    /// The ClientToken of the first choice; later choices append their index
+    /// (a token reused with other parameters is refused by EC2).
     pub client_token: String,
     pub user_data: String,
+    /// Launch with hibernation configured (machine mode, `suspend_mode =
+    /// "hibernate"`; on-demand only).
+    pub hibernate: bool,
 }
 
-/// One RunInstances call (throttling retried inside); returns the instance id.
-/// Capacity errors come back to the capacity loop.
-pub async fn run_instance(client: &Client, req: &LaunchRequest<'_>, ctx: &Ctx) -> Result<String> {
+/// A ClientToken used for one launch only (volume mode, where every resume
+/// launches anew).
+pub fn fresh_token() -> String {
+    format!("dormant-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// The ClientToken of the `index`-th placement choice.
+pub fn choice_token(base: &str, index: usize) -> String {
+    if index == 0 {
+        base.to_string()
+    } else {
+        format!("{base}-{index}")
+    }
+}
+
+/// One RunInstances call for one placement choice (throttling retried
+/// inside); returns the instance id. Capacity errors come back to the
+/// placement round (`placement.rs`) and the capacity loop.
+pub async fn run_instance(
+    client: &Client,
+    req: &LaunchRequest<'_>,
+    choice: &Choice,
+    index: usize,
+    ctx: &Ctx,
+) -> Result<String> {
     let s = req.settings;
+    let token = choice_token(&req.client_token, index);
+    // One-time spot, terminated on interruption: a spot instance is never
+    // stopped (its environment's state is on a volume, or not kept at all).
+    let market = (choice.market == Market::Spot).then(|| {
+        InstanceMarketOptionsRequest::builder()
+            .market_type(MarketType::Spot)
+            .spot_options(
+                SpotMarketOptions::builder()
+                    .spot_instance_type(SpotInstanceType::OneTime)
+                    .instance_interruption_behavior(InstanceInterruptionBehavior::Terminate)
+                    .build(),
+            )
+            .build()
+    });
     let sdk_tags: Vec<Tag> = tags(req.spec, s)
         .into_iter()
         .map(|(k, v)| Tag::builder().key(k).value(v).build())
@@ -117,14 +160,15 @@ pub async fn run_instance(client: &Client, req: &LaunchRequest<'_>, ctx: &Ctx) -
         client
             .run_instances()
             .image_id(&req.image.image_id)
-            .instance_type(InstanceType::from(req.instance_type))
+            .instance_type(InstanceType::from(choice.instance_type.as_str()))
             .min_count(1)
             .max_count(1)
-            .set_subnet_id(s.subnet_id.clone())
+            .subnet_id(&choice.subnet.id)
             .set_security_group_ids(
                 (!s.security_group_ids.is_empty()).then(|| s.security_group_ids.clone()),
             )
-            .client_token(&req.client_token)
+            .client_token(&token)
+            .set_instance_market_options(market.clone())
             .user_data(&req.user_data)
             .metadata_options(
                 InstanceMetadataOptionsRequest::builder()
@@ -136,11 +180,13 @@ pub async fn run_instance(client: &Client, req: &LaunchRequest<'_>, ctx: &Ctx) -
             .tag_specifications(spec_for(ResourceType::Volume))
             .set_block_device_mappings(root.clone().map(|r| vec![r]))
             .set_iam_instance_profile(profile.clone())
-            .set_hibernation_options((s.suspend_mode == SuspendMode::Hibernate).then(|| {
-                HibernationOptionsRequest::builder()
-                    .configured(true)
-                    .build()
-            }))
+            .set_hibernation_options((req.hibernate && choice.market == Market::OnDemand).then(
+                || {
+                    HibernationOptionsRequest::builder()
+                        .configured(true)
+                        .build()
+                },
+            ))
             .send()
     })
     .await?;

@@ -62,10 +62,18 @@ impl Ec2Provider {
                 .into())
             }
             MachineState::Running => return self.refreshed(machine, &region, &info),
-            MachineState::Stopped => self.start_call(&client, id, ctx).await?,
+            MachineState::Stopped => {
+                let started_as = self.start_any_type(&client, machine, &info, ctx).await?;
+                return self
+                    .until_reachable(&client, &region, &as_type(machine, started_as), ctx)
+                    .await;
+            }
             MachineState::Stopping => {
-                wait_for(&client, id, Want::Stopped, ctx).await?;
-                self.start_call(&client, id, ctx).await?;
+                let info = wait_for(&client, id, Want::Stopped, ctx).await?;
+                let started_as = self.start_any_type(&client, machine, &info, ctx).await?;
+                return self
+                    .until_reachable(&client, &region, &as_type(machine, started_as), ctx)
+                    .await;
             }
             MachineState::Pending | MachineState::Other(_) => {}
         }
@@ -243,6 +251,15 @@ impl Ec2Provider {
             capacity::note_release(&self.store, runner);
         }
         Ok(())
+    }
+}
+
+/// The machine with the instance type it was started as (a resume may have
+/// changed it: `retype.rs`).
+fn as_type(machine: &Machine, started_as: Option<String>) -> Machine {
+    match started_as {
+        Some(t) => machine.clone().with(field::INSTANCE_TYPE, t),
+        None => machine.clone(),
     }
 }
 

@@ -10,16 +10,41 @@ use crate::provider::{Machine, MachineSpec, Refusal, SshTarget};
 use crate::settings::ec2::{parse_host_port, AddressKind, INSTANCE_TYPE_VARIABLE};
 
 impl Ec2Provider {
-    /// The instance type: the job's pick through the allow-list, else the default.
-    pub fn instance_type(&self, spec: &MachineSpec) -> Result<String, Refusal> {
+    /// The instance types to try, in order: the job's pick through the
+    /// allow-list (`DORMANT_EC2_INSTANCE_TYPE`: one type, or several separated
+    /// by commas, each allowed), else `instance_type` then
+    /// `fallback_instance_types`. A job that names types gets only those: it
+    /// said what it needs, and a fallback of the operator's might not do.
+    pub fn instance_types(&self, spec: &MachineSpec) -> Result<Vec<String>, Refusal> {
         let asked = spec
             .variables
             .get(INSTANCE_TYPE_VARIABLE)
             .map(|s| s.trim())
             .filter(|s| !s.is_empty());
         let Some(asked) = asked else {
-            return Ok(self.settings.instance_type.clone());
+            let mut types = vec![self.settings.instance_type.clone()];
+            types.extend(self.settings.fallback_instance_types.iter().cloned());
+            return Ok(types);
         };
+        let mut types: Vec<String> = Vec::new();
+        for t in asked.split(',').map(str::trim) {
+            if !types.iter().any(|have| have == t) {
+                types.push(t.to_string());
+            }
+        }
+        for t in &types {
+            self.check_allowed(t)?;
+        }
+        Ok(types)
+    }
+
+    /// The first instance type [`Self::instance_types`] gives.
+    pub fn instance_type(&self, spec: &MachineSpec) -> Result<String, Refusal> {
+        Ok(self.instance_types(spec)?.remove(0))
+    }
+
+    /// A type the job asked for must be in `allowed_instance_types`.
+    fn check_allowed(&self, asked: &str) -> Result<(), Refusal> {
         // A job variable: untrusted, shown as a short excerpt.
         let asked_q = crate::text::quoted(asked);
         if self
@@ -28,7 +53,7 @@ impl Ec2Provider {
             .iter()
             .any(|t| t == asked)
         {
-            return Ok(asked.to_string());
+            return Ok(());
         }
         if self.settings.allowed_instance_types.is_empty() {
             return Err(Refusal(format!(
@@ -73,6 +98,12 @@ impl Ec2Provider {
             (field::ENV, info.tag(tag::ENV).map(str::to_string)),
             (field::RUNNER, info.tag(tag::RUNNER).map(str::to_string)),
             (field::SYSTEM, info.tag(tag::SYSTEM).map(str::to_string)),
+            (field::ZONE, info.zone.clone()),
+            (field::INSTANCE_TYPE, info.instance_type.clone()),
+            (
+                field::MARKET,
+                Some(if info.spot { "spot" } else { "on-demand" }.to_string()),
+            ),
         ] {
             if let Some(v) = v {
                 m = m.with(k, v);

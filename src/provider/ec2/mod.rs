@@ -8,19 +8,31 @@
 //! `call` (throttling/transient retries), `errors` (classification and hints
 //! naming the setting or IAM permission), `instance` (describe, find by tag),
 //! `image` (allow-list, name patterns, the cached resolution), `launch`
-//! (RunInstances: tags, IMDSv2, user-data), `capacity` (`max_environments`,
-//! capacity errors), `wait` (polling for a state).
+//! (RunInstances: tags, IMDSv2, user-data, market), `placement` (the ordered
+//! instance type × subnet × market choices and one round of trying them),
+//! `subnets` (the zones of `subnet_ids`), `capacity` (`max_environments`,
+//! capacity errors), `retype` (a resume that changes the instance type when
+//! the current one has no capacity), `volume` (the EBS calls of a data
+//! volume and their waits), `volumes` (volume mode: the `Volumes` side),
+//! `guest_seam` (the tests' stand-in for the guest's block device), `wait`
+//! (polling for an instance's state).
 
 pub mod call;
 pub mod capacity;
 pub mod client;
 mod create;
 pub mod errors;
+pub mod guest_seam;
 pub mod image;
 pub mod instance;
 pub mod launch;
 mod lifecycle;
 mod machine;
+pub mod placement;
+mod retype;
+pub mod subnets;
+pub mod volume;
+mod volumes;
 pub mod wait;
 
 use std::time::Duration;
@@ -31,7 +43,9 @@ use aws_sdk_ec2::config::Credentials;
 use aws_sdk_ec2::Client;
 
 use self::instance::{tag, tag_filter};
-use super::{Machine, MachineSpec, MachineState, ManagedMachine, Provider, Target};
+use super::{
+    Machine, MachineSpec, MachineState, ManagedMachine, Provider, StorageMode, Target, Volumes,
+};
 use crate::context::Ctx;
 use crate::settings::ec2::Ec2Settings;
 use crate::settings::Settings;
@@ -46,6 +60,14 @@ mod field {
     pub const ENV: &str = "env";
     pub const RUNNER: &str = "runner";
     pub const SYSTEM: &str = "system";
+    /// The instance's zone, type and market, as EC2 last described it.
+    pub const ZONE: &str = "zone";
+    pub const INSTANCE_TYPE: &str = "instance_type";
+    pub const MARKET: &str = "market";
+    /// The instance types this environment may run on, in order (its
+    /// creator's choice), comma-separated: a resume without capacity for the
+    /// current one tries the others.
+    pub const INSTANCE_TYPES: &str = "instance_types";
 }
 
 pub struct Ec2Provider {
@@ -109,6 +131,16 @@ impl Provider for Ec2Provider {
 
     fn needs_ssh_key(&self) -> bool {
         true
+    }
+
+    fn storage(&self) -> StorageMode {
+        self.settings.storage
+    }
+
+    /// Always: environments made in volume mode stay resumable after the
+    /// setting goes back to `machine`.
+    fn volumes(&self) -> Option<&dyn Volumes> {
+        Some(self)
     }
 
     async fn create_or_reclaim(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine> {
@@ -218,6 +250,7 @@ mod tests {
                 .collect(),
             ssh_public_key: Some("ssh-ed25519 AAAA test".into()),
             paths: crate::state::EnvPaths::new(std::path::Path::new("/s"), id),
+            volume: None,
         }
     }
 

@@ -9,7 +9,8 @@
 //! One concern per file: `vm` (the VM's files and command line), `process`
 //! (starting QEMU detached, recognising its process, tools), `qmp` (the QMP
 //! client), `guest` (sshd readiness, the clock after a restore), `capacity`
-//! (`max_environments`), `power` (start, stop, hibernate, restore).
+//! (`max_environments`), `power` (start, stop, hibernate, restore), `volume`
+//! (volume mode's data disk).
 
 pub mod capacity;
 pub mod guest;
@@ -17,6 +18,7 @@ pub mod power;
 pub mod process;
 pub mod qmp;
 pub mod vm;
+pub mod volume;
 
 use std::time::Duration;
 
@@ -28,7 +30,7 @@ use self::process::Pid;
 use self::vm::VmDir;
 use super::{
     Machine, MachineGone, MachineSpec, MachineState, ManagedMachine, Provider, Refusal, SshTarget,
-    Target,
+    StorageMode, Target, Volumes,
 };
 use crate::context::Ctx;
 use crate::settings::qemu::{BootImage, QemuSettings};
@@ -126,10 +128,12 @@ impl QemuProvider {
     /// The seed and the disk of a new VM (kept if an earlier attempt made them).
     fn make_files(&self, spec: &MachineSpec, image: &BootImage, vm: &VmDir) -> Result<()> {
         vm.ensure()?;
-        let user_data = super::cloud_init::user_data(
+        let mount = spec.volume.as_ref().map(|v| self.guest_mount(v));
+        let user_data = super::cloud_init::user_data_with(
             spec.env_id,
             spec.ssh_public_key.as_deref(),
             &self.settings.ssh_user,
+            mount.as_ref(),
         )?;
         process::create_seed(vm, &user_data, &vm::meta_data(spec.env_id))?;
         if !vm.overlay().exists() {
@@ -196,6 +200,14 @@ impl Provider for QemuProvider {
 
     fn needs_ssh_key(&self) -> bool {
         true
+    }
+
+    fn storage(&self) -> StorageMode {
+        self.settings.storage
+    }
+
+    fn volumes(&self) -> Option<&dyn Volumes> {
+        Some(self)
     }
 
     async fn create_or_reclaim(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine> {

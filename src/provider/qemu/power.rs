@@ -319,7 +319,7 @@ pub async fn suspend(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<()> {
 }
 
 /// ACPI power button, a bounded wait, then `quit`.
-async fn powerdown(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
+pub async fn powerdown(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
     let started = Instant::now();
     ctx.log
         .info(format!("powering off VM {} (ACPI)", vm.name()));

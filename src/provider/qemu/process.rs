@@ -345,11 +345,15 @@ pub(crate) mod fake {
             .args(["-name", &name, "-pidfile", &pidfile])
             .spawn()
             .unwrap();
+            // Until both run; and for a moment while the shells fork (for
+            // `sleep`, for the `&`) a third process shows the same command
+            // line: wait for two looks 50 ms apart that both see exactly two.
             let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
-            while super::scan(vm.dir.parent().unwrap().parent().unwrap()).len() < 2
-                && std::time::Instant::now() < until
-            {
-                std::thread::sleep(std::time::Duration::from_millis(10));
+            let count = || super::scan(vm.dir.parent().unwrap().parent().unwrap()).len();
+            let mut steady = 0;
+            while steady < 2 && std::time::Instant::now() < until {
+                steady = if count() == 2 { steady + 1 } else { 0 };
+                std::thread::sleep(std::time::Duration::from_millis(50));
             }
             FakeQemu(child)
         }

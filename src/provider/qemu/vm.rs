@@ -13,6 +13,10 @@
 //!
 //! Every file is written to a temporary name and renamed, so a process killed
 //! at any line leaves either the old file or the new one.
+//!
+//! Volume mode keeps the environment's data disk beside `vm/`, in
+//! `volume/data.qcow2`: deleting the VM (its directory) leaves it. Every VM
+//! of the environment is started with it while it exists.
 
 use std::fs;
 use std::io::Write;
@@ -88,6 +92,11 @@ impl VmDir {
         self.overlay().exists()
     }
 
+    /// Volume mode: the environment's data disk (outside `vm/`).
+    pub fn data_disk(&self) -> PathBuf {
+        data_disk(&self.dir.with_file_name("volume"))
+    }
+
     pub fn ensure(&self) -> Result<()> {
         crate::state::store::ensure_private_dir(&self.dir)?;
         let qmp = self.qmp();
@@ -130,6 +139,18 @@ impl VmDir {
         sync_dir(&self.dir)
     }
 }
+
+/// The data disk inside an environment's `volume/` directory.
+pub fn data_disk(volume_dir: &Path) -> PathBuf {
+    volume_dir.join("data.qcow2")
+}
+
+/// The serial of the data disk: the guest names it
+/// `/dev/disk/by-id/virtio-<serial>` (virtio-blk serials are at most 20 bytes).
+pub const DATA_SERIAL: &str = "dormant-data";
+/// The data disk's PCI slot on the q35 root bus: after the slots QEMU assigns
+/// to the other devices (from 0x1 up), well before the chipset's (0x1f).
+const DATA_PCI_SLOT: &str = "0x10";
 
 pub fn vm_name(env_id: Uuid) -> String {
     format!("dormant-{env_id}")
@@ -236,7 +257,28 @@ pub fn argv(settings: &QemuSettings, image: &BootImage, vm: &VmDir, port: u16) -
             opt_value(&vm.seed())
         ),
     ]);
+    // Volume mode: the data disk, found in the guest by its serial. Its PCI
+    // slot is fixed past the ones QEMU gives the `if=virtio` drives: a
+    // `-device` is placed before them otherwise, the guest probes it first,
+    // and it becomes /dev/vda, where the kernel looks for its root.
+    if vm.data_disk().exists() {
+        push(&[
+            "-drive",
+            &format!(
+                "file={},if=none,id=data,format=qcow2",
+                opt_value(&vm.data_disk())
+            ),
+            "-device",
+            &format!("virtio-blk-pci,drive=data,serial={DATA_SERIAL},addr={DATA_PCI_SLOT}"),
+        ]);
+    }
     a
+}
+
+/// Whether a command line attaches the data disk.
+pub fn has_data_disk(argv: &[String], vm: &VmDir) -> bool {
+    let drive = format!("file={},if=none,id=data", opt_value(&vm.data_disk()));
+    argv.iter().any(|a| a.starts_with(&drive))
 }
 
 /// The same command line forwarding another host port (when the recorded one
@@ -309,5 +351,29 @@ mod tests {
             "{moved}"
         );
         assert!(meta_data(Uuid::nil()).starts_with("instance-id: dormant-00000000-"));
+        assert!(!has_data_disk(&a, &vm), "machine mode: no data disk");
+    }
+
+    #[test]
+    fn a_volume_mode_vm_gets_its_data_disk_last_with_its_serial() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = EnvPaths::new(dir.path(), Uuid::nil());
+        let vm = VmDir::new(&paths);
+        std::fs::create_dir_all(paths.dir.join("volume")).unwrap();
+        std::fs::write(vm.data_disk(), b"").unwrap();
+        assert_eq!(vm.data_disk(), paths.dir.join("volume/data.qcow2"));
+        let settings = QemuSettings::default();
+        let a = argv(&settings, &BootImage::Path("/b.qcow2".into()), &vm, 2222);
+        let joined = a.join(" ");
+        let root = joined.find("overlay.qcow2").unwrap();
+        let seed = joined.find("seed.iso").unwrap();
+        let data = joined.find("data.qcow2").unwrap();
+        assert!(root < seed && seed < data, "{joined}");
+        assert!(
+            joined.ends_with("-device virtio-blk-pci,drive=data,serial=dormant-data,addr=0x10"),
+            "{joined}"
+        );
+        assert!(has_data_disk(&a, &vm));
+        assert!(DATA_SERIAL.len() <= 20);
     }
 }

@@ -242,6 +242,9 @@ impl Master {
         let mut wait = Wait::new(ctx, format!("SSH on {dest}"), Schedule::fixed(READY_POLL));
         let session = wait
             .until(|| async {
+                // Asked first: a connection is being replaced because
+                // something went wrong, and a machine the provider says is
+                // gone must not be reached at its old address (nor waited for).
                 if let Some(check) = machine {
                     let due = checked
                         .lock()
@@ -249,8 +252,8 @@ impl Master {
                         .is_none_or(|at| at.elapsed() >= MACHINE_CHECK_EVERY);
                     if due {
                         *checked.lock().unwrap() = Some(Instant::now());
-                        if let Err(e) = check.still_there(ctx).await {
-                            return Err(MachineLost(format!("{e:#}")).into());
+                        if let Some(words) = check.lost(ctx).await {
+                            return Err(MachineLost(words).into());
                         }
                     }
                 }

@@ -16,6 +16,7 @@ mod kept;
 mod master;
 pub mod ready;
 mod remote;
+pub mod repin;
 mod stage;
 mod stream;
 
@@ -30,7 +31,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 
-use super::{write_private, MachineCheck, Ran, Script, Transport};
+use super::{write_private, ExecOutput, MachineCheck, Ran, Script, Transport};
 use crate::context::Ctx;
 use crate::model::EnvPaths;
 use crate::model::SshTarget;
@@ -205,6 +206,26 @@ impl Transport for SshTransport {
         }
         parse_take_file(&out.stdout)
             .with_context(|| format!("reading {path} on {dest}: unexpected answer"))
+    }
+
+    async fn exec(&self, line: &str, limit: Duration, ctx: &Ctx) -> Result<ExecOutput> {
+        let ctx = ctx.within(limit);
+        let session = self.master.session(&ctx, Purpose::Reconnect).await?;
+        let dest = self.master.destination();
+        let out = tokio::time::timeout(ctx.remaining(), session.raw_command(line).output())
+            .await
+            .with_context(|| {
+                format!(
+                    "a command on {dest} did not finish within {} s",
+                    limit.as_secs()
+                )
+            })?
+            .with_context(|| format!("running a command on {dest}"))?;
+        Ok(ExecOutput {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        })
     }
 
     async fn shell_command(

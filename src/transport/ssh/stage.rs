@@ -153,11 +153,17 @@ async fn reattach(
     match master.reconnect(&quiet, script.machine).await {
         Ok(s) => Ok(s),
         Err(_) if ctx.cancel.is_cancelled() => Err(Lost::Cancelled),
-        Err(e) if e.downcast_ref::<MachineLost>().is_some() => Err(Lost::Failed(anyhow!(
-            "the SSH connection to {dest} was lost during {}, and its machine will not come \
-             back: {e:#}",
-            script.stage
-        ))),
+        // The machine itself is gone: said as such (the run stage records it
+        // and cleanup settles it as a machine lost); the typed error stays in
+        // the chain for it to find.
+        Err(e) if e.downcast_ref::<MachineLost>().is_some() => {
+            Err(Lost::Failed(e.context(format!(
+                "the SSH connection to {dest} was lost during {}; dormant stopped reconnecting \
+                 after {:.0} s",
+                script.stage,
+                since.elapsed().as_secs_f64()
+            ))))
+        }
         Err(e) => Err(Lost::Failed(anyhow!(
             "the SSH connection to {dest} was lost during {} and did not come back within \
              ssh.reconnect_timeout = {timeout} (dormant tried to reconnect for {:.0} s): {e:#}",
