@@ -15,14 +15,16 @@ if [ -n "$2" ] && ! cd -- "$2" 2>/dev/null; then echo "dormant-error the work di
 # commands the script runs with QUIT at its default.
 p= q=
 for g in TERM HUP QUIT USR1 USR2; do
-  trap "if [ -n \"\$p\" ]; then kill -s $g \$p; else q=$g; fi 2>/dev/null" "$g"
+  trap "x=1; if [ -n \"\$p\" ]; then kill -s $g \$p; else q=$g; fi 2>/dev/null" "$g"
 done
-trap "if [ -n \"\$p\" ]; then kill -s INT -- -\$p; else q=INT; fi 2>/dev/null" INT
+trap "x=1; if [ -n \"\$p\" ]; then kill -s INT -- -\$p; else q=INT; fi 2>/dev/null" INT
 # Job control only to start the script in a group of its own; its messages
 # ("[1]+ Exit 3 ...", when the script ends at once) must not reach stderr.
-{ set -m; ( set +m; trap : QUIT; unset w p q g; set --; eval "$s" ) </dev/null 2>&1 & p=$!; set +m; } 2>/dev/null
+{ set -m; ( set +m; trap : QUIT; unset w p q g x r; set --; eval "$s" ) </dev/null 2>&1 & p=$!; set +m; } 2>/dev/null
 unset s
-[ -z "$q" ] || kill -s "$q" "$p" 2>/dev/null
+# A signal that came before the script's pid was known (the script may run
+# first after the fork): passed on now as its trap would have, INT too.
+case $q in "") ;; INT) kill -s INT -- "-$p";; *) kill -s "$q" "$p";; esac 2>/dev/null
 # Only now (the script must keep the default): a lost connection must not
 # kill the wrapper before it has reported and cleaned up.
 trap '' PIPE
@@ -31,8 +33,12 @@ echo "dormant-pgid $p" >&2
   kill -s TERM -- "-$p"; sleep 5; kill -s KILL -- "-$p" ) <&0 >/dev/null 2>&1 &
 w=$!
 disown "$w"
-# A trapped signal ends `wait` early: wait again until the script is gone.
-while :; do wait "$p"; rc=$?; kill -0 "$p" 2>/dev/null || break; done
+# A trapped signal (its trap sets x) ends `wait` early with 128+n, the
+# script's end still to be collected, even when the script has already
+# ended by then: wait again. A wait with nothing left to collect (127)
+# means the one before had the end (the signal came just after it).
+x=; wait "$p"; rc=$?
+while [ -n "$x" ]; do x=; wait "$p"; r=$?; [ $r -eq 127 ] && [ -z "$x" ] && break; rc=$r; done
 kill -s KILL -- "-$p" "$w" 2>/dev/null
 if [ -n "$3" ]; then
   if [ -e "$3" ] || [ -L "$3" ]; then echo "dormant-watched present" >&2; else echo "dormant-watched absent" >&2; fi

@@ -151,19 +151,25 @@ if [ -n "$c" ]; then
   # to the script, as in the direct wrapper (direct.sh says why).
   q=
   for g in TERM HUP QUIT USR1 USR2; do
-    trap "if [ -n \"\$p\" ]; then kill -s $g \$p; else q=$g; fi 2>/dev/null" "$g"
+    trap "x=1; if [ -n \"\$p\" ]; then kill -s $g \$p; else q=$g; fi 2>/dev/null" "$g"
   done
-  trap "if [ -n \"\$p\" ]; then kill -s INT -- -\$p; else q=INT; fi 2>/dev/null" INT
+  trap "x=1; if [ -n \"\$p\" ]; then kill -s INT -- -\$p; else q=INT; fi 2>/dev/null" INT
   # The script writes into the file, never into the connection: it runs on
   # whatever happens to the connection.
-  { set -m; ( set +m; trap : QUIT; unset -f holds pos nap fin up own; unset w p q g o f t m n c K L rep; set --; eval "$s" ) </dev/null >&3 2>&3 & p=$!; set +m; } 2>/dev/null
+  { set -m; ( set +m; trap : QUIT; unset -f holds pos nap fin up own; unset w p q g x r o f t m n c K L rep; set --; eval "$s" ) </dev/null >&3 2>&3 & p=$!; set +m; } 2>/dev/null
   unset s
-  [ -z "$q" ] || kill -s "$q" "$p" 2>/dev/null
+  # A signal that came before the script's pid was known (the script may run
+  # first after the fork): passed on now as its trap would have, INT too.
+  case $q in "") ;; INT) kill -s INT -- "-$p";; *) kill -s "$q" "$p";; esac 2>/dev/null
   trap '' PIPE
   echo "$m $p" > "$o.pid"
   echo "dormant-pgid $p" >&2
-  # A trapped signal ends `wait` early: wait again until the script is gone.
-  while :; do wait "$p"; rc=$?; kill -0 "$p" 2>/dev/null || break; done
+  # A trapped signal (its trap sets x) ends `wait` early with 128+n, the
+  # script's end still to be collected, even when the script has already
+  # ended by then: wait again. A wait with nothing left to collect (127)
+  # means the one before had the end (the signal came just after it).
+  x=; wait "$p"; rc=$?
+  while [ -n "$x" ]; do x=; wait "$p"; r=$?; [ $r -eq 127 ] && [ -z "$x" ] && break; rc=$r; done
   kill -s KILL -- "-$p" 2>/dev/null
   pos $$ 3
   if [ -n "$3" ]; then

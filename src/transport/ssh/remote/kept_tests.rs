@@ -476,3 +476,33 @@ fn a_script_that_arrives_incomplete_is_not_run_and_leaves_no_claim() {
     );
     assert!(m.files("build.12").is_empty(), "{:?}", m.files("build.12"));
 }
+
+#[test]
+fn a_signal_to_dollar_dollar_that_ends_the_wrappers_wait_early_is_not_the_exit_code() {
+    // As in the direct wrapper (tests.rs): the script's `kill $$` ends the
+    // wrapper's `wait` early, the script's trap ends it with 7, often before
+    // the wrapper looks again. Before, the kept wrapper reported 138 in 18
+    // runs of 300 here (3 of 100 in another run).
+    let m = Machine::new();
+    let mut wrong = Vec::new();
+    let runs = 300;
+    for i in 0..runs {
+        let stage = format!("sig{i}");
+        let s = m.session(
+            &stage,
+            Mode::Start,
+            "trap 'exit 7' USR1; kill -s USR1 $$; sleep 30 & wait $!\n",
+            1 << 20,
+            60,
+        );
+        let end = s.until(|r| matches!(r, Report::Exit(..)));
+        if !matches!(end, Report::Exit(7, _)) {
+            wrong.push(end);
+        }
+        s.close();
+    }
+    assert!(wrong.is_empty(), "{} of {runs}: {wrong:?}", wrong.len());
+    for i in 0..runs {
+        wait_for(|| m.files(&format!("sig{i}")).is_empty(), "the files to go");
+    }
+}
