@@ -44,6 +44,7 @@ mod moto;
 mod moto_refusals;
 mod notify;
 mod qemu;
+mod qemu_reattach;
 #[cfg(feature = "testing")]
 mod qemu_volume;
 mod reattach;

@@ -86,6 +86,11 @@ fn qemu_rig(suspend_mode: &str) -> Rig {
 
 /// `extra`: settings appended after the `[qemu]` table (other tables).
 fn qemu_rig_with(suspend_mode: &str, extra: &str) -> Rig {
+    qemu_rig_full(suspend_mode, "", extra)
+}
+
+/// As [`qemu_rig_with`], with `ssh` added to the `[ssh]` table.
+pub(crate) fn qemu_rig_full(suspend_mode: &str, ssh: &str, extra: &str) -> Rig {
     let img = image_dir();
     for f in ["base.qcow2", "vmlinuz", "initrd.img"] {
         assert!(
@@ -106,7 +111,7 @@ fn qemu_rig_with(suspend_mode: &str, extra: &str) -> Rig {
         SYSTEM,
         &format!(
             "provider = \"qemu\"\nprepare_timeout = \"10m\"\n\
-             [ssh]\nready_timeout = \"2m\"\n\
+             [ssh]\nready_timeout = \"2m\"\n{ssh}\
              [qemu]\naccel = \"tcg\"\ncpus = 2\nmemory_mib = 1024\nrestrict_network = true\n\
              boot_timeout = \"400s\"\nshutdown_timeout = \"90s\"\nmax_environments = 1\n\
              suspend_mode = \"{suspend_mode}\"\n\
