@@ -25,9 +25,39 @@ use crate::wait::{Schedule, Wait};
 
 /// After SIGTERM to the script's group, how long it may take to exit before
 /// SIGKILL (the runner's scripts `trap 'exit 1' TERM`, so this is quick).
-const TERM_GRACE: Duration = Duration::from_secs(5);
+/// Kept stages use the same steps.
+pub(super) const TERM_GRACE: Duration = Duration::from_secs(5);
 /// After SIGKILL, how long to wait for the wrapper's exit report.
-const KILL_STEP: Duration = Duration::from_secs(5);
+pub(super) const KILL_STEP: Duration = Duration::from_secs(5);
+
+/// A stage's session, opened over the master, or why not.
+pub(super) enum Opened<'s> {
+    Child(openssh::Child<&'s Session>),
+    /// The master's socket did not answer: nothing reached the machine.
+    MasterUnreachable(String),
+}
+
+/// Opens a session running `line` (a wrapper's command line) with its three
+/// streams piped, for `stage` on `dest`. Both wrappers' sessions start here.
+pub(super) async fn open<'s>(
+    session: &'s Session,
+    line: &str,
+    dest: &str,
+    stage: &str,
+) -> Result<Opened<'s>> {
+    let spawned = session
+        .raw_command(line)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .await;
+    match spawned {
+        Ok(child) => Ok(Opened::Child(child)),
+        Err(e) if session.check().await.is_err() => Ok(Opened::MasterUnreachable(e.to_string())),
+        Err(e) => bail!("opening a session on {dest} for {stage}: {e}"),
+    }
+}
 
 /// How one attempt at a channel ended.
 pub enum Once {
@@ -58,21 +88,9 @@ pub async fn run_once(
     ctx: &Ctx,
 ) -> Result<Once> {
     let line = remote::command_line(body.len(), workdir, script.watch, None);
-    let spawned = session
-        .raw_command(&line)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .await;
-    let mut child = match spawned {
-        Ok(child) => child,
-        Err(e) => {
-            if session.check().await.is_err() {
-                return Ok(Once::MasterUnreachable(e.to_string()));
-            }
-            bail!("opening a session on {dest} for {}: {e}", script.stage);
-        }
+    let mut child = match open(session, &line, dest, script.stage).await? {
+        Opened::Child(child) => child,
+        Opened::MasterUnreachable(why) => return Ok(Once::MasterUnreachable(why)),
     };
     let (Some(mut stdin), Some(stdout), Some(stderr)) = (
         child.stdin().take(),

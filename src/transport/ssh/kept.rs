@@ -17,19 +17,15 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use openssh::{ChildStdin, Session, Stdio};
+use openssh::{ChildStdin, Session};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
+use super::channel::{self, KILL_STEP, TERM_GRACE};
 use super::remote::{self, Kept, Mode, Report};
 use super::stream::Stream;
 use crate::context::Ctx;
 use crate::transport::{Ran, Script, ScriptExit};
 
-/// After SIGTERM to the script's group, how long it may take to exit before
-/// SIGKILL (the runner's scripts `trap 'exit 1' TERM`, so this is quick).
-const TERM_GRACE: Duration = Duration::from_secs(5);
-/// After SIGKILL, how long to wait for the wrapper's exit report.
-const KILL_STEP: Duration = Duration::from_secs(5);
 /// How long `KEEP` may take to leave dormant's pipe for the master: once the
 /// master has read it, it is delivered even as dormant closes the session
 /// (the master sends what it read before it closes a channel whose client
@@ -112,25 +108,9 @@ pub async fn run_once<W: std::io::Write>(
         bound: place.bound,
     };
     let line = remote::command_line(upload.len(), place.workdir, script.watch, Some(&kept));
-    let spawned = session
-        .raw_command(&line)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .await;
-    let mut child = match spawned {
-        Ok(child) => child,
-        Err(e) => {
-            if session.check().await.is_err() {
-                return Ok(Once::MasterUnreachable(e.to_string()));
-            }
-            bail!(
-                "opening a session on {} for {}: {e}",
-                place.dest,
-                script.stage
-            );
-        }
+    let mut child = match channel::open(session, &line, place.dest, script.stage).await? {
+        channel::Opened::Child(child) => child,
+        channel::Opened::MasterUnreachable(why) => return Ok(Once::MasterUnreachable(why)),
     };
     st.sent |= !upload.is_empty();
     let (Some(stdin), Some(mut stdout), Some(stderr)) = (
