@@ -286,3 +286,66 @@ fn a_cancel_while_disconnected_ends_run_promptly_and_cleanup_stops_the_script() 
     }
     assert_nothing_kept(&sshd.lock().unwrap());
 }
+
+#[test]
+fn a_stage_cleanup_could_not_stop_is_stopped_by_the_resumes_prepare_before_any_stage() {
+    // The machine went away mid-stage and stayed away through cleanup: the
+    // job failed (system failure), its environment was suspended (the
+    // failure trigger) with the script still running on the host, which
+    // cleanup could not reach — as with a hibernated machine, whose memory
+    // keeps it. The resume's prepare stops it before the next job's first
+    // stage. Keepalives every 60 s make the host keep the stage for minutes
+    // (reconnect_timeout + 3 x server_alive_interval + 60 s): nothing else
+    // would stop it in the time this test takes.
+    let sshd = Mutex::new(Sshd::start());
+    let (rig, _) = ssh_rig_with(
+        &sshd.lock().unwrap(),
+        "reconnect_timeout = \"3s\"\nserver_alive_interval = \"60s\"",
+    );
+    let (d, marker) = dir();
+    let pids = d.path().join("pids");
+    let first = job(75)
+        .suspend_on(false, true)
+        .script(&long_script(&pids, &marker));
+    let r = std::thread::scope(|s| {
+        let run = s.spawn(|| rig.run(&first));
+        wait_lines(&marker, 5);
+        sshd.lock().unwrap().stop();
+        run.join().unwrap()
+    });
+    assert_result(&r, JobResult::SystemFailure);
+    assert!(
+        r.cleanup_output()
+            .contains("what the job's stages left running could not be stopped"),
+        "{}",
+        r.cleanup_output()
+    );
+    let key = r.key.clone().expect("suspended on failure: a key");
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    let left = script_pids(&pids);
+    assert_eq!(left.len(), 2);
+    assert!(
+        left.iter().all(|p| alive(*p)),
+        "the script runs on on the host, unreachable for cleanup"
+    );
+
+    sshd.lock().unwrap().restart();
+    let mut stopped_first = None;
+    let second = job(75).resume(&key).script("echo resumed");
+    let r2 = rig
+        .runner
+        .run_job_with(&second, &mut |stage| {
+            // The first stage after prepare: what runs of the job before?
+            if stopped_first.is_none() && stage != "prepare" {
+                stopped_first = Some(left.iter().filter(|p| alive(**p)).count());
+            }
+        })
+        .unwrap();
+    assert_result(&r2, JobResult::Success);
+    assert_eq!(
+        stopped_first,
+        Some(0),
+        "the suspended job's script was still running when the next job's stages began"
+    );
+    assert_nothing_kept(&sshd.lock().unwrap());
+}
