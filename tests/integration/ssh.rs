@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::harness::*;
-use crate::sshd::{alive, Sshd};
+use crate::sshd::{assert_dies, Sshd};
 use dormant::runner_sim::SimJob;
 use dormant::state::EnvPaths;
 
@@ -277,7 +277,10 @@ fn sigterm_mid_script_kills_the_remote_process_group() {
     let pids: Vec<u32> = text.lines().map(|l| l.trim().parse().unwrap()).collect();
     assert_eq!(pids.len(), 2, "{text}");
     for pid in pids {
-        assert!(!alive(pid), "remote process {pid} survived the termination");
+        assert_dies(
+            pid,
+            &format!("remote process {pid} survived the termination"),
+        );
     }
 }
 
@@ -319,7 +322,7 @@ fn a_script_ignoring_sigterm_is_killed_after_the_grace() {
         .trim()
         .parse()
         .unwrap();
-    assert!(!alive(pid), "the script's shell {pid} survived SIGKILL");
+    assert_dies(pid, &format!("the script's shell {pid} survived SIGKILL"));
 }
 
 #[test]
@@ -435,7 +438,7 @@ fn processes_a_script_leaves_behind_do_not_outlive_its_stage() {
         .trim()
         .parse()
         .unwrap();
-    assert!(!alive(pid), "the leftover sleep {pid} was killed");
+    assert_dies(pid, &format!("the leftover sleep {pid} was not killed"));
     assert!(started.elapsed() < Duration::from_secs(30));
 }
 

@@ -305,6 +305,19 @@ pub fn children_of(pid: u32) -> Vec<u32> {
 }
 
 /// Whether a process is alive (and not a zombie).
+/// Waits until `pid` is gone (or a zombie), or fails after 10 s: a hang
+/// detector, not a speed check. A process sent SIGKILL dies when it is next
+/// scheduled, which on a loaded machine is not at once; one that survived
+/// (the tests' scripts sleep for minutes) is still there after 10 s.
+#[track_caller]
+pub fn assert_dies(pid: u32, what: &str) {
+    let t = std::time::Instant::now();
+    while alive(pid) {
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "{what}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 pub fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => !matches!(

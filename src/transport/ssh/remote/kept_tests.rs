@@ -398,6 +398,7 @@ fn leftovers_are_stopped_and_their_files_removed() {
     };
     assert_eq!(run(true), "keep:ok\n");
     for pid in pids {
+        // At once: the leftovers script returns only once the group is gone.
         assert!(!alive(pid), "{pid} survived, even ignoring SIGTERM");
     }
     assert!(m.files("build.9").is_empty(), "{:?}", m.files("build.9"));

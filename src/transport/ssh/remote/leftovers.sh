@@ -8,6 +8,19 @@ if [ "${TMPDIR#/}" != "${TMPDIR-}" ]; then t=$TMPDIR; elif [ "$UID" -lt 1000 ] &
 t=$t/dormant-$UID
 if [ -d "$t" ] && [ -O "$t" ] && [ ! -L "$t" ]; then
   holds() { local d; for d in /proc/$1/fd/*; do [ "$d" -ef "$o.out" ] && return; done; return 1; }
+  # Whether a process of group $1 is still alive (a zombie has ended). The
+  # wrapper lets go of the output (fd 3) right after it sent the group
+  # SIGKILL, before the group's members have run to their end: the caller
+  # suspends or runs the next job's stages only once they have.
+  lives() {
+    local s st g=$1
+    for s in /proc/[1-9]*/stat; do
+      { read -r st < "$s"; } 2>/dev/null || continue
+      set -- ${st##*) }
+      [ "$3" = "$g" ] && [ "$1" != Z ] && [ "$1" != X ] && return 0
+    done
+    return 1
+  }
   g=
   for s in "$t/$1".*.out; do
     [ -e "$s" ] || continue
@@ -25,7 +38,7 @@ if [ -d "$t" ] && [ -O "$t" ] && [ ! -L "$t" ]; then
     l=
     for x in $g; do
       m=${x%%:*} p=${x#*:} o=${p#*:} p=${p%%:*}
-      [ "/proc/$m/fd/3" -ef "$o.out" ] || continue
+      [ "/proc/$m/fd/3" -ef "$o.out" ] || lives "$p" || continue
       [ "$i" -eq 50 ] && kill -s KILL -- "-$p" 2>/dev/null
       l="$l $x"
     done
