@@ -17,8 +17,10 @@
 //!
 //! If dormant dies (even by SIGKILL), the script's whole process group goes
 //! with it: the shell by `PR_SET_PDEATHSIG`, and every other member by a
-//! watchdog — a fork of dormant, in the script's group, that holds nothing
-//! but the read end of a pipe only dormant writes to. When dormant goes, the
+//! watchdog — a fork of dormant that leads the script's group (it is forked
+//! first and the script's shell joins its group, so the group never lives
+//! unguarded, however early dormant dies), and holds nothing but the read
+//! end of a pipe only dormant writes to. When dormant goes, the
 //! pipe ends and the watchdog kills the group, itself included. (A member
 //! would otherwise live on until its next write to the closed output fails,
 //! or for ever if it never writes.)
@@ -138,6 +140,12 @@ impl Transport for LocalTransport {
                     .context("duplicating the output pipe")?,
             )
             .stderr(out_write);
+        // The script's group is the watchdog's, made before the script starts:
+        // there is no moment when the group lives unguarded.
+        let watchdog = Watchdog::start()
+            .with_context(|| format!("guarding the {} script's process group", script.stage))?;
+        let pgid = watchdog.pid;
+        cmd.process_group(pgid);
         let fd = file.as_raw_fd();
         let parent = std::process::id() as libc::pid_t;
         // SAFETY: between fork and exec this calls only async-signal-safe
@@ -154,13 +162,6 @@ impl Transport for LocalTransport {
         drop(file);
         let mut child = spawned
             .with_context(|| format!("starting {} for {}", self.shell.display(), script.stage))?;
-        let pgid = child
-            .id()
-            .context("the script's shell exited before it could be tracked")?
-            as i32;
-        // Its pipe's write end lives exactly as long as this call.
-        let _watchdog = Watchdog::start(pgid)
-            .with_context(|| format!("guarding the {} script's process group", script.stage))?;
         let out_read = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(out_read))
             .context("reading the script's output")?;
         let copy = relay::copy_to_stdout(out_read);
@@ -332,7 +333,9 @@ struct Watchdog {
 }
 
 impl Watchdog {
-    fn start(pgid: i32) -> std::io::Result<Watchdog> {
+    /// Forks the watchdog as the leader of a new process group, for the
+    /// script to join; its pipe's write end lives as long as the value.
+    fn start() -> std::io::Result<Watchdog> {
         let mut fds = [0; 2];
         // SAFETY: pipe2 writes two descriptors into the array it is given.
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -349,7 +352,13 @@ impl Watchdog {
         }
         if pid == 0 {
             // SAFETY: see above.
-            unsafe { watch(pgid, read_fd) }
+            unsafe { watch(read_fd) }
+        }
+        // Both sides make the group (whichever runs first): it exists once
+        // this returns, for the script's shell to join.
+        // SAFETY: setpgid on our own child.
+        unsafe {
+            libc::setpgid(pid, pid);
         }
         drop(read);
         Ok(Watchdog { pid, _alive: write })
@@ -369,13 +378,13 @@ impl Drop for Watchdog {
     }
 }
 
-/// The watchdog's life, in the forked child: join the script's group, ignore
-/// every signal a script sends its group (only SIGKILL ends it), hold
+/// The watchdog's life, in the forked child: lead a new group (the script's),
+/// ignore every signal a script sends its group (only SIGKILL ends it), hold
 /// nothing but the pipe, and kill the group when the pipe ends.
-unsafe fn watch(pgid: i32, pipe: i32) -> ! {
+unsafe fn watch(pipe: i32) -> ! {
+    let pgid = libc::getpid();
     if libc::setpgid(0, pgid) != 0 {
-        // The group is gone already: nothing to guard.
-        libc::_exit(0);
+        libc::_exit(1);
     }
     for signal in 1..libc::SIGRTMAX() {
         if signal != libc::SIGKILL && signal != libc::SIGSTOP {

@@ -113,6 +113,13 @@ own() {
       # goes, and dormant follows again from where it is, told of the gap.
       x=$((z - K * 3 / 4)) y=$z fp=
       for c in /proc/$f/fd/*; do [ "$c" -ef "$o.out" ] && { pos "$f" "${c##*/}"; fp=$z; break; }; done
+      # A follower that lives but has not opened the file yet (a loaded
+      # machine starts it late) will read from its start: nothing may be
+      # dropped under it, or it would send the hole's zeros for output.
+      if [ -z "$fp" ] && [ -n "$f" ] && { read -r c < "/proc/$f/stat"; } 2>/dev/null; then
+        c=${c##*) }
+        [ "${c%% *}" = Z ] || x=$k
+      fi
       if [ -n "$fp" ] && [ "$fp" -lt "$x" ]; then
         if [ $((y - fp)) -gt "$K" ]; then kill -s KILL "$f" 2>/dev/null; else x=$fp; fi
       fi
