@@ -106,20 +106,13 @@ impl Transport for SshTransport {
             on_login = self.master.target.on_login.as_deref().unwrap_or(""),
             leftovers = remote::leftovers_command(&self.master.paths.id.simple().to_string(), keeps),
         );
-        let out = tokio::time::timeout(
+        let out = run_checked(
+            &session,
+            &probe,
             ctx.remaining().min(Duration::from_secs(60)),
-            session.raw_command(&probe).output(),
+            &format!("probing {dest} for bash, git and gitlab-runner"),
         )
-        .await
-        .with_context(|| format!("probing {dest} for bash, git and gitlab-runner timed out"))?
-        .with_context(|| format!("probing {dest} for bash, git and gitlab-runner"))?;
-        if !out.status.success() {
-            bail!(
-                "probing {dest} failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
+        .await?;
         let said = String::from_utf8_lossy(&out.stdout);
         for line in said.lines() {
             if let Some(text) = line.strip_prefix("say:") {
@@ -168,21 +161,14 @@ impl Transport for SshTransport {
             .await
             .with_context(|| format!("reaching {dest} to stop what the job's stages left there"))?;
         let command = remote::leftovers_command(&self.master.paths.id.simple().to_string(), false);
-        let out = tokio::time::timeout(
+        run_checked(
+            &session,
+            &command,
             ctx.remaining().min(LEFTOVERS_BOUND),
-            session.raw_command(&command).output(),
+            &format!("stopping what the job's stages left on {dest}"),
         )
         .await
-        .with_context(|| format!("stopping what the job's stages left on {dest} timed out"))?
-        .with_context(|| format!("stopping what the job's stages left on {dest}"))?;
-        if !out.status.success() {
-            bail!(
-                "stopping what the job's stages left on {dest} failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        Ok(())
+        .map(drop)
     }
 
     async fn take_file(&self, path: &str, max: usize, ctx: &Ctx) -> Result<Option<Vec<u8>>> {
@@ -190,20 +176,13 @@ impl Transport for SshTransport {
         // one multiplexed command, no new handshake.
         let session = self.master.session(ctx, Purpose::Reconnect).await?;
         let dest = self.master.destination();
-        let out = tokio::time::timeout(
+        let out = run_checked(
+            &session,
+            &take_file_command(path, max),
             ctx.remaining().min(TAKE_FILE_BOUND),
-            session.raw_command(take_file_command(path, max)).output(),
+            &format!("reading {path} on {dest}"),
         )
-        .await
-        .with_context(|| format!("reading {path} on {dest} timed out"))?
-        .with_context(|| format!("reading {path} on {dest}"))?;
-        if !out.status.success() {
-            bail!(
-                "reading {path} on {dest} failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
+        .await?;
         parse_take_file(&out.stdout)
             .with_context(|| format!("reading {path} on {dest}: unexpected answer"))
     }
@@ -292,6 +271,29 @@ fn parse_take_file(stdout: &[u8]) -> Result<Option<Vec<u8>>> {
         b"present" => Ok(Some(rest.to_vec())),
         other => bail!("{:?}", String::from_utf8_lossy(other)),
     }
+}
+
+/// Runs one of dormant's own commands over `session` (a probe, a read, the
+/// leftovers' stop), within `bound`, and requires it to succeed; `what`
+/// names it in every error.
+async fn run_checked(
+    session: &openssh::Session,
+    command: &str,
+    bound: Duration,
+    what: &str,
+) -> Result<std::process::Output> {
+    let out = tokio::time::timeout(bound, session.raw_command(command).output())
+        .await
+        .with_context(|| format!("{what} timed out"))?
+        .with_context(|| what.to_string())?;
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
