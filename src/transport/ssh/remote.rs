@@ -10,7 +10,8 @@
 //! Protocol (the wrapper's stderr; the script's own stderr is merged into its
 //! stdout so the job log keeps the order the script wrote in):
 //! - `dormant-kept`: (kept) this session claimed the stage and runs it; its
-//!   stdout carries the output from byte 0;
+//!   stdout carries the output from byte 0 (sent with `dormant-pgid`, in
+//!   one write, once the script started: one report less per stage);
 //! - `dormant-at <offset>`: (kept) this session follows a stage another
 //!   session started; its stdout carries the output from byte `<offset>`,
 //!   which is past what dormant asked for when the bytes between were dropped
@@ -48,10 +49,14 @@
 //! starts). The script's output goes into `.out` through one open file
 //! description, whose position (`/proc/<pid>/fdinfo`) is the exact length of
 //! the output so far: no program counts it. A `tail -f` per session (the one
-//! program a stage starts, before the script, so it is up by the time the
-//! script prints) copies it into the session. The owner, a subshell reading
-//! the control lines, punches the oldest part out of the file
-//! (`fallocate -p`, offsets stay) when it outgrows `ssh.kept_output_mib`.
+//! program a stage starts; the owner starts it first thing, beside the
+//! script's start, and it reads the file from byte 0 however late it comes)
+//! copies it into the session. The owner, a subshell reading the control
+//! lines, punches the oldest part out of the file (`fallocate -p`, offsets
+//! stay) when it outgrows `ssh.kept_output_mib`. The owner's functions
+//! (`remote/kept_owner.sh`) travel as the wrapper's last argument and are
+//! defined only in the owner and in a re-attach: the stage's own path never
+//! parses them.
 //!
 //! The script itself never touches the host's disk: it is read into a shell variable
 //! with bash's own `read -N` (all of it, checked complete: a connection lost
@@ -83,6 +88,12 @@ pub const DIRECT: &str = include_str!("remote/direct.sh");
 
 /// The wrapper with kept output; its arguments are [`command_line`]'s.
 pub const KEPT: &str = include_str!("remote/kept.sh");
+
+/// The functions of a kept stage's owner, sent as the kept wrapper's last
+/// argument and defined only in the processes that run them (the owner the
+/// wrapper forks, a re-attach): parsing them on the stage's own path cost
+/// ≈ 0.5 ms per stage (the README's performance section).
+pub const KEPT_OWNER: &str = include_str!("remote/kept_owner.sh");
 
 /// Stops the stages of an environment left on the machine and removes their
 /// kept output (`$1` = the environment); with `$2 = check`, also says
@@ -124,17 +135,28 @@ pub fn linger(reconnect_timeout: std::time::Duration, server_alive: std::time::D
     (reconnect_timeout + server_alive * 3).as_secs() + 60
 }
 
+/// Which text [`sent`] returns.
+#[derive(Clone, Copy)]
+enum Text {
+    Direct,
+    Kept,
+    KeptOwner,
+}
+
 /// A wrapper as sent: its comment lines out (they are for whoever reads the
 /// source; bash would parse them on every stage, twice: `w='…'`, then `eval`).
-fn sent(kept: bool) -> &'static str {
-    static DIRECT_SENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    static KEPT_SENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    let (cell, text) = if kept {
-        (&KEPT_SENT, KEPT)
-    } else {
-        (&DIRECT_SENT, DIRECT)
+fn sent(which: Text) -> &'static str {
+    static SENT: [std::sync::OnceLock<String>; 3] = [
+        std::sync::OnceLock::new(),
+        std::sync::OnceLock::new(),
+        std::sync::OnceLock::new(),
+    ];
+    let text = match which {
+        Text::Direct => DIRECT,
+        Text::Kept => KEPT,
+        Text::KeptOwner => KEPT_OWNER,
     };
-    cell.get_or_init(|| {
+    SENT[which as usize].get_or_init(|| {
         text.lines()
             .filter(|l| !l.trim_start().starts_with('#'))
             .map(|l| format!("{l}\n"))
@@ -162,7 +184,7 @@ pub fn command_line(
     kept: Option<&Kept<'_>>,
 ) -> String {
     let (wrapper, more) = match kept {
-        None => (sent(false), String::new()),
+        None => (sent(Text::Direct), String::new()),
         Some(k) => {
             let (mode, offset) = match k.mode {
                 Mode::Start => ("start", 0),
@@ -170,13 +192,14 @@ pub fn command_line(
                 Mode::Follow(at) => ("follow", at),
             };
             (
-                sent(true),
+                sent(Text::Kept),
                 format!(
-                    " {} {} {mode} {offset} {} {}",
+                    " {} {} {mode} {offset} {} {} {}",
                     shell_quote(k.env),
                     shell_quote(k.stage),
                     k.linger_secs,
-                    k.bound
+                    k.bound,
+                    shell_quote(sent(Text::KeptOwner))
                 ),
             )
         }

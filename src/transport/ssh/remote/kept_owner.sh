@@ -1,0 +1,104 @@
+# The functions of a kept stage's owner: kept.sh passes them in ${10} and
+# defines them (eval) in the owner it forks and in a re-attach, so the
+# stage's own path never parses them (see ../remote.rs for the protocol).
+# Whether process $1 has the kept output open: it is this stage's, not a
+# process that got a pid of the stage's back.
+holds() { local d; for d in /proc/$1/fd/*; do [ "$d" -ef "$o.out" ] && return; done; return 1; }
+# The position of fd $2 of process $1 in the kept output -> z.
+pos() { local l; z=; [ "/proc/$1/fd/$2" -ef "$o.out" ] || return; while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$1/fdinfo/$2"; }
+# A sleep that starts no program: a read that times out on a pipe no one writes.
+nap() { [ -n "$n" ] || { exec 8< <(:); exec 8<>/dev/fd/8; n=1; }; read -r -t "$1" -u 8 _; }
+n=
+# Stops what is left of the stage, drops its files, and goes.
+fin() {
+  local i=0 x y
+  if [ "/proc/$m/fd/3" -ef "$o.out" ]; then
+    # (The script's group may be a moment from being recorded.)
+    while [ -z "$p" ] && [ $((i += 1)) -le 20 ]; do
+      { read -r x y < "$o.pid" && [ -n "$y" ] && m=$x p=$y; } 2>/dev/null || nap 0.05
+    done
+    kill -s TERM -- "-$p" 2>/dev/null
+    while [ "/proc/$m/fd/3" -ef "$o.out" ] && [ $((i += 1)) -le 50 ]; do nap 0.1; done
+    kill -s KILL -- "-$p" 2>/dev/null
+    while [ "/proc/$m/fd/3" -ef "$o.out" ] && [ $((i += 1)) -le 70 ]; do nap 0.1; done
+  fi
+  holds "$f" && kill -s KILL "$f" 2>/dev/null
+  rm -f -- "$o".*
+  exit 0
+}
+# Whether this session's connection lives: the sshd process the session's
+# shell was started by ($PPID) is still there a moment after its input ended.
+# (When the connection is lost, that process goes, closing the session.)
+up() {
+  local i=0 st
+  while :; do
+    st=
+    read -r st < "/proc/$PPID/stat" 2>/dev/null
+    st=${st##*) }
+    case ${st%% *} in ''|Z|X) return 1;; esac
+    [ $((i += 1)) -le 4 ] || return 0
+    nap 0.025
+  done
+}
+# The stage's owner, one at a time (the process named first in $o.own): reads
+# the control lines, keeps the output within its bound, and when its session
+# ends: over a connection that lives, dormant closed it — it has the stage's
+# end, or it died, and then the script goes as with the direct wrapper —
+# unless dormant said KEEP (it follows again in a new session); after a lost
+# connection, the script runs on and the stage is kept $L s for dormant to
+# come back. A newer owner (a re-attach) takes over.
+own() {
+  local me=$BASHPID c x y k=0 fp e= keep= dl pend=
+  [ "$1" = start ] && echo "$me $f" > "$o.own"
+  # A lost connection must not end the owner when it says something.
+  trap '' PIPE
+  trap 'holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0' TERM
+  [ -r "$o.kept" ] && read -r k < "$o.kept"
+  while :; do
+    # The script's group, once the wrapper has started it.
+    [ -n "$p" ] || { read -r x y < "$o.pid" && [ -n "$y" ] && m=$x p=$y; } 2>/dev/null
+    if [ -n "$pend" ] && [ -n "$p" ]; then kill -s "$pend" -- "-$p" 2>/dev/null; pend=; fi
+    if IFS= read -r -t 0.05 c; then
+      case $c in
+        TERM|KILL) if [ -n "$p" ]; then kill -s "$c" -- "-$p" 2>/dev/null; else pend=$c; fi;;
+        KEEP) keep=1;;
+      esac
+    elif [ $? -lt 128 ] && [ -z "$e" ]; then
+      e=1 dl=$((SECONDS + L)); nap 0; exec 0<&8
+      [ -z "$keep" ] && up && fin
+    fi
+    read -r x y < "$o.own" 2>/dev/null
+    [ "$x" = "$me" ] || { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
+    z=; [ -e "$o.exit" ] && read -r x z < "$o.exit"
+    if [ -n "$z" ] && [ -n "$rep" ]; then echo "dormant-exit $x $z" >&2; rep=; fi
+    if [ -z "$z" ]; then
+      pos "$m" 3
+      # The wrapper that ran the script is gone without recording its end.
+      if [ -z "$z" ] && [ ! -e "$o.exit" ]; then echo "dormant-error the stage's wrapper on the machine was killed before the script's end was recorded" >&2; fin; fi
+    fi
+    if [ -n "$z" ] && [ $((z - k)) -gt "$K" ]; then
+      # Past the bound: punch out the oldest part, keeping the newest 3/4
+      # (more than any connection has in flight). Never below what the
+      # follower has read, unless it lags by more than the bound: then it
+      # goes, and dormant follows again from where it is, told of the gap.
+      x=$((z - K * 3 / 4)) y=$z fp=
+      for c in /proc/$f/fd/*; do [ "$c" -ef "$o.out" ] && { pos "$f" "${c##*/}"; fp=$z; break; }; done
+      # A follower that lives but has not opened the file yet (a loaded
+      # machine starts it late) will read from its start: nothing may be
+      # dropped under it, or it would send the hole's zeros for output.
+      if [ -z "$fp" ] && [ -n "$f" ] && { read -r c < "/proc/$f/stat"; } 2>/dev/null; then
+        c=${c##*) }
+        [ "${c%% *}" = Z ] || x=$k
+      fi
+      if [ -n "$fp" ] && [ "$fp" -lt "$x" ]; then
+        if [ $((y - fp)) -gt "$K" ]; then kill -s KILL "$f" 2>/dev/null; else x=$fp; fi
+      fi
+      if [ "$x" -gt "$k" ]; then
+        echo "$x" > "$o.kept"
+        fallocate -p -o "$k" -l $((x - k)) -- "$o.out" 2>/dev/null || echo "dormant-warn could not drop the oldest output of the stage on the machine (fallocate -p failed): it is kept whole" >&2
+        k=$x
+      fi
+    fi
+    [ -n "$e" ] && [ "$SECONDS" -ge "$dl" ] && fin
+  done
+}
