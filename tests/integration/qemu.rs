@@ -106,6 +106,10 @@ pub(crate) fn qemu_rig_full(suspend_mode: &str, ssh: &str, extra: &str) -> Rig {
             .is_ok_and(|o| o.status.success()),
         "qemu-system-x86_64 is not installed: run scripts/install-test-deps.sh"
     );
+    // A VM may be powered off while it still boots (a prepare killed after
+    // the launch): its ACPI power-off then takes its boot (up to
+    // boot_timeout, 400 s under TCG on a loaded machine) and its shutdown;
+    // the tests that check a clean power-off must not depend on load.
     Rig::new(
         RUNNER,
         SYSTEM,
@@ -113,7 +117,7 @@ pub(crate) fn qemu_rig_full(suspend_mode: &str, ssh: &str, extra: &str) -> Rig {
             "provider = \"qemu\"\nprepare_timeout = \"10m\"\n\
              [ssh]\nready_timeout = \"2m\"\n{ssh}\
              [qemu]\naccel = \"tcg\"\ncpus = 2\nmemory_mib = 1024\nrestrict_network = true\n\
-             boot_timeout = \"400s\"\nshutdown_timeout = \"90s\"\nmax_environments = 1\n\
+             boot_timeout = \"400s\"\nshutdown_timeout = \"600s\"\nmax_environments = 1\n\
              suspend_mode = \"{suspend_mode}\"\n\
              image = {{ disk = \"{d}/base.qcow2\", kernel = \"{d}/vmlinuz\", initrd = \"{d}/initrd.img\" }}\n\
              {extra}",

@@ -58,13 +58,15 @@ fn marked_image(base: &Path, out: &Path, marker: &str) {
     std::fs::remove_file(&raw).unwrap();
 }
 
+/// The rig's settings; `shutdown_timeout` is long for the reason given in
+/// `qemu.rs` (a VM powered off while it boots: the killed attempt's below).
 fn settings(disk: &Path) -> String {
     let d = image_dir();
     format!(
         "provider = \"qemu\"\nprepare_timeout = \"10m\"\n\
          [ssh]\nready_timeout = \"2m\"\n\
          [qemu]\naccel = \"tcg\"\ncpus = 2\nmemory_mib = 1024\nrestrict_network = true\n\
-         boot_timeout = \"400s\"\nshutdown_timeout = \"90s\"\nmax_environments = 1\n\
+         boot_timeout = \"400s\"\nshutdown_timeout = \"600s\"\nmax_environments = 1\n\
          storage = \"volume\"\nvolume_size = \"1G\"\n\
          image = {{ disk = \"{disk}\", kernel = \"{d}/vmlinuz\", initrd = \"{d}/initrd.img\" }}\n\
          {GRACE}",

@@ -16,6 +16,20 @@ use super::*;
 
 const ENV: &str = "0123456789abcdef0123456789abcdef";
 
+/// The pids a script wrote into `file` (`echo … > file`), once its line is
+/// whole: the shell creates the file before `echo` writes into it, so a file
+/// that exists may still be empty (the soak saw it, on a loaded machine).
+#[track_caller]
+fn pids_in(file: &Path) -> Vec<i32> {
+    let whole = || std::fs::read_to_string(file).is_ok_and(|t| t.ends_with('\n'));
+    wait_for(whole, "the script to start and write its pid");
+    std::fs::read_to_string(file)
+        .unwrap()
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect()
+}
+
 /// A machine: its temp dir, where the wrapper keeps output.
 struct Machine {
     tmp: tempfile::TempDir,
@@ -314,12 +328,7 @@ fn nobody_coming_back_stops_the_script_and_drops_its_files_after_the_linger() {
     let script = format!("echo $BASHPID > '{}'; sleep 300", pid_file.display());
     let s = m.session("build.6", Mode::Start, &script, 1 << 20, 1);
     assert_eq!(s.report(), Report::Kept);
-    wait_for(|| pid_file.exists(), "the script to start");
-    let pid: i32 = std::fs::read_to_string(&pid_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let pid = pids_in(&pid_file)[0];
     s.cut();
     assert!(alive(pid), "the script runs on without its connection");
     wait_for(|| !alive(pid), "the script to be stopped after the linger");
@@ -379,13 +388,9 @@ fn leftovers_are_stopped_and_their_files_removed() {
     );
     let s = m.session("build.9", Mode::Start, &script, 1 << 20, 600);
     assert_eq!(s.report(), Report::Kept);
-    wait_for(|| pid_file.exists(), "the script to start");
+    let pids = pids_in(&pid_file);
+    assert_eq!(pids.len(), 2, "the script's shell and its sleep");
     s.cut();
-    let pids: Vec<i32> = std::fs::read_to_string(&pid_file)
-        .unwrap()
-        .split_whitespace()
-        .map(|p| p.parse().unwrap())
-        .collect();
     let run = |check: bool| {
         let out = as_sshd_would(Command::new("sh"))
             .arg("-c")
@@ -419,16 +424,14 @@ fn a_session_dormant_closes_mid_stage_stops_the_script_unless_it_said_keep() {
     let (a, b) = (pid_file("a"), pid_file("b"));
     let s = m.session("build.10", Mode::Start, &script(&a), 1 << 20, 600);
     assert_eq!(s.report(), Report::Kept);
-    wait_for(|| a.exists(), "the script to start");
-    let pid: i32 = std::fs::read_to_string(&a).unwrap().trim().parse().unwrap();
+    let pid = pids_in(&a)[0];
     s.close();
     wait_for(|| !alive(pid), "the script to be stopped");
     wait_for(|| m.files("build.10").is_empty(), "the files to go");
     // KEEP: dormant follows again, the script runs on.
     let mut s = m.session("build.11", Mode::Start, &script(&b), 1 << 20, 600);
     assert_eq!(s.report(), Report::Kept);
-    wait_for(|| b.exists(), "the script to start");
-    let pid: i32 = std::fs::read_to_string(&b).unwrap().trim().parse().unwrap();
+    let pid = pids_in(&b)[0];
     s.send("KEEP");
     s.close();
     std::thread::sleep(Duration::from_millis(500));
