@@ -4,8 +4,10 @@
 # Whether process $1 has the kept output open: it is this stage's, not a
 # process that got a pid of the stage's back.
 holds() { local d; for d in /proc/$1/fd/*; do [ "$d" -ef "$o.out" ] && return; done; return 1; }
-# The position of fd $2 of process $1 in the kept output -> z.
-pos() { local l; z=; [ "/proc/$1/fd/$2" -ef "$o.out" ] || return; while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$1/fdinfo/$2"; }
+# The position of fd $2 of process $1 in the kept output -> z. (The process
+# may close the fd between the test and the read: no message then, or bash's
+# "No such file" would reach the job log through the session.)
+pos() { local l; z=; [ "/proc/$1/fd/$2" -ef "$o.out" ] || return; { while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$1/fdinfo/$2"; } 2>/dev/null; }
 # A sleep that starts no program: a read that times out on a pipe no one writes.
 nap() { [ -n "$n" ] || { exec 8< <(:); exec 8<>/dev/fd/8; n=1; }; read -r -t "$1" -u 8 _; }
 n=
