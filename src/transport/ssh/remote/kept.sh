@@ -64,7 +64,7 @@ if [ -n "$c" ]; then
   trap "x=1; if [ -n \"\$p\" ]; then kill -s INT -- -\$p; else q=INT; fi 2>/dev/null" INT
   # The script writes into the file, never into the connection: it runs on
   # whatever happens to the connection.
-  { set -m; ( set +m; trap : QUIT; unset w p q g x r o f t m c K L rep l z; set --; eval "$s" ) </dev/null >&3 2>&3 & p=$!; set +m; } 2>/dev/null
+  { set -m; ( set +m; trap : QUIT; unset w p q g x r o f t m c K L rep; set --; eval "$s" ) </dev/null >&3 2>&3 & p=$!; set +m; } 2>/dev/null
   unset s
   # A signal that came before the script's pid was known (the script may run
   # first after the fork): passed on now as its trap would have, INT too.
@@ -80,6 +80,8 @@ if [ -n "$c" ]; then
   x=; wait "$p"; rc=$?
   while [ -n "$x" ]; do x=; wait "$p"; r=$?; [ $r -eq 127 ] && [ -z "$x" ] && break; rc=$r; done
   kill -s KILL -- "-$p" 2>/dev/null
+  # The output's length: fd 3's position (the owner's `pos`, which is not
+  # defined here; this wrapper's own fd cannot go away under the read).
   z=; while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$$/fdinfo/3"
   if [ -n "$3" ]; then
     if [ -e "$3" ] || [ -L "$3" ]; then echo "dormant-watched present" >&2; else echo "dormant-watched absent" >&2; fi
