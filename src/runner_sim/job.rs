@@ -35,7 +35,8 @@ pub struct SimJob {
     /// as the runner does when the job is canceled or times out.
     pub cancel: Option<(String, std::time::Duration)>,
     /// After that SIGTERM, SIGKILL the call's process group this much later
-    /// (the runner's `graceful_kill_timeout`); `None`: SIGTERM only.
+    /// (the runner's `graceful_kill_timeout`); `None`: SIGTERM only. Zero:
+    /// the call never runs between the two (it is stopped first).
     pub force_kill: Option<std::time::Duration>,
     /// Cancel this stage (as `cancel` does) once this file exists: for a test
     /// that cancels at a moment it makes, not after a guessed delay.

@@ -118,6 +118,18 @@ pub(super) fn call(name: &str, spec: CallSpec<'_>) -> Result<(Call, String)> {
             if !wait_for(&after, &done) {
                 return;
             }
+            // A zero grace is the runner's escalation at its worst: the
+            // SIGKILL right behind the SIGTERM, before the call has done
+            // anything about it. Two kill(2)s cannot make that sure (under
+            // load this thread can be descheduled between them long enough
+            // for the call to finish its cancel), so the group is stopped
+            // first: it receives both signals and never runs in between.
+            if force_kill == Some(Duration::ZERO) {
+                // SAFETY: signals the call's process group; SIGKILL follows.
+                unsafe {
+                    libc::kill(-pid, libc::SIGSTOP);
+                }
+            }
             // SAFETY: signals the call's process group, as the runner does.
             unsafe {
                 libc::kill(-pid, libc::SIGTERM);

@@ -273,7 +273,8 @@ fn killed_stage_leaves_no_script(place: Where) {
         || {},
     );
     assert_result(&r, JobResult::Canceled);
-    assert_eq!(r.call("build_script").unwrap().exit_code, 128 + 9);
+    let build = r.call("build_script").unwrap();
+    assert_eq!(build.exit_code, 128 + 9, "{}", build.output);
     assert!(r.ran("after_script"));
     let found = std::fs::read_to_string(&found_file).unwrap();
     assert!(
