@@ -60,14 +60,22 @@ own() {
     # The script's group, once the wrapper has started it.
     [ -n "$p" ] || { read -r x y < "$o.pid" && [ -n "$y" ] && m=$x p=$y; } 2>/dev/null
     if [ -n "$pend" ] && [ -n "$p" ]; then kill -s "$pend" -- "-$p" 2>/dev/null; pend=; fi
-    if IFS= read -r -t 0.05 c; then
-      case $c in
-        TERM|KILL) if [ -n "$p" ]; then kill -s "$c" -- "-$p" 2>/dev/null; else pend=$c; fi;;
-        KEEP) keep=1;;
-      esac
-    elif [ $? -lt 128 ] && [ -z "$e" ]; then
-      e=1 dl=$((SECONDS + L)); nap 0; exec 0<&8
-      [ -z "$keep" ] && up && fin
+    # A control line, or the session's end, waiting? Then read it with no
+    # timeout: a line comes in one write, so it is there whole. (A timed read
+    # that expires mid-line loses what it read, and the rest no longer
+    # matches: under load a TERM or a KEEP was lost that way.)
+    if read -r -t 0; then
+      if IFS= read -r c; then
+        case $c in
+          TERM|KILL) if [ -n "$p" ]; then kill -s "$c" -- "-$p" 2>/dev/null; else pend=$c; fi;;
+          KEEP) keep=1;;
+        esac
+      elif [ -z "$e" ]; then
+        e=1 dl=$((SECONDS + L)); nap 0; exec 0<&8
+        [ -z "$keep" ] && up && fin
+      fi
+    else
+      nap 0.05
     fi
     read -r x y < "$o.own" 2>/dev/null
     [ "$x" = "$me" ] || { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }

@@ -367,6 +367,33 @@ fn a_term_line_and_a_newer_session_are_obeyed() {
     wait_for(|| m.files("build.7").is_empty(), "the files to go");
 }
 
+/// The owner polls for control lines; a poll that timed out in the middle
+/// of a line lost what it had read, and the rest of the line was no command
+/// (the soak lost a TERM that way, on a loaded machine). A line arriving in
+/// two pieces, a poll's length apart, makes that moment sure.
+#[test]
+fn a_control_line_that_arrives_in_pieces_is_obeyed() {
+    let m = Machine::new();
+    let script = "echo up; sleep 300";
+    for (stage, line, want) in [("build.13", "TERM", 143), ("build.14", "KILL", 137)] {
+        let mut s = m.session(stage, Mode::Start, script, 1 << 20, 60);
+        assert_eq!(s.report(), Report::Kept);
+        assert_eq!(s.read(3), b"up\n");
+        let (head, tail) = line.split_at(2);
+        let stdin = s.child.stdin.as_mut().unwrap();
+        stdin.write_all(head.as_bytes()).unwrap();
+        stdin.flush().unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        stdin.write_all(format!("{tail}\n").as_bytes()).unwrap();
+        let Report::Exit(code, _) = s.until(|r| matches!(r, Report::Exit(..))) else {
+            unreachable!()
+        };
+        assert_eq!(code, want, "{line} split in two");
+        s.close();
+        wait_for(|| m.files(stage).is_empty(), "the files to go");
+    }
+}
+
 #[test]
 fn a_stage_whose_files_are_gone_says_so() {
     let m = Machine::new();
