@@ -60,6 +60,19 @@ impl Machine {
         found
     }
 
+    /// Runs the leftovers script for the environment, as prepare
+    /// (`check`) or cleanup would; its stdout.
+    fn leftovers(&self, check: bool) -> String {
+        let out = as_sshd_would(Command::new("sh"))
+            .arg("-c")
+            .arg(leftovers_command(ENV, check))
+            .env("TMPDIR", self.tmp.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    }
+
     fn kept_dir(&self) -> PathBuf {
         // SAFETY: getuid has no preconditions.
         let uid = unsafe { libc::getuid() };
@@ -418,16 +431,7 @@ fn leftovers_are_stopped_and_their_files_removed() {
     let pids = pids_in(&pid_file);
     assert_eq!(pids.len(), 2, "the script's shell and its sleep");
     s.cut();
-    let run = |check: bool| {
-        let out = as_sshd_would(Command::new("sh"))
-            .arg("-c")
-            .arg(leftovers_command(ENV, check))
-            .env("TMPDIR", m.tmp.path())
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let run = |check: bool| m.leftovers(check);
     assert_eq!(run(true), "keep:ok\n");
     for pid in pids {
         // At once: the leftovers script returns only once the group is gone.
@@ -439,6 +443,61 @@ fn leftovers_are_stopped_and_their_files_removed() {
         "the user's directory stays"
     );
     assert_eq!(run(false), "", "nothing left: nothing said");
+}
+
+/// A stage whose script's group is gone while its wrapper has yet to record
+/// the end: cleanup's leftovers script waits for the wrapper (and the owner
+/// it sent TERM) before it removes the files. (It used to wait only for a group it could signal:
+/// the soak found the end recorded after the removal, left on the machine.)
+#[test]
+fn leftovers_wait_for_a_wrapper_still_recording_the_end() {
+    let m = Machine::new();
+    // A group that is gone: a child's, reaped.
+    let mut gone = Command::new("true").spawn().unwrap();
+    gone.wait().unwrap();
+    let dir = m.kept_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let (out, pid, exit) = (
+        m.file("build.15", "out"),
+        m.file("build.15", "pid"),
+        m.file("build.15", "exit"),
+    );
+    // The wrapper as it is between the script's end and its record of it:
+    // holding the output on fd 3, about to write the end.
+    let mut wrapper = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "exec 3>>'{}'; echo \"$$ {}\" > '{}'; sleep 0.5; echo '0 0' > '{}'; exec 3>&-",
+            out.display(),
+            gone.id(),
+            pid.display(),
+            exit.display()
+        ))
+        .spawn()
+        .unwrap();
+    pids_in(&pid);
+    // And its owner, which marks the bound a moment after its TERM (it
+    // finishes the command it is in), later than the wrapper's record.
+    let own = m.file("build.15", "own");
+    let mut owner = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "exec 3<'{}'; trap \"sleep 0.8; echo 5 > '{}'; exit\" TERM; echo \"$$ \" > '{}'; \
+             while :; do sleep 0.05; done",
+            out.display(),
+            m.file("build.15", "kept").display(),
+            own.display()
+        ))
+        .spawn()
+        .unwrap();
+    wait_for(
+        || std::fs::read_to_string(&own).is_ok_and(|t| t.ends_with('\n')),
+        "the owner to start",
+    );
+    assert_eq!(m.leftovers(false), "");
+    wrapper.wait().unwrap();
+    owner.wait().unwrap();
+    assert!(m.files("build.15").is_empty(), "{:?}", m.files("build.15"));
 }
 
 #[test]

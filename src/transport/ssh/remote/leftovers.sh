@@ -21,25 +21,35 @@ if [ -d "$t" ] && [ -O "$t" ] && [ ! -L "$t" ]; then
     done
     return 1
   }
+  # The stages to wait for, as wrapper:group:owner:stage.
   g=
   for s in "$t/$1".*.out; do
     [ -e "$s" ] || continue
     o=${s%.out} w= f= m= p=
     read -r w f < "$o.own" 2>/dev/null
     read -r m p < "$o.pid" 2>/dev/null
-    holds "$w" && kill -s TERM "$w" 2>/dev/null
+    { holds "$w" && kill -s TERM "$w" 2>/dev/null; } || w=
     holds "$f" && kill -s KILL "$f" 2>/dev/null
     # The wrapper that ran the script holds fd 3 while the script's group may
-    # live: only then is the group the stage's (not a reused id).
-    [ "/proc/$m/fd/3" -ef "$o.out" ] && kill -s TERM -- "-$p" 2>/dev/null && g="$g $m:$p:$o"
+    # live: only then is the group the stage's (not a reused id). The group
+    # may be gone already and the wrapper still to record the stage's end
+    # here, and the owner to mark the bound: both are waited for, or what
+    # they write would stay behind the files' removal.
+    if [ "/proc/$m/fd/3" -ef "$o.out" ]; then kill -s TERM -- "-$p" 2>/dev/null; else m= p=; fi
+    [ -z "$m$w" ] || g="$g $m:$p:$w:$o"
   done
   i=0
   while [ -n "$g" ] && [ $((i += 1)) -le 60 ]; do
     l=
     for x in $g; do
-      m=${x%%:*} p=${x#*:} o=${p#*:} p=${p%%:*}
-      [ "/proc/$m/fd/3" -ef "$o.out" ] || lives "$p" || continue
-      [ "$i" -eq 50 ] && kill -s KILL -- "-$p" 2>/dev/null
+      m=${x%%:*} o=${x#*:} p=${o%%:*} o=${o#*:} w=${o%%:*} o=${o#*:}
+      if [ -n "$m" ] && { [ "/proc/$m/fd/3" -ef "$o.out" ] || lives "$p"; }; then
+        [ "$i" -eq 50 ] && kill -s KILL -- "-$p" 2>/dev/null
+      elif holds "$w"; then
+        [ "$i" -eq 50 ] && kill -s KILL "$w" 2>/dev/null
+      else
+        continue
+      fi
       l="$l $x"
     done
     g=$l
