@@ -165,6 +165,18 @@ impl Sess {
         buf
     }
 
+    /// Reads up to `n` bytes of output: fewer when the output ends first.
+    fn read_up_to(&mut self, n: usize) -> Vec<u8> {
+        let mut buf = Vec::new();
+        self.out
+            .as_mut()
+            .unwrap()
+            .take(n as u64)
+            .read_to_end(&mut buf)
+            .unwrap();
+        buf
+    }
+
     fn send(&mut self, line: &str) {
         self.child
             .stdin
@@ -299,7 +311,13 @@ fn output_past_the_bound_drops_its_oldest_part_and_says_where_it_resumes() {
     };
     let mut s = m.session("build.5", Mode::Start, &script, bound, 60);
     assert_eq!(s.report(), Report::Kept);
-    assert_eq!(s.read(10), &full[..10]);
+    // The follower, never read past this, lags by more than the bound: the
+    // owner stops it (dormant would follow again, told of the gap). On a
+    // loaded machine that can come before it wrote anything (the soak saw
+    // it): the session then ends with what it had sent, maybe nothing.
+    let first = s.read_up_to(10);
+    assert_eq!(first, &full[..first.len()]);
+    let from = first.len() as u64;
     s.cut();
     wait_for(|| m.file("build.5", "exit").exists(), "the script to end");
     wait_for(|| m.file("build.5", "kept").exists(), "the owner to trim");
@@ -316,11 +334,11 @@ fn output_past_the_bound_drops_its_oldest_part_and_says_where_it_resumes() {
         || allocated() <= bound,
         "the kept output to shrink within its bound",
     );
-    let mut follow = m.session("build.5", Mode::Follow(10), "", bound, 60);
+    let mut follow = m.session("build.5", Mode::Follow(from), "", bound, 60);
     let Report::At(at) = follow.until(|r| matches!(r, Report::At(_))) else {
         panic!()
     };
-    assert!(at > 10 && at < full.len() as u64, "{at}");
+    assert!(at > from && at < full.len() as u64, "{at}");
     let Report::Exit(0, Some(len)) = follow.until(|r| matches!(r, Report::Exit(..))) else {
         panic!()
     };
