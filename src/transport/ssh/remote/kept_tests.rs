@@ -465,8 +465,9 @@ fn leftovers_are_stopped_and_their_files_removed() {
 
 /// A stage whose script's group is gone while its wrapper has yet to record
 /// the end: cleanup's leftovers script waits for the wrapper (and the owner
-/// it sent TERM) before it removes the files. (It used to wait only for a group it could signal:
-/// the soak found the end recorded after the removal, left on the machine.)
+/// it sent TERM) before it removes the files. (It used to wait only for a
+/// group it could signal: the soak found the end recorded after the
+/// removal, left on the machine.)
 #[test]
 fn leftovers_wait_for_a_wrapper_still_recording_the_end() {
     let m = Machine::new();
@@ -508,10 +509,7 @@ fn leftovers_wait_for_a_wrapper_still_recording_the_end() {
         ))
         .spawn()
         .unwrap();
-    wait_for(
-        || std::fs::read_to_string(&own).is_ok_and(|t| t.ends_with('\n')),
-        "the owner to start",
-    );
+    pids_in(&own);
     assert_eq!(m.leftovers(false), "");
     wrapper.wait().unwrap();
     owner.wait().unwrap();
