@@ -48,12 +48,15 @@ fn refused_and_finished_jobs_leave_no_lock_files() {
 
 #[test]
 fn a_claim_whose_holder_is_gone_is_released_by_the_operator_and_a_live_one_never() {
+    // The fresh claim must stay within the grace for as long as the test runs,
+    // however loaded the machine: with a 1 s grace, a first `release` that took
+    // over a second under CI load let the second one release it too.
     let notes = tempfile::NamedTempFile::new().unwrap();
     let rig = Rig::new(
         "41",
         "s_0123456789ab",
         &format!(
-            "[suspend]\nclaim_grace = \"1s\"\nnotify_command = [\"/bin/sh\", \"-c\", \"cat >> {}; echo >> {}\"]\n",
+            "[suspend]\nclaim_grace = \"10m\"\nnotify_command = [\"/bin/sh\", \"-c\", \"cat >> {}; echo >> {}\"]\n",
             notes.path().display(),
             notes.path().display()
         ),
@@ -67,7 +70,7 @@ fn a_claim_whose_holder_is_gone_is_released_by_the_operator_and_a_live_one_never
         stale,
         EnvStatus::Active,
         Some(job_holder(90)),
-        30,
+        3600,
         None,
     )
     .unwrap();
@@ -99,6 +102,21 @@ fn a_claim_whose_holder_is_gone_is_released_by_the_operator_and_a_live_one_never
         text(&out)
     );
     assert!(!store.env_paths(stale).exists());
+    // Whoever waits for the environment hears what became of it, and why.
+    let said = std::fs::read_to_string(notes.path()).unwrap();
+    let heard: Vec<serde_json::Value> = said
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l}: {e}")))
+        .collect();
+    assert!(
+        heard.iter().any(|n| n["event"] == "release"
+            && n["environment_id"] == stale.to_string()
+            && n["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("job 90") && r.contains("no process left"))),
+        "{said}"
+    );
 
     let out = rig.dormant(&["release", &fresh.to_string()]);
     let t = text(&out);
