@@ -277,7 +277,8 @@ mod tests {
     #[tokio::test]
     async fn probes_first_at_once_then_on_schedule_until_ready() {
         let (ctx, buf) = ctx(Duration::from_secs(600));
-        let every = Duration::from_millis(20);
+        // (Long enough that a preempted first probe still comes before it.)
+        let every = Duration::from_millis(250);
         let mut wait = Wait::new(&ctx, "the thing", Schedule::fixed(every));
         let seen = std::sync::Mutex::new(Vec::new());
         let t = Instant::now();

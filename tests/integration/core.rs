@@ -210,11 +210,14 @@ fn suspend_on_failure_keeps_a_failing_job_and_releases_a_succeeding_one() {
 fn a_canceled_job_is_never_suspended_and_its_script_group_is_killed() {
     let rig = rig();
     let pidfile = rig.dir.path().join("child.pid");
+    let ready = rig.dir.path().join("ready");
     let mut j = job(5).suspend_on(true, true).script(&format!(
-        "sleep 300 & echo $! > {}; wait",
-        pidfile.display()
+        "sleep 300 & echo $! > {}; touch {}; wait",
+        pidfile.display(),
+        ready.display()
     ));
-    j.cancel = Some(("build_script".into(), Duration::from_millis(700)));
+    // Canceled once the script has recorded its child, not after a guessed delay.
+    j.cancel_on_file = Some(("build_script".into(), ready));
     let started = Instant::now();
     let r = rig.run(&j);
     assert_result(&r, JobResult::Canceled);
@@ -386,10 +389,19 @@ fn a_failed_resume_keeps_the_environment_suspended_across_prepare_retries() {
 fn ttl_sweep_removes_only_expired_environments() {
     let rig = rig();
     let old = suspended_env(&rig, 5);
-    std::thread::sleep(Duration::from_secs(3));
     let young = suspended_env(&rig, 5);
-    // A TTL that the first environment has passed and the second has not.
-    Rig::write_settings(&rig.settings_path, SYSTEM, "[suspend]\nttl = \"2s\"\n");
+    // A TTL that the first environment has passed and the second has not,
+    // however slow the machine: the first was suspended two hours ago.
+    let store = dormant::state::StateStore::open(&rig.state_dir).unwrap();
+    let id = dormant::envkey::EnvironmentKey::parse(&old).unwrap().env_id;
+    dormant::state::testing::rewrite(&store, id, |_, _, rec| {
+        const TWO_HOURS: u64 = 2 * 3600;
+        rec.created_at -= TWO_HOURS;
+        rec.suspended_at = rec.suspended_at.map(|t| t - TWO_HOURS);
+        rec.resumed_at = rec.resumed_at.map(|t| t - TWO_HOURS);
+    })
+    .unwrap();
+    Rig::write_settings(&rig.settings_path, SYSTEM, "[suspend]\nttl = \"1h\"\n");
     let out = rig.dormant(&["sweep"]);
     assert!(
         out.status.success(),
@@ -453,23 +465,22 @@ fn two_jobs_run_in_parallel_in_separate_environments() {
 fn two_jobs_racing_to_resume_one_key_one_wins_one_is_refused() {
     let rig = rig();
     let key = suspended_env(&rig, 5);
+    // The winner holds the environment until the loser has been refused, not
+    // for a guessed while: its script waits for a gate the test opens then.
+    let gate = rig.dir.path().join("gate");
+    let script = format!(
+        "for i in $(seq 1200); do [ -e '{}' ] && break; sleep 0.1; done; cat keep.txt",
+        gate.display()
+    );
+    let racer = || rig.run(&job(5).resume(&key).suspend_on(true, false).script(&script));
     let (a, b) = std::thread::scope(|s| {
-        let a = s.spawn(|| {
-            rig.run(
-                &job(5)
-                    .resume(&key)
-                    .suspend_on(true, false)
-                    .script("sleep 2; cat keep.txt"),
-            )
-        });
-        let b = s.spawn(|| {
-            rig.run(
-                &job(5)
-                    .resume(&key)
-                    .suspend_on(true, false)
-                    .script("sleep 2; cat keep.txt"),
-            )
-        });
+        let a = s.spawn(racer);
+        let b = s.spawn(racer);
+        let until = Instant::now() + Duration::from_secs(120);
+        while !a.is_finished() && !b.is_finished() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::fs::write(&gate, "").unwrap();
         (a.join().unwrap(), b.join().unwrap())
     });
     let results = [&a, &b];

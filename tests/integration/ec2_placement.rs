@@ -102,8 +102,9 @@ async fn spot_launches_fall_back_to_on_demand_only_when_allowed() {
     rig.proxy.clear_calls();
     rig.proxy.no_capacity(Shortage::spot());
     let spec = rig.spec();
+    // (Room for two attempts 2 s apart however slow the emulator answers.)
     let e = spot
-        .create_or_reclaim(&spec, &rig.ctx(4))
+        .create_or_reclaim(&spec, &rig.ctx(10))
         .await
         .unwrap_err();
     let text = err_text(&e);
@@ -229,8 +230,13 @@ async fn a_launch_tries_the_next_zone_then_the_next_instance_type() {
     let (spec, ctx) = (rig.spec(), rig.ctx(120));
     let waiter = p.create_or_reclaim(&spec, &ctx);
     let restore = async {
-        // Not a timed assertion: capacity comes back at some point during the wait.
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        // Capacity comes back once a whole round of 4 has failed and the next
+        // has begun, however slow the emulator (bounded: a waiter that gave
+        // up early fails the assertions below, not a hang).
+        let started = std::time::Instant::now();
+        while launches(&rig).len() < 5 && started.elapsed() < Duration::from_secs(100) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         rig.proxy.capacity_back();
     };
     let (m, ()) = tokio::join!(waiter, restore);

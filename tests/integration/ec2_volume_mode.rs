@@ -200,7 +200,7 @@ fn a_resume_needs_capacity_in_the_volumes_zone_and_tries_the_next_type_there() {
         "s_0123456789ab",
         &env.volume_settings(
             &format!(
-                "subnet_ids = [\"{sa}\", \"{sb}\"]\nfallback_instance_types = [\"t3a.medium\"]\nprepare_timeout = \"8s\"\n"
+                "subnet_ids = [\"{sa}\", \"{sb}\"]\nfallback_instance_types = [\"t3a.medium\"]\nprepare_timeout = \"2m\"\n"
             ),
             "",
         ),
@@ -257,8 +257,15 @@ fn a_resume_needs_capacity_in_the_volumes_zone_and_tries_the_next_type_there() {
     // No capacity in the volume's zone at all: the resume waits within its
     // bound, says what for, fails as a system failure, and the environment
     // stays suspended with its volume (a later resume gets it).
+    // (A short bound for this resume only: the ones that must succeed keep
+    // room for a slow machine.)
+    let settings = std::fs::read_to_string(&rig.settings_path).unwrap();
+    let short = settings.replace("prepare_timeout = \"2m\"", "prepare_timeout = \"8s\"");
+    assert_ne!(short, settings);
+    std::fs::write(&rig.settings_path, short).unwrap();
     env.proxy.no_capacity(Shortage::default().in_zone(&za));
     let r3 = rig.run(&harness::job(5).resume(&key).script("cat kept.txt"));
+    std::fs::write(&rig.settings_path, settings).unwrap();
     assert_eq!(r3.result, JobResult::SystemFailure, "{}", r3.log());
     assert!(
         r3.log()

@@ -159,15 +159,17 @@ fn spot_in_volume_mode_waits_or_falls_back_to_on_demand_as_allowed() {
         "spot only"
     );
 
+    // The fallback on, and room for a slow machine in the prepares that must
+    // succeed (the short bound was for the wait above only).
     let text = std::fs::read_to_string(&rig.settings_path).unwrap();
-    std::fs::write(
-        &rig.settings_path,
-        text.replace(
+    let next = text
+        .replace(
             "market = \"spot\"\n",
             "market = \"spot\"\non_demand_fallback = true\n",
-        ),
-    )
-    .unwrap();
+        )
+        .replace("prepare_timeout = \"5s\"", "prepare_timeout = \"2m\"");
+    assert!(next.contains("on_demand_fallback") && next.contains("\"2m\""));
+    std::fs::write(&rig.settings_path, next).unwrap();
     let r = rig.run(
         &harness::job(5)
             .suspend_on(true, false)

@@ -239,7 +239,12 @@ fn a_resume_within_the_grace_of_a_dead_holder_is_refused_saying_when_it_recovers
 
 #[test]
 fn a_cleanup_sweeps_one_slice_and_dormant_sweep_the_rest() {
-    let rig = Rig::new("41", "s_0123456789ab", "[suspend]\nttl = \"1h\"\n");
+    // (A budget no slow disk runs out of: the slice is what is counted here.)
+    let rig = Rig::new(
+        "41",
+        "s_0123456789ab",
+        "[suspend]\nttl = \"1h\"\ncleanup_sweep_budget = \"10m\"\n",
+    );
     let store = StateStore::open(&rig.state_dir).unwrap();
     const EXPIRED: usize = 200;
     for _ in 0..EXPIRED {

@@ -254,11 +254,15 @@ fn sigterm_mid_script_kills_the_remote_process_group() {
     let sshd = Sshd::start();
     let (rig, _ws) = ssh_rig(&sshd);
     let pids = sshd.dir.path().join("pids");
+    let ready = sshd.dir.path().join("ready");
     let mut j = job(45).script(&format!(
-        "echo $BASHPID > '{p}'; sleep 300 & echo $! >> '{p}'; echo script running; wait",
-        p = pids.display()
+        "echo $BASHPID > '{p}'; sleep 300 & echo $! >> '{p}'; echo script running; touch '{r}'; wait",
+        p = pids.display(),
+        r = ready.display()
     ));
-    j.cancel = Some(("build_script".into(), Duration::from_secs(2)));
+    // Canceled once the script is set up (the host is this machine), not
+    // after a guessed delay.
+    j.cancel_on_file = Some(("build_script".into(), ready));
     let r = rig.run(&j);
     assert_result(&r, JobResult::Canceled);
     let build = r.call("build_script").unwrap();
@@ -291,11 +295,13 @@ fn a_script_ignoring_sigterm_is_killed_after_the_grace() {
     let sshd = Sshd::start();
     let (rig, _ws) = ssh_rig(&sshd);
     let pids = sshd.dir.path().join("pids");
+    let ready = sshd.dir.path().join("ready");
     let mut j = job(49).script(&format!(
-        "trap '' TERM; echo $BASHPID > '{p}'; echo stubborn running; while :; do sleep 0.2; done",
-        p = pids.display()
+        "trap '' TERM; echo $BASHPID > '{p}'; echo stubborn running; touch '{r}'; while :; do sleep 0.2; done",
+        p = pids.display(),
+        r = ready.display()
     ));
-    j.cancel = Some(("build_script".into(), Duration::from_secs(2)));
+    j.cancel_on_file = Some(("build_script".into(), ready));
     let r = rig.run(&j);
     assert_result(&r, JobResult::Canceled);
     let build = r.call("build_script").unwrap();
@@ -364,7 +370,9 @@ fn prepare_waits_for_a_host_that_is_not_up_yet_and_says_so() {
     let started = Instant::now();
     let r = std::thread::scope(|s| {
         let run = s.spawn(|| rig.run(&job(48)));
-        std::thread::sleep(Duration::from_millis(1500));
+        // Long enough for config and prepare to start and find the host down
+        // on a loaded machine (prepare's first attempt comes at once).
+        std::thread::sleep(Duration::from_secs(5));
         sshd.restart();
         run.join().unwrap()
     });
@@ -379,7 +387,8 @@ fn prepare_waits_for_a_host_that_is_not_up_yet_and_says_so() {
         "says why: {prepare}"
     );
     assert!(prepare.contains("SSH to root@127.0.0.1"), "{prepare}");
-    assert!(started.elapsed() < Duration::from_secs(20));
+    // A hang detector only: the wait ends once the host is up.
+    assert!(started.elapsed() < Duration::from_secs(60));
 }
 
 #[test]
@@ -520,7 +529,8 @@ fn sigterm_while_waiting_for_ssh_ends_prepare_promptly() {
     let (rig, _ws) = ssh_rig(&sshd);
     sshd.stop();
     let mut j = job(55);
-    j.cancel = Some(("prepare".into(), Duration::from_millis(1500)));
+    // Late enough that prepare is waiting for SSH on a loaded machine.
+    j.cancel = Some(("prepare".into(), Duration::from_secs(5)));
     let r = rig.run(&j);
     assert_result(&r, JobResult::Canceled);
     let prepare = r.call("prepare#1").unwrap();
@@ -530,8 +540,9 @@ fn sigterm_while_waiting_for_ssh_ends_prepare_promptly() {
         prepare.output
     );
     assert!(prepare.output.contains("cancelled"), "{}", prepare.output);
+    // Well before the rig's 20 s ready_timeout would have ended the wait.
     assert!(
-        prepare.elapsed < Duration::from_secs(8),
+        prepare.elapsed < Duration::from_secs(12),
         "{:?}",
         prepare.elapsed
     );

@@ -8,8 +8,9 @@ async fn quit_ends_both_processes_of_a_qemu_caught_daemonizing() {
     let dir = tempfile::tempdir().unwrap();
     let vm = VmDir::new(&EnvPaths::new(dir.path(), uuid::Uuid::new_v4()));
     vm.ensure().unwrap();
-    // The parent exits 1 s in, long before quit's wait for it runs out.
-    let mut parent = FakeQemu::start_daemonizing(dir.path(), &vm, "1");
+    // The parent exits 3 s in: after the looks below however loaded the
+    // machine, long before quit's wait for it (10 s) runs out.
+    let mut parent = FakeQemu::start_daemonizing(dir.path(), &vm, "3");
     let environments = dir.path().join("environments");
     let both = process::scan(&environments);
     assert_eq!(both.len(), 2, "parent and child run: {both:?}");

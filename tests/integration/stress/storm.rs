@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use dormant::runner_sim::Runner;
@@ -184,6 +184,19 @@ pub(super) fn run() -> Storm {
     roles.push(resume(6, false, false));
     // pool 4, 5: released by hand; pool 7: left alone for the sweep.
     let releases = [4usize, 5, 6];
+    // A race's winner holds its environment until every other racer for the
+    // key has been answered, not for however long its job happens to take: its
+    // script waits for a gate the last of them opens (bounded: two winners,
+    // both waiting, go on after 2 min and are reported). Without it, a racer
+    // started late on a loaded machine found the key free again.
+    let racers = |p: usize| {
+        roles
+            .iter()
+            .filter(|r| matches!(r, Role::Resume { pool, race: true, .. } if *pool == p))
+            .count()
+    };
+    let answered: Vec<AtomicUsize> = (0..POOL).map(|_| AtomicUsize::new(0)).collect();
+    let gate = |p: usize| setup.rig.dir.path().join(format!("race-gate-{p}"));
 
     let (finished, release_outs, sweep_outs) = std::thread::scope(|s| {
         let sweepers: Vec<_> = [setup.short_env.clone(), setup.rig.runner.env.clone()]
@@ -205,6 +218,7 @@ pub(super) fn run() -> Storm {
             .enumerate()
             .map(|(i, &role)| {
                 let (setup, pool, gauge) = (&setup, &pool, &gauge);
+                let (racers, answered, gate) = (&racers, &answered, &gate);
                 s.spawn(move || {
                     let j = match role {
                         Role::NewSuspend => job(PROJECT).suspend_on(true, false),
@@ -212,11 +226,25 @@ pub(super) fn run() -> Storm {
                         Role::NewFailSuspend => {
                             job(PROJECT).suspend_on(false, true).script("exit 3")
                         }
-                        Role::Resume { pool: p, keep, .. } => {
-                            job(PROJECT).suspend_on(keep, false).resume(&pool[p])
+                        Role::Resume { pool: p, keep, race } => {
+                            let j = job(PROJECT).suspend_on(keep, false).resume(&pool[p]);
+                            if race {
+                                j.script(&format!(
+                                    "for i in $(seq 1200); do [ -e '{}' ] && break; sleep 0.1; done; echo won",
+                                    gate(p).display()
+                                ))
+                            } else {
+                                j
+                            }
                         }
                     };
                     let report = gauge.run(|| setup.runner(i).run_job(&j).unwrap());
+                    if let Role::Resume { pool: p, race: true, .. } = role {
+                        let n = answered[p].fetch_add(1, Ordering::SeqCst) + 1;
+                        if n + 1 >= racers(p) {
+                            std::fs::write(gate(p), "").unwrap();
+                        }
+                    }
                     Finished { role, report }
                 })
             })
