@@ -52,7 +52,9 @@ if [ -n "$c" ]; then
   # one program a stage starts), then defines its functions; the session's
   # output is left to the follower alone. (In the C locale: it counts bytes,
   # and loading the host's UTF-8 locale would add 0.1-0.2 ms to its start.)
-  ( LC_ALL=C tail -c +1 -f -- "$o.out" </dev/null 2>/dev/null 3>&- & f=$!
+  # The follower ends within 0.2 s of its owner (--pid): an owner killed
+  # before it could record the follower's pid leaves no `tail` behind.
+  ( u=$BASHPID; LC_ALL=C tail --pid=$u -s 0.2 -c +1 -f -- "$o.out" </dev/null 2>/dev/null 3>&- & f=$!
     disown "$f"; exec >/dev/null; eval "${10}"; own start ) <&0 & w=$!
   exec 0</dev/null >/dev/null
   # `$$` in the script is this wrapper: what the script sends it is passed on
@@ -112,7 +114,7 @@ exec 3<"$o.out"
 a=$7 k=0
 [ -r "$o.kept" ] && read -r k < "$o.kept"
 [ "$a" -ge "$k" ] || a=$k
-LC_ALL=C tail -c +$((a + 1)) -f -- "$o.out" </dev/null 2>/dev/null 3<&- 8<&- & f=$!
+LC_ALL=C tail --pid=$$ -s 0.2 -c +$((a + 1)) -f -- "$o.out" </dev/null 2>/dev/null 3<&- 8<&- & f=$!
 disown "$f"
 exec >/dev/null
 echo "$$ $f" > "$o.own"

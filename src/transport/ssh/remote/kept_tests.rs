@@ -85,6 +85,20 @@ impl Machine {
 
     /// Opens a session of `stage` in `mode`; `script` is uploaded unless following.
     fn session(&self, stage: &str, mode: Mode, script: &str, bound: u64, linger: u64) -> Sess {
+        self.session_owned_by(stage, mode, script, bound, linger, None)
+    }
+
+    /// [`Machine::session`], with `owner` (when given) in place of the owner's
+    /// functions: what the owner runs once it has started the follower.
+    fn session_owned_by(
+        &self,
+        stage: &str,
+        mode: Mode,
+        script: &str,
+        bound: u64,
+        linger: u64,
+        owner: Option<&str>,
+    ) -> Sess {
         let body = match mode {
             Mode::Follow(_) => Vec::new(),
             _ => script_with_env(script.as_bytes(), &[]).unwrap(),
@@ -96,6 +110,12 @@ impl Machine {
             linger_secs: linger,
             bound,
         };
+        let mut line = command_line(body.len(), None, None, Some(&kept));
+        if let Some(owner) = owner {
+            let functions = shell_quote(sent(Text::KeptOwner));
+            assert!(line.contains(&functions));
+            line = line.replace(&functions, &shell_quote(owner));
+        }
         // The stand-in for the session's sshd process.
         let mut cmd = Command::new("sh");
         cmd.arg("-c")
@@ -106,7 +126,7 @@ impl Machine {
                  sh -c \"$1\" <&3 >&4 2>&5 3<&- 4>&- 5>&- & exec 3<&- 4>&- 5>&-; wait",
             )
             .arg("sshd")
-            .arg(command_line(body.len(), None, None, Some(&kept)))
+            .arg(line)
             .env("TMPDIR", self.tmp.path())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -611,4 +631,55 @@ fn a_signal_to_dollar_dollar_that_ends_the_wrappers_wait_early_is_not_the_exit_c
     for i in 0..runs {
         wait_for(|| m.files(&format!("sig{i}")).is_empty(), "the files to go");
     }
+}
+
+/// Whether `pid` is a live process following `out` (its command line names
+/// the file): not a process that got the pid later.
+fn follows(pid: i32, out: &Path) -> bool {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let out = out.as_os_str().as_encoded_bytes();
+    alive(pid) && cmdline.split(|&b| b == 0).any(|arg| arg == out)
+}
+
+/// An owner killed right after it forked the follower, before it could record
+/// the follower's pid anywhere: the follower ends by itself (`tail --pid`),
+/// and the session is not held open by it. (Before, that `tail -f` followed
+/// the output forever, and no later stage or cleanup knew of it.)
+#[test]
+fn a_follower_does_not_outlive_an_owner_killed_before_it_recorded_it() {
+    let m = Machine::new();
+    let record = m.tmp.path().join("follower");
+    // In place of the owner's functions: note the follower's pid, then die
+    // as an owner SIGKILLed at that point would.
+    let owner = format!(
+        "echo \"$f\" > '{}'; kill -s KILL $BASHPID",
+        record.display()
+    );
+    let mut s = m.session_owned_by(
+        "build.13",
+        Mode::Start,
+        "echo first; sleep 1; echo second",
+        1 << 20,
+        60,
+        Some(&owner),
+    );
+    assert_eq!(s.report(), Report::Kept);
+    let follower = pids_in(&record)[0];
+    let out = m.file("build.13", "out");
+    // (Its pid names the forked shell until it has exec'd tail.)
+    wait_for(
+        || follows(follower, &out) || !alive(follower),
+        "the follower to start",
+    );
+    let end = s.until(|r| matches!(r, Report::Exit(..)));
+    assert!(matches!(end, Report::Exit(0, Some(13))), "{end:?}");
+    wait_for(
+        || !follows(follower, &out),
+        "the follower of a killed owner to end",
+    );
+    // Nothing holds the session's output open any more: it ends.
+    s.read_up_to(1 << 20);
+    // The stage's files had no owner to remove them: cleanup's leftovers do.
+    m.leftovers(false);
+    assert!(m.files("build.13").is_empty(), "{:?}", m.files("build.13"));
 }

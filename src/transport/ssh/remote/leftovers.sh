@@ -62,6 +62,7 @@ if [ "$2" = check ]; then
   if [ ! -d "$t" ] || [ ! -O "$t" ] || [ -L "$t" ]; then echo "keep:no $t is not a directory of $USER's own"
   elif [ ! -r /proc/self/fdinfo/0 ]; then echo "keep:no /proc/<pid>/fdinfo is not readable"
   elif ! command -v tail >/dev/null; then echo "keep:no tail is not installed"
+  elif ! tail --pid=$$ -s 0.2 -c +1 /dev/null >/dev/null 2>&1; then echo "keep:no tail does not take --pid and -s (GNU coreutils' tail does)"
   elif ! { : > "$t/.punch.$1" && fallocate -p -o 0 -l 1 -- "$t/.punch.$1"; } 2>/dev/null; then echo "keep:no fallocate -p (util-linux) does not work in $t"
   else echo keep:ok
   fi
