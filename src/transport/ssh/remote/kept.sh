@@ -102,8 +102,15 @@ fi
 eval "${10}"
 [ -e "$o.out" ] || { echo "dormant-error gone: the stage's output is not kept on the machine any more (it was left $L s without dormant, or the machine restarted)" >&2; exit 97; }
 i=0
-until { read -r m p < "$o.pid" && read -r w f < "$o.own"; } 2>/dev/null && [ -n "$p" ] && [ -n "$w" ]; do
+until { read -r m p < "$o.pid"; } 2>/dev/null && [ -n "$p" ]; do
   [ $((i += 1)) -le 40 ] || { echo "dormant-error the stage on the machine never started" >&2; exit 97; }
+  nap 0.05
+done
+# The owner records itself as it starts; one killed before it could never
+# will: after 2 s the stage is taken over as one with no owner.
+i=0
+until { read -r w f < "$o.own"; } 2>/dev/null && [ -n "$w" ]; do
+  [ $((i += 1)) -le 40 ] || { w= f=; break; }
   nap 0.05
 done
 echo "$$ -" > "$o.own"

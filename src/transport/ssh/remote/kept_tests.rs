@@ -644,7 +644,9 @@ fn follows(pid: i32, out: &Path) -> bool {
 /// An owner killed right after it forked the follower, before it could record
 /// the follower's pid anywhere: the follower ends by itself (`tail --pid`),
 /// and the session is not held open by it. (Before, that `tail -f` followed
-/// the output forever, and no later stage or cleanup knew of it.)
+/// the output forever, and no later stage or cleanup knew of it.) dormant,
+/// short of output, follows again: the new session takes over the stage
+/// that has no owner, sends all of it, and removes its files at the end.
 #[test]
 fn a_follower_does_not_outlive_an_owner_killed_before_it_recorded_it() {
     let m = Machine::new();
@@ -679,7 +681,42 @@ fn a_follower_does_not_outlive_an_owner_killed_before_it_recorded_it() {
     );
     // Nothing holds the session's output open any more: it ends.
     s.read_up_to(1 << 20);
-    // The stage's files had no owner to remove them: cleanup's leftovers do.
-    m.leftovers(false);
-    assert!(m.files("build.13").is_empty(), "{:?}", m.files("build.13"));
+    s.close();
+    let mut again = m.session("build.13", Mode::Follow(0), "", 1 << 20, 60);
+    assert_eq!(again.report(), Report::At(0));
+    assert_eq!(again.read(13), b"first\nsecond\n");
+    let end = again.until(|r| matches!(r, Report::Exit(..)));
+    assert!(matches!(end, Report::Exit(0, Some(13))), "{end:?}");
+    again.close();
+    wait_for(|| m.files("build.13").is_empty(), "the files to go");
+}
+
+/// A host whose `tail` cannot end with its owner (BusyBox's takes no
+/// `--pid`): prepare's probe says so, and its stages run direct.
+#[test]
+fn a_tail_without_pid_is_no_place_to_keep_output() {
+    let m = Machine::new();
+    let bin = m.tmp.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let fake = bin.join("tail");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\ncase \"$*\" in *--pid*) echo \"tail: unrecognized option\" >&2; exit 1;; esac\nexec /usr/bin/tail \"$@\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let out = as_sshd_would(Command::new("sh"))
+        .arg("-c")
+        .arg(leftovers_command(ENV, true))
+        .env("TMPDIR", m.tmp.path())
+        .env("PATH", path)
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "keep:no tail does not take --pid and -s (GNU coreutils' tail does)\n",
+        "{out:?}"
+    );
+    assert_eq!(m.leftovers(true), "keep:ok\n", "with GNU tail");
 }
