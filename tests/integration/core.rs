@@ -394,13 +394,7 @@ fn ttl_sweep_removes_only_expired_environments() {
     // however slow the machine: the first was suspended two hours ago.
     let store = dormant::state::StateStore::open(&rig.state_dir).unwrap();
     let id = dormant::envkey::EnvironmentKey::parse(&old).unwrap().env_id;
-    dormant::state::testing::rewrite(&store, id, |_, _, rec| {
-        const TWO_HOURS: u64 = 2 * 3600;
-        rec.created_at -= TWO_HOURS;
-        rec.suspended_at = rec.suspended_at.map(|t| t - TWO_HOURS);
-        rec.resumed_at = rec.resumed_at.map(|t| t - TWO_HOURS);
-    })
-    .unwrap();
+    dormant::state::testing::backdate(&store, id, 2 * 3600).unwrap();
     Rig::write_settings(&rig.settings_path, SYSTEM, "[suspend]\nttl = \"1h\"\n");
     let out = rig.dormant(&["sweep"]);
     assert!(

@@ -279,13 +279,7 @@ fn sweep_release_and_ttl_delete_volumes_and_orphans_are_found() {
     let store = dormant::state::StateStore::open(&rig.state_dir).unwrap();
     let id = dormant::envkey::EnvironmentKey::parse(&key).unwrap().env_id;
     // Suspended eight days ago (the default TTL is seven).
-    dormant::state::testing::rewrite(&store, id, |_, _, rec| {
-        const EIGHT_DAYS: u64 = 8 * 86400;
-        rec.created_at -= EIGHT_DAYS;
-        rec.suspended_at = rec.suspended_at.map(|t| t - EIGHT_DAYS);
-        rec.resumed_at = rec.resumed_at.map(|t| t - EIGHT_DAYS);
-    })
-    .unwrap();
+    dormant::state::testing::backdate(&store, id, 8 * 86400).unwrap();
     let out = rig.dormant(&["sweep"]);
     assert!(out.status.success(), "{out:?}");
     assert!(rig.status(&key).is_none(), "expired");
