@@ -107,9 +107,11 @@ pub(crate) fn qemu_rig_full(suspend_mode: &str, ssh: &str, extra: &str) -> Rig {
         "qemu-system-x86_64 is not installed: run scripts/install-test-deps.sh"
     );
     // A VM may be powered off while it still boots (a prepare killed after
-    // the launch): its ACPI power-off then takes its boot (up to
-    // boot_timeout, 400 s under TCG on a loaded machine) and its shutdown;
-    // the tests that check a clean power-off must not depend on load.
+    // the launch): the guest drops the presses until it has booted far
+    // enough (dormant presses again every 10 s), so its ACPI power-off takes
+    // the rest of its boot (up to boot_timeout, 400 s under TCG on a loaded
+    // machine) and its shutdown; the tests that check a clean power-off must
+    // not depend on load.
     Rig::new(
         RUNNER,
         SYSTEM,

@@ -38,6 +38,9 @@ const RESTORE_POLL: Duration = Duration::from_millis(100);
 const SAVE_POLL: Duration = Duration::from_millis(50);
 /// Restores and saves take seconds: a progress line only past this.
 const PROGRESS_QUIET: Duration = Duration::from_secs(5);
+/// A VM still running this long after its power button was pressed gets it
+/// pressed again (see [`press_power_button`]).
+const REPRESS: Duration = Duration::from_secs(10);
 /// Tries at starting QEMU when its forwarded port was taken in between.
 const PORT_TRIES: usize = 3;
 
@@ -323,9 +326,8 @@ pub async fn powerdown(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Res
     let started = Instant::now();
     ctx.log
         .info(format!("powering off VM {} (ACPI)", vm.name()));
-    Qmp::connect(&vm.qmp())?.execute("system_powerdown", None)?;
     let limit = p.settings.shutdown_timeout.get();
-    if process::wait_gone(pid, limit, ctx).await {
+    if press_power_button(vm, pid, limit, REPRESS, ctx).await? {
         ctx.log.info(format!(
             "VM {} powered off in {:.1} s",
             vm.name(),
@@ -340,6 +342,50 @@ pub async fn powerdown(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Res
         limit.as_secs()
     ));
     quit(vm, ctx).await
+}
+
+/// Presses the VM's power button, and again every `repress` while QEMU runs,
+/// for up to `limit`: whether QEMU exited. A guest drops a press that comes
+/// while it boots (before its kernel's ACPI button driver and systemd-logind
+/// listen): seen with a VM whose prepare was killed seconds after QEMU
+/// started, which booted on and ran until `shutdown_timeout` was up. Pressing
+/// again is harmless to a guest already shutting down.
+async fn press_power_button(
+    vm: &VmDir,
+    pid: Pid,
+    limit: Duration,
+    repress: Duration,
+    ctx: &Ctx,
+) -> Result<bool> {
+    let press = || Qmp::connect(&vm.qmp())?.execute("system_powerdown", None);
+    press()?;
+    let mut presses = 1u32;
+    let mut last = Instant::now();
+    Ok(process::wait_gone_nudging(pid, limit, ctx, || {
+        if last.elapsed() >= repress {
+            last = Instant::now();
+            if presses == 1 {
+                ctx.log.info(format!(
+                    "VM {} is still running {} s after its power button was pressed: pressing it \
+                     again every {} s (a guest that is still booting ignores the button)",
+                    vm.name(),
+                    repress.as_secs_f64(),
+                    repress.as_secs_f64()
+                ));
+            }
+            // A QEMU on its way out may have closed its socket: the next
+            // look finds it gone.
+            if press().is_ok() {
+                presses += 1;
+            }
+        }
+        if presses > 1 {
+            format!(", its power button pressed {presses} times")
+        } else {
+            String::new()
+        }
+    })
+    .await)
 }
 
 /// Sync the guest's disks, pause, save memory next to the disk, quit.

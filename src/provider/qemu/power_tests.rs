@@ -34,3 +34,74 @@ async fn quit_ends_both_processes_of_a_qemu_caught_daemonizing() {
     );
     parent.0.wait().unwrap();
 }
+
+/// A QMP socket at the VM's path that answers every command, counts the
+/// `system_powerdown`s and calls `on_press` with the count after each.
+fn fake_qmp(
+    vm: &VmDir,
+    on_press: impl Fn(u32) + Send + 'static,
+) -> std::sync::Arc<std::sync::atomic::AtomicU32> {
+    use std::io::{BufRead, BufReader, Write};
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let presses = std::sync::Arc::new(AtomicU32::new(0));
+    let listener = std::os::unix::net::UnixListener::bind(vm.qmp()).unwrap();
+    let counted = presses.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let mut reader = BufReader::new(conn.try_clone().unwrap());
+            let _ = conn.write_all(b"{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n");
+            let mut line = String::new();
+            while reader.read_line(&mut line).unwrap_or(0) > 0 {
+                let _ = conn.write_all(b"{\"return\": {}}\n");
+                if line.contains("system_powerdown") {
+                    on_press(counted.fetch_add(1, Ordering::SeqCst) + 1);
+                }
+                line.clear();
+            }
+        }
+    });
+    presses
+}
+
+#[tokio::test]
+async fn the_power_button_is_pressed_again_until_the_guest_heeds_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let vm = VmDir::new(&EnvPaths::new(dir.path(), uuid::Uuid::new_v4()));
+    vm.ensure().unwrap();
+    let mut qemu = FakeQemu::start(dir.path(), &vm);
+    let pid = process::Pid(qemu.0.id() as i32);
+    // Like a guest that was still booting at the first press: only the
+    // second one powers it off.
+    let presses = fake_qmp(&vm, move |n| {
+        if n == 2 {
+            // SAFETY: kill(2) on the fake QEMU this test started.
+            unsafe { libc::kill(pid.0, libc::SIGKILL) };
+        }
+    });
+    let (log, buf) = JobLog::capture();
+    let ctx = Ctx::new(log, Default::default(), Duration::from_secs(120));
+
+    let gone = press_power_button(
+        &vm,
+        pid,
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        &ctx,
+    )
+    .await
+    .unwrap();
+    let said = String::from_utf8_lossy(&buf.lock().unwrap()).into_owned();
+    assert!(
+        gone,
+        "the VM ignored one press and was never pressed again: {said}"
+    );
+    assert_eq!(presses.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert!(
+        said.contains(
+            "pressing it again every 0.2 s (a guest that is still booting ignores the button)"
+        ),
+        "the log says why: {said}"
+    );
+    qemu.0.wait().unwrap();
+}

@@ -110,6 +110,18 @@ pub fn scan(environments: &Path) -> Vec<(Uuid, Pid)> {
 /// deadline). Not ended by SIGTERM: every caller bounds it by `limit` and
 /// goes on to a harder stop, which is what a terminated job needs too.
 pub async fn wait_gone(pid: Pid, limit: Duration, ctx: &Ctx) -> bool {
+    wait_gone_nudging(pid, limit, ctx, String::new).await
+}
+
+/// [`wait_gone`], running `nudge` at every look while the process lives (an
+/// ACPI power button pressed again); what it returns is added to the
+/// progress line's state.
+pub async fn wait_gone_nudging(
+    pid: Pid,
+    limit: Duration,
+    ctx: &Ctx,
+    mut nudge: impl FnMut() -> String,
+) -> bool {
     let bounded = ctx.uncancellable().within(limit);
     Wait::new(
         &bounded,
@@ -117,12 +129,12 @@ pub async fn wait_gone(pid: Pid, limit: Duration, ctx: &Ctx) -> bool {
         Schedule::fixed(EXIT_POLL),
     )
     .quiet_for(EXIT_QUIET)
-    .until(|| async {
-        Ok(if alive(pid.0) {
-            Poll::Pending("still running".into())
+    .until(|| {
+        std::future::ready(Ok(if alive(pid.0) {
+            Poll::Pending(format!("still running{}", nudge()))
         } else {
             Poll::Ready(())
-        })
+        }))
     })
     .await
     .is_ok()
@@ -282,11 +294,16 @@ pub async fn spawn(argv: &[String], vm: &VmDir) -> Result<Pid> {
 /// QEMUs do, sleeping until killed.
 #[cfg(test)]
 pub(crate) mod fake {
+    use std::os::unix::process::CommandExt;
     use std::path::Path;
     use std::process::{Child, Command};
 
     use super::VmDir;
 
+    /// A stand-in QEMU: `sh` under a name QEMU's scan recognises, in a
+    /// process group of its own so that dropping it ends every process it
+    /// started (its `sleep` outlives a shell that is killed, and would hold
+    /// the test's output open).
     pub struct FakeQemu(pub Child);
 
     impl FakeQemu {
@@ -296,6 +313,7 @@ pub(crate) mod fake {
                 std::os::unix::fs::symlink("/bin/sh", &sh).unwrap();
             }
             let child = Command::new(&sh)
+                .process_group(0)
                 // `; true` keeps the shell itself running (no exec of sleep).
                 .args(["-c", "sleep 60; true", "-name"])
                 .arg(vm.name())
@@ -337,6 +355,7 @@ pub(crate) mod fake {
             let name = vm.name();
             let pidfile = vm.pidfile().display().to_string();
             let child = Command::new(&sh)
+            .process_group(0)
             .arg("-c")
             .arg(format!(
                 "\"$0\" -c 'sleep 60; true' -name {name} -pidfile {pidfile} & sleep {parent_for}; true"
@@ -361,7 +380,9 @@ pub(crate) mod fake {
 
     impl Drop for FakeQemu {
         fn drop(&mut self) {
-            let _ = self.0.kill();
+            // SAFETY: kill(2) on the process group this fake leads (Linux
+            // does not hand out its id while a member lives).
+            unsafe { libc::kill(-(self.0.id() as i32), libc::SIGKILL) };
             let _ = self.0.wait();
         }
     }
