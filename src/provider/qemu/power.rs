@@ -323,10 +323,13 @@ pub async fn suspend(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<()> {
 
 /// ACPI power button, a bounded wait, then `quit`.
 pub async fn powerdown(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
+    powerdown_within(vm, pid, p.settings.shutdown_timeout.get(), ctx).await
+}
+
+async fn powerdown_within(vm: &VmDir, pid: Pid, limit: Duration, ctx: &Ctx) -> Result<()> {
     let started = Instant::now();
     ctx.log
         .info(format!("powering off VM {} (ACPI)", vm.name()));
-    let limit = p.settings.shutdown_timeout.get();
     if press_power_button(vm, pid, limit, REPRESS, ctx).await? {
         ctx.log.info(format!(
             "VM {} powered off in {:.1} s",
@@ -337,9 +340,11 @@ pub async fn powerdown(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Res
     }
     ctx.log.warn(format!(
         "VM {} did not power off within {} s (qemu.shutdown_timeout): quitting QEMU (like pulling the plug; \
-         writes the guest had not flushed are lost)",
+         writes the guest had not flushed are lost); the end of its console log {}:\n{}",
         vm.name(),
-        limit.as_secs()
+        limit.as_secs(),
+        vm.console().display(),
+        guest::console_tail(&vm.console(), 15)
     ));
     quit(vm, ctx).await
 }

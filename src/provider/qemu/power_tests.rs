@@ -36,10 +36,12 @@ async fn quit_ends_both_processes_of_a_qemu_caught_daemonizing() {
 }
 
 /// A QMP socket at the VM's path that answers every command, counts the
-/// `system_powerdown`s and calls `on_press` with the count after each.
+/// `system_powerdown`s and calls `on_press` with the count after each, and
+/// `on_quit` at a `quit`.
 fn fake_qmp(
     vm: &VmDir,
     on_press: impl Fn(u32) + Send + 'static,
+    on_quit: impl Fn() + Send + 'static,
 ) -> std::sync::Arc<std::sync::atomic::AtomicU32> {
     use std::io::{BufRead, BufReader, Write};
     use std::sync::atomic::{AtomicU32, Ordering};
@@ -56,6 +58,8 @@ fn fake_qmp(
                 let _ = conn.write_all(b"{\"return\": {}}\n");
                 if line.contains("system_powerdown") {
                     on_press(counted.fetch_add(1, Ordering::SeqCst) + 1);
+                } else if line.contains("\"quit\"") {
+                    on_quit();
                 }
                 line.clear();
             }
@@ -73,12 +77,16 @@ async fn the_power_button_is_pressed_again_until_the_guest_heeds_it() {
     let pid = process::Pid(qemu.0.id() as i32);
     // Like a guest that was still booting at the first press: only the
     // second one powers it off.
-    let presses = fake_qmp(&vm, move |n| {
-        if n == 2 {
-            // SAFETY: kill(2) on the fake QEMU this test started.
-            unsafe { libc::kill(pid.0, libc::SIGKILL) };
-        }
-    });
+    let presses = fake_qmp(
+        &vm,
+        move |n| {
+            if n == 2 {
+                // SAFETY: kill(2) on the fake QEMU this test started.
+                unsafe { libc::kill(pid.0, libc::SIGKILL) };
+            }
+        },
+        || panic!("quit, although the VM powered off"),
+    );
     let (log, buf) = JobLog::capture();
     let ctx = Ctx::new(log, Default::default(), Duration::from_secs(120));
 
@@ -104,4 +112,49 @@ async fn the_power_button_is_pressed_again_until_the_guest_heeds_it() {
         "the log says why: {said}"
     );
     qemu.0.wait().unwrap();
+}
+
+#[tokio::test]
+async fn a_vm_that_never_powers_off_is_quit_and_its_console_tells_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let vm = VmDir::new(&EnvPaths::new(dir.path(), uuid::Uuid::new_v4()));
+    vm.ensure().unwrap();
+    std::fs::write(
+        vm.console(),
+        "boot line\nA stop job is running for Something Stuck (5min)\n",
+    )
+    .unwrap();
+    let mut qemu = FakeQemu::start(dir.path(), &vm);
+    let pid = process::Pid(qemu.0.id() as i32);
+    let presses = fake_qmp(
+        &vm,
+        |_| {},
+        move || {
+            // SAFETY: kill(2) on the fake QEMU this test started.
+            unsafe { libc::kill(pid.0, libc::SIGKILL) };
+        },
+    );
+    let (log, buf) = JobLog::capture();
+    let ctx = Ctx::new(log, Default::default(), Duration::from_secs(120));
+
+    powerdown_within(&vm, pid, Duration::from_secs(1), &ctx)
+        .await
+        .unwrap();
+    qemu.0.wait().unwrap();
+    let said = String::from_utf8_lossy(&buf.lock().unwrap()).into_owned();
+    assert!(
+        said.contains("did not power off within 1 s (qemu.shutdown_timeout): quitting QEMU"),
+        "{said}"
+    );
+    assert!(
+        said.contains(&format!(
+            "the end of its console log {}:\nboot line\nA stop job is running for Something Stuck",
+            vm.console().display()
+        )),
+        "the warning shows what the guest was doing: {said}"
+    );
+    assert!(
+        presses.load(std::sync::atomic::Ordering::SeqCst) >= 1,
+        "{said}"
+    );
 }
