@@ -691,6 +691,56 @@ fn a_follower_does_not_outlive_an_owner_killed_before_it_recorded_it() {
     wait_for(|| m.files("build.13").is_empty(), "the files to go");
 }
 
+/// An owner SIGKILLed after it recorded itself (and its follower) in
+/// `.own`: the follower ends with it (`tail --pid`) instead of holding the
+/// session open; the wrapper still reports the end; and a new session finds
+/// the recorded owner dead, takes the stage over, sends all of its output
+/// and removes its files at the end.
+#[test]
+fn an_owner_killed_after_it_recorded_itself_is_taken_over() {
+    let m = Machine::new();
+    let gate = m.tmp.path().join("gate");
+    let script = format!(
+        "echo first; while [ ! -e '{}' ]; do sleep 0.05; done; echo second",
+        gate.display()
+    );
+    let mut s = m.session("build.14", Mode::Start, &script, 1 << 20, 60);
+    assert_eq!(s.report(), Report::Kept);
+    assert_eq!(s.read(6), b"first\n");
+    let own = m.file("build.14", "own");
+    let recorded = || {
+        let t = std::fs::read_to_string(&own).unwrap_or_default();
+        let ids: Vec<i32> = t
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect();
+        (t.ends_with('\n') && ids.len() == 2).then(|| (ids[0], ids[1]))
+    };
+    wait_for(|| recorded().is_some(), "the owner to record itself");
+    let (owner, follower) = recorded().unwrap();
+    let out = m.file("build.14", "out");
+    assert!(follows(follower, &out), "the recorded follower follows");
+    // SAFETY: kill(2) on the owner this test's session started.
+    unsafe { libc::kill(owner, libc::SIGKILL) };
+    wait_for(
+        || !follows(follower, &out),
+        "the follower of a killed owner to end",
+    );
+    std::fs::write(&gate, "").unwrap();
+    // The wrapper reports the end; nothing holds the output open after it.
+    let end = s.until(|r| matches!(r, Report::Exit(..)));
+    assert!(matches!(end, Report::Exit(0, Some(13))), "{end:?}");
+    s.read_up_to(1 << 20);
+    s.close();
+    let mut again = m.session("build.14", Mode::Follow(6), "", 1 << 20, 60);
+    assert_eq!(again.report(), Report::At(6));
+    assert_eq!(again.read(7), b"second\n");
+    let end = again.until(|r| matches!(r, Report::Exit(..)));
+    assert!(matches!(end, Report::Exit(0, Some(13))), "{end:?}");
+    again.close();
+    wait_for(|| m.files("build.14").is_empty(), "the files to go");
+}
+
 /// A host whose `tail` cannot end with its owner (BusyBox's takes no
 /// `--pid`): prepare's probe says so, and its stages run direct.
 #[test]
