@@ -41,6 +41,11 @@ const PROGRESS_QUIET: Duration = Duration::from_secs(5);
 /// A VM still running this long after its power button was pressed gets it
 /// pressed again (see [`press_power_button`]).
 const REPRESS: Duration = Duration::from_secs(10);
+/// A QEMU that has not made its QMP socket this long after a power-off began
+/// is quit: one starting makes it within milliseconds (seconds when loaded).
+const FIRST_PRESS_WITHIN: Duration = Duration::from_secs(30);
+/// How often the first press is tried while the socket is not there.
+const SOCKET_RETRY: Duration = Duration::from_millis(250);
 /// Tries at starting QEMU when its forwarded port was taken in between.
 const PORT_TRIES: usize = 3;
 
@@ -318,58 +323,72 @@ pub async fn suspend(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<()> {
             }
         }
     }
-    powerdown(p, vm, pid, ctx).await
+    powerdown(p, vm, ctx).await
 }
 
 /// ACPI power button, a bounded wait, then `quit`.
-pub async fn powerdown(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
-    powerdown_within(vm, pid, p.settings.shutdown_timeout.get(), ctx).await
+pub async fn powerdown(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<()> {
+    powerdown_within(vm, p.settings.shutdown_timeout.get(), ctx).await
 }
 
-async fn powerdown_within(vm: &VmDir, pid: Pid, limit: Duration, ctx: &Ctx) -> Result<()> {
+async fn powerdown_within(vm: &VmDir, limit: Duration, ctx: &Ctx) -> Result<()> {
     let started = Instant::now();
     ctx.log
         .info(format!("powering off VM {} (ACPI)", vm.name()));
-    if press_power_button(vm, pid, limit, REPRESS, ctx).await? {
-        ctx.log.info(format!(
-            "VM {} powered off in {:.1} s",
-            vm.name(),
-            started.elapsed().as_secs_f64()
-        ));
-        return Ok(());
+    match press_power_button(vm, limit, REPRESS, ctx).await {
+        Ok(()) => {
+            ctx.log.info(format!(
+                "VM {} powered off in {:.1} s",
+                vm.name(),
+                started.elapsed().as_secs_f64()
+            ));
+            Ok(())
+        }
+        Err(e) => {
+            ctx.log.warn(format!(
+                "VM {} did not power off: {e:#} (qemu.shutdown_timeout is {} s): quitting QEMU (like \
+                 pulling the plug; writes the guest had not flushed are lost); the end of its console \
+                 log {}:\n{}",
+                vm.name(),
+                limit.as_secs(),
+                vm.console().display(),
+                guest::console_tail(&vm.console(), 15)
+            ));
+            quit(vm, ctx).await
+        }
     }
-    ctx.log.warn(format!(
-        "VM {} did not power off within {} s (qemu.shutdown_timeout): quitting QEMU (like pulling the plug; \
-         writes the guest had not flushed are lost); the end of its console log {}:\n{}",
-        vm.name(),
-        limit.as_secs(),
-        vm.console().display(),
-        guest::console_tail(&vm.console(), 15)
-    ));
-    quit(vm, ctx).await
 }
 
 /// Presses the VM's power button, and again every `repress` while QEMU runs,
-/// for up to `limit`: whether QEMU exited. A guest drops a press that comes
-/// while it boots (before its kernel's ACPI button driver and systemd-logind
-/// listen): seen with a VM whose prepare was killed seconds after QEMU
-/// started, which booted on and ran until `shutdown_timeout` was up. Pressing
-/// again is harmless to a guest already shutting down.
+/// until no QEMU of the VM is left, for up to `limit`.
+///
+/// A guest drops a press that comes while it boots (before its kernel's ACPI
+/// button driver and systemd-logind listen): seen with a VM whose prepare was
+/// killed as its sshd first answered, which booted on and ran until
+/// `shutdown_timeout` was up. Pressing again is harmless to a guest already
+/// shutting down. And a QEMU caught while it starts (a prepare killed right
+/// after launching it) has no QMP socket yet: the first press is tried again
+/// until it has, for up to [`FIRST_PRESS_WITHIN`].
 async fn press_power_button(
     vm: &VmDir,
-    pid: Pid,
     limit: Duration,
     repress: Duration,
     ctx: &Ctx,
-) -> Result<bool> {
+) -> Result<()> {
     let press = || Qmp::connect(&vm.qmp())?.execute("system_powerdown", None);
-    press()?;
-    let mut presses = 1u32;
-    let mut last = Instant::now();
-    Ok(process::wait_gone_nudging(pid, limit, ctx, || {
-        if last.elapsed() >= repress {
-            last = Instant::now();
-            if presses == 1 {
+    let started = Instant::now();
+    let mut presses = 0u32;
+    let mut tried: Option<Instant> = None;
+    let mut said = false;
+    process::wait_vm_gone(vm, limit, ctx, || {
+        let due = match (presses, tried) {
+            (_, None) => true,
+            (0, Some(at)) => at.elapsed() >= SOCKET_RETRY,
+            (_, Some(at)) => at.elapsed() >= repress,
+        };
+        if due {
+            if presses == 1 && !said {
+                said = true;
                 ctx.log.info(format!(
                     "VM {} is still running {} s after its power button was pressed: pressing it \
                      again every {} s (a guest that is still booting ignores the button)",
@@ -378,19 +397,27 @@ async fn press_power_button(
                     repress.as_secs_f64()
                 ));
             }
-            // A QEMU on its way out may have closed its socket: the next
-            // look finds it gone.
-            if press().is_ok() {
-                presses += 1;
+            tried = Some(Instant::now());
+            match press() {
+                Ok(_) => presses += 1,
+                Err(e) if presses == 0 && started.elapsed() >= FIRST_PRESS_WITHIN => {
+                    return Err(e.context(format!(
+                        "its power button could not be pressed for {} s",
+                        FIRST_PRESS_WITHIN.as_secs()
+                    )));
+                }
+                // A QEMU still starting has not made its socket yet; one on
+                // its way out may have closed it (the next look finds it gone).
+                Err(_) => {}
             }
         }
-        if presses > 1 {
-            format!(", its power button pressed {presses} times")
-        } else {
-            String::new()
-        }
+        Ok(match presses {
+            0 => ", its QMP socket not answering yet".to_string(),
+            1 => String::new(),
+            n => format!(", its power button pressed {n} times"),
+        })
     })
-    .await)
+    .await
 }
 
 /// Sync the guest's disks, pause, save memory next to the disk, quit.

@@ -43,12 +43,24 @@ fn fake_qmp(
     on_press: impl Fn(u32) + Send + 'static,
     on_quit: impl Fn() + Send + 'static,
 ) -> std::sync::Arc<std::sync::atomic::AtomicU32> {
+    fake_qmp_after(vm, Duration::ZERO, on_press, on_quit)
+}
+
+/// [`fake_qmp`], its socket made only after `after` (a QEMU still starting).
+fn fake_qmp_after(
+    vm: &VmDir,
+    after: Duration,
+    on_press: impl Fn(u32) + Send + 'static,
+    on_quit: impl Fn() + Send + 'static,
+) -> std::sync::Arc<std::sync::atomic::AtomicU32> {
     use std::io::{BufRead, BufReader, Write};
     use std::sync::atomic::{AtomicU32, Ordering};
     let presses = std::sync::Arc::new(AtomicU32::new(0));
-    let listener = std::os::unix::net::UnixListener::bind(vm.qmp()).unwrap();
     let counted = presses.clone();
+    let socket = vm.qmp();
     std::thread::spawn(move || {
+        std::thread::sleep(after);
+        let listener = std::os::unix::net::UnixListener::bind(socket).unwrap();
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { return };
             let mut reader = BufReader::new(conn.try_clone().unwrap());
@@ -92,17 +104,15 @@ async fn the_power_button_is_pressed_again_until_the_guest_heeds_it() {
 
     let gone = press_power_button(
         &vm,
-        pid,
         Duration::from_secs(60),
         Duration::from_millis(200),
         &ctx,
     )
-    .await
-    .unwrap();
+    .await;
     let said = String::from_utf8_lossy(&buf.lock().unwrap()).into_owned();
     assert!(
-        gone,
-        "the VM ignored one press and was never pressed again: {said}"
+        gone.is_ok(),
+        "the VM ignored one press and was never pressed again: {gone:?} {said}"
     );
     assert_eq!(presses.load(std::sync::atomic::Ordering::SeqCst), 2);
     assert!(
@@ -137,13 +147,18 @@ async fn a_vm_that_never_powers_off_is_quit_and_its_console_tells_why() {
     let (log, buf) = JobLog::capture();
     let ctx = Ctx::new(log, Default::default(), Duration::from_secs(120));
 
-    powerdown_within(&vm, pid, Duration::from_secs(1), &ctx)
+    powerdown_within(&vm, Duration::from_secs(1), &ctx)
         .await
         .unwrap();
     qemu.0.wait().unwrap();
     let said = String::from_utf8_lossy(&buf.lock().unwrap()).into_owned();
     assert!(
-        said.contains("did not power off within 1 s (qemu.shutdown_timeout): quitting QEMU"),
+        said.contains(&format!(
+            // (not the seconds it says it waited: the wait's clock starts
+            // a moment after the bound's)
+            "did not power off: timed out waiting for QEMU of VM {} to exit after ",
+            vm.name()
+        )) && said.contains("(qemu.shutdown_timeout is 1 s): quitting QEMU"),
         "{said}"
     );
     assert!(
@@ -157,4 +172,66 @@ async fn a_vm_that_never_powers_off_is_quit_and_its_console_tells_why() {
         presses.load(std::sync::atomic::Ordering::SeqCst) >= 1,
         "{said}"
     );
+}
+
+/// A QEMU caught while it starts (a prepare killed right after launching
+/// it) has no QMP socket yet: the press waits for it instead of failing the
+/// power-off (which left the VM running, kept as suspended).
+#[tokio::test]
+async fn a_qemu_still_starting_gets_its_press_once_its_socket_is_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let vm = VmDir::new(&EnvPaths::new(dir.path(), uuid::Uuid::new_v4()));
+    vm.ensure().unwrap();
+    let mut qemu = FakeQemu::start(dir.path(), &vm);
+    let pid = process::Pid(qemu.0.id() as i32);
+    let presses = fake_qmp_after(
+        &vm,
+        Duration::from_secs(1),
+        move |_| {
+            // SAFETY: kill(2) on the fake QEMU this test started.
+            unsafe { libc::kill(pid.0, libc::SIGKILL) };
+        },
+        || panic!("quit, although the VM powered off"),
+    );
+    let (log, buf) = JobLog::capture();
+    let ctx = Ctx::new(log, Default::default(), Duration::from_secs(120));
+
+    let gone =
+        press_power_button(&vm, Duration::from_secs(60), Duration::from_secs(10), &ctx).await;
+    let said = String::from_utf8_lossy(&buf.lock().unwrap()).into_owned();
+    assert!(gone.is_ok(), "{gone:?} {said}");
+    assert_eq!(presses.load(std::sync::atomic::Ordering::SeqCst), 1);
+    qemu.0.wait().unwrap();
+}
+
+/// A QEMU caught while it daemonizes: its parent exits while the child runs
+/// the VM on. The power-off is over only when no QEMU of the VM is left, not
+/// when the first pid found exits.
+#[tokio::test]
+async fn a_daemonizing_qemus_parent_exiting_is_not_the_vm_powering_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let vm = VmDir::new(&EnvPaths::new(dir.path(), uuid::Uuid::new_v4()));
+    vm.ensure().unwrap();
+    let mut qemu = FakeQemu::start_daemonizing(dir.path(), &vm, "1");
+    let environments = dir.path().join("environments");
+    assert_eq!(process::scan(&environments).len(), 2);
+    // A guest that never heeds the button.
+    let presses = fake_qmp(&vm, |_| {}, || {});
+    let (log, buf) = JobLog::capture();
+    let ctx = Ctx::new(log, Default::default(), Duration::from_secs(120));
+
+    let gone = press_power_button(&vm, Duration::from_secs(4), Duration::from_secs(10), &ctx).await;
+    let said = String::from_utf8_lossy(&buf.lock().unwrap()).into_owned();
+    qemu.0.wait().unwrap();
+    assert_eq!(
+        process::scan(&environments).len(),
+        1,
+        "the parent exited, the child runs on"
+    );
+    let err = gone.expect_err("the VM's QEMU still runs");
+    assert!(
+        format!("{err:#}").contains("timed out waiting for QEMU of VM"),
+        "{err:#} {said}"
+    );
+    assert_eq!(presses.load(std::sync::atomic::Ordering::SeqCst), 1);
 }

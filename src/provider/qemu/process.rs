@@ -110,18 +110,6 @@ pub fn scan(environments: &Path) -> Vec<(Uuid, Pid)> {
 /// deadline). Not ended by SIGTERM: every caller bounds it by `limit` and
 /// goes on to a harder stop, which is what a terminated job needs too.
 pub async fn wait_gone(pid: Pid, limit: Duration, ctx: &Ctx) -> bool {
-    wait_gone_nudging(pid, limit, ctx, String::new).await
-}
-
-/// [`wait_gone`], running `nudge` at every look while the process lives (an
-/// ACPI power button pressed again); what it returns is added to the
-/// progress line's state.
-pub async fn wait_gone_nudging(
-    pid: Pid,
-    limit: Duration,
-    ctx: &Ctx,
-    mut nudge: impl FnMut() -> String,
-) -> bool {
     let bounded = ctx.uncancellable().within(limit);
     Wait::new(
         &bounded,
@@ -129,15 +117,46 @@ pub async fn wait_gone_nudging(
         Schedule::fixed(EXIT_POLL),
     )
     .quiet_for(EXIT_QUIET)
-    .until(|| {
-        std::future::ready(Ok(if alive(pid.0) {
-            Poll::Pending(format!("still running{}", nudge()))
+    .until(|| async {
+        Ok(if alive(pid.0) {
+            Poll::Pending("still running".into())
         } else {
             Poll::Ready(())
-        }))
+        })
     })
     .await
     .is_ok()
+}
+
+/// Waits until no QEMU of the VM is left, up to `limit` (and the context's
+/// deadline; not ended by SIGTERM, like [`wait_gone`]). A QEMU caught while it
+/// daemonizes is two processes, the parent exiting once its child runs the
+/// VM: waiting for the first pid found would take the parent's exit for the
+/// VM's. `nudge` runs at every look while one lives (an ACPI power button
+/// pressed again): what it returns is added to the progress line, and its
+/// error ends the wait.
+pub async fn wait_vm_gone(
+    vm: &VmDir,
+    limit: Duration,
+    ctx: &Ctx,
+    mut nudge: impl FnMut() -> Result<String>,
+) -> Result<()> {
+    let bounded = ctx.uncancellable().within(limit);
+    Wait::new(
+        &bounded,
+        format!("QEMU of VM {} to exit", vm.name()),
+        Schedule::fixed(EXIT_POLL),
+    )
+    .quiet_for(EXIT_QUIET)
+    .until(|| {
+        std::future::ready(match find(vm) {
+            None => Ok(Poll::Ready(())),
+            Some(pid) => {
+                nudge().map(|note| Poll::Pending(format!("pid {} still running{note}", pid.0)))
+            }
+        })
+    })
+    .await
 }
 
 /// SIGKILL, only after confirming the pid is still this VM's QEMU.

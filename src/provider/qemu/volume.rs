@@ -145,9 +145,9 @@ impl Volumes for QemuProvider {
         ctx: &Ctx,
     ) -> Result<()> {
         let vm = VmDir::new(&self.volume_env(volume)?);
-        let Some(pid) = process::find(&vm) else {
+        if process::find(&vm).is_none() {
             return Ok(()); // not running: nothing holds the disk
-        };
+        }
         if unmounted {
             ctx.log.info(format!(
                 "the guest unmounted its data disk: stopping QEMU of VM {}",
@@ -155,7 +155,7 @@ impl Volumes for QemuProvider {
             ));
             power::quit(&vm, ctx).await
         } else {
-            power::powerdown(self, &vm, pid, ctx).await
+            power::powerdown(self, &vm, ctx).await
         }
     }
 
