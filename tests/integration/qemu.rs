@@ -420,7 +420,7 @@ fn a_hibernated_vm_resumes_with_its_processes_running_and_its_clock_set() {
     let _one = one_vm();
     let rig = qemu_rig("hibernate");
     let first = job(92).suspend_on(true, false).script(
-        "setsid bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 1; done' \
+        "setsid bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 1; done' \
          </dev/null >/dev/null 2>&1 & sleep 3; echo \"counter-at-suspend $(cat /tmp/counter)\"",
     );
     let env = env_paths(&rig, &first);
@@ -682,8 +682,10 @@ fn memory_images(env: &EnvPaths) -> Vec<String> {
 }
 
 /// The background counter of the hibernation tests, recognisable by its `$0`.
+/// It writes through a rename: a `cat` between `>`'s truncation and the
+/// write read nothing (seen once, beside a busy loop).
 const COUNTER: &str =
-    "setsid bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 1; done' \
+    "setsid bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 1; done' \
      dormant-counter </dev/null >/dev/null 2>&1 &";
 /// A job step printing the counter twice, 2 s apart, and how many counters run
 /// (the `[r]` keeps pgrep from matching this very script).
