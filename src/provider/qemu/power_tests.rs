@@ -3,11 +3,37 @@ use crate::context::JobLog;
 use crate::provider::qemu::process::fake::FakeQemu;
 use crate::state::EnvPaths;
 
-#[tokio::test]
-async fn quit_ends_both_processes_of_a_qemu_caught_daemonizing() {
+/// A VM directory in a temp dir of its own (kept alive by the returned dir).
+fn vm_dir() -> (tempfile::TempDir, VmDir) {
     let dir = tempfile::tempdir().unwrap();
     let vm = VmDir::new(&EnvPaths::new(dir.path(), uuid::Uuid::new_v4()));
     vm.ensure().unwrap();
+    (dir, vm)
+}
+
+/// The fake QEMU "exits" (its guest powered off, or QEMU quit).
+fn kill_fake(pid: process::Pid) {
+    // SAFETY: kill(2) on a fake QEMU the test started.
+    unsafe { libc::kill(pid.0, libc::SIGKILL) };
+}
+
+/// A context whose job log is captured, with time to spare.
+fn capture_ctx() -> (Ctx, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    let (log, buf) = JobLog::capture();
+    (
+        Ctx::new(log, Default::default(), Duration::from_secs(120)),
+        buf,
+    )
+}
+
+/// What the job log got.
+fn said(buf: &std::sync::Mutex<Vec<u8>>) -> String {
+    String::from_utf8_lossy(&buf.lock().unwrap()).into_owned()
+}
+
+#[tokio::test]
+async fn quit_ends_both_processes_of_a_qemu_caught_daemonizing() {
+    let (dir, vm) = vm_dir();
     // The parent exits 3 s in: after the looks below however loaded the
     // machine, long before quit's wait for it (10 s) runs out.
     let mut parent = FakeQemu::start_daemonizing(dir.path(), &vm, "3");
@@ -82,9 +108,7 @@ fn fake_qmp_after(
 
 #[tokio::test]
 async fn the_power_button_is_pressed_again_until_the_guest_heeds_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let vm = VmDir::new(&EnvPaths::new(dir.path(), uuid::Uuid::new_v4()));
-    vm.ensure().unwrap();
+    let (dir, vm) = vm_dir();
     let mut qemu = FakeQemu::start(dir.path(), &vm);
     let pid = process::Pid(qemu.0.id() as i32);
     // Like a guest that was still booting at the first press: only the
@@ -93,14 +117,12 @@ async fn the_power_button_is_pressed_again_until_the_guest_heeds_it() {
         &vm,
         move |n| {
             if n == 2 {
-                // SAFETY: kill(2) on the fake QEMU this test started.
-                unsafe { libc::kill(pid.0, libc::SIGKILL) };
+                kill_fake(pid);
             }
         },
         || panic!("quit, although the VM powered off"),
     );
-    let (log, buf) = JobLog::capture();
-    let ctx = Ctx::new(log, Default::default(), Duration::from_secs(120));
+    let (ctx, buf) = capture_ctx();
 
     let gone = press_power_button(
         &vm,
@@ -109,7 +131,7 @@ async fn the_power_button_is_pressed_again_until_the_guest_heeds_it() {
         &ctx,
     )
     .await;
-    let said = String::from_utf8_lossy(&buf.lock().unwrap()).into_owned();
+    let said = said(&buf);
     assert!(
         gone.is_ok(),
         "the VM ignored one press and was never pressed again: {gone:?} {said}"
@@ -126,9 +148,7 @@ async fn the_power_button_is_pressed_again_until_the_guest_heeds_it() {
 
 #[tokio::test]
 async fn a_vm_that_never_powers_off_is_quit_and_its_console_tells_why() {
-    let dir = tempfile::tempdir().unwrap();
-    let vm = VmDir::new(&EnvPaths::new(dir.path(), uuid::Uuid::new_v4()));
-    vm.ensure().unwrap();
+    let (dir, vm) = vm_dir();
     std::fs::write(
         vm.console(),
         "boot line\nA stop job is running for Something Stuck (5min)\n",
@@ -140,18 +160,16 @@ async fn a_vm_that_never_powers_off_is_quit_and_its_console_tells_why() {
         &vm,
         |_| {},
         move || {
-            // SAFETY: kill(2) on the fake QEMU this test started.
-            unsafe { libc::kill(pid.0, libc::SIGKILL) };
+            kill_fake(pid);
         },
     );
-    let (log, buf) = JobLog::capture();
-    let ctx = Ctx::new(log, Default::default(), Duration::from_secs(120));
+    let (ctx, buf) = capture_ctx();
 
     powerdown_within(&vm, Duration::from_secs(1), &ctx)
         .await
         .unwrap();
     qemu.0.wait().unwrap();
-    let said = String::from_utf8_lossy(&buf.lock().unwrap()).into_owned();
+    let said = said(&buf);
     assert!(
         said.contains(&format!(
             // (not the seconds it says it waited: the wait's clock starts
@@ -179,26 +197,22 @@ async fn a_vm_that_never_powers_off_is_quit_and_its_console_tells_why() {
 /// power-off (which left the VM running, kept as suspended).
 #[tokio::test]
 async fn a_qemu_still_starting_gets_its_press_once_its_socket_is_there() {
-    let dir = tempfile::tempdir().unwrap();
-    let vm = VmDir::new(&EnvPaths::new(dir.path(), uuid::Uuid::new_v4()));
-    vm.ensure().unwrap();
+    let (dir, vm) = vm_dir();
     let mut qemu = FakeQemu::start(dir.path(), &vm);
     let pid = process::Pid(qemu.0.id() as i32);
     let presses = fake_qmp_after(
         &vm,
         Duration::from_secs(1),
         move |_| {
-            // SAFETY: kill(2) on the fake QEMU this test started.
-            unsafe { libc::kill(pid.0, libc::SIGKILL) };
+            kill_fake(pid);
         },
         || panic!("quit, although the VM powered off"),
     );
-    let (log, buf) = JobLog::capture();
-    let ctx = Ctx::new(log, Default::default(), Duration::from_secs(120));
+    let (ctx, buf) = capture_ctx();
 
     let gone =
         press_power_button(&vm, Duration::from_secs(60), Duration::from_secs(10), &ctx).await;
-    let said = String::from_utf8_lossy(&buf.lock().unwrap()).into_owned();
+    let said = said(&buf);
     assert!(gone.is_ok(), "{gone:?} {said}");
     assert_eq!(presses.load(std::sync::atomic::Ordering::SeqCst), 1);
     qemu.0.wait().unwrap();
@@ -209,19 +223,16 @@ async fn a_qemu_still_starting_gets_its_press_once_its_socket_is_there() {
 /// when the first pid found exits.
 #[tokio::test]
 async fn a_daemonizing_qemus_parent_exiting_is_not_the_vm_powering_off() {
-    let dir = tempfile::tempdir().unwrap();
-    let vm = VmDir::new(&EnvPaths::new(dir.path(), uuid::Uuid::new_v4()));
-    vm.ensure().unwrap();
+    let (dir, vm) = vm_dir();
     let mut qemu = FakeQemu::start_daemonizing(dir.path(), &vm, "1");
     let environments = dir.path().join("environments");
     assert_eq!(process::scan(&environments).len(), 2);
     // A guest that never heeds the button.
     let presses = fake_qmp(&vm, |_| {}, || {});
-    let (log, buf) = JobLog::capture();
-    let ctx = Ctx::new(log, Default::default(), Duration::from_secs(120));
+    let (ctx, buf) = capture_ctx();
 
     let gone = press_power_button(&vm, Duration::from_secs(4), Duration::from_secs(10), &ctx).await;
-    let said = String::from_utf8_lossy(&buf.lock().unwrap()).into_owned();
+    let said = said(&buf);
     qemu.0.wait().unwrap();
     assert_eq!(
         process::scan(&environments).len(),
