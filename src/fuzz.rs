@@ -357,13 +357,15 @@ fn payload_text() -> impl Strategy<Value = String> {
     ]
 }
 
-/// Job variables a payload falls back on: the suspend triggers, the key, the ids.
+/// Job variables a payload falls back on (the suspend triggers, the key) and
+/// the ids it must never take from them.
 fn job_vars() -> impl Strategy<Value = Job> {
     let names = prop::sample::select(vec![
         "DORMANT_SUSPEND_ON_SUCCESS",
         "DORMANT_SUSPEND_ON_FAILURE",
         "DORMANT_ENVIRONMENT_KEY",
         "CI_SUSPEND_ON_SUCCESS",
+        "CI_SUSPEND_ON_FAILURE",
         "CI_SUSPENDABLE_ENVIRONMENT_RESUME_KEY",
         "CI_JOB_ID",
         "CI_PROJECT_ID",
@@ -387,10 +389,15 @@ proptest! {
     #[test]
     fn fuzz_payload_reader(text in payload_text(), job in job_vars()) {
         match JobInput::from_payload(&text, &job) {
-            Ok(_) => {
+            Ok(input) => {
                 // Only a JSON object is accepted.
                 let parsed: Value = serde_json::from_str(&text).expect("accepted text is JSON");
                 prop_assert!(parsed.is_object(), "accepted a non-object: {}", text);
+                // A bad trigger variable is kept for prepare to refuse: briefly.
+                for msg in input.suspend.invalid.iter().chain(&input.suspend.overridden) {
+                    assert_brief(msg, &text);
+                    prop_assert!(!msg.contains(SECRET), "a message quotes the payload's secret: {}", msg);
+                }
             }
             Err(e) => {
                 let msg = format!("{e:#}");

@@ -6,23 +6,28 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use uuid::Uuid;
 
-use crate::job::{read_trimmed, Job, JobInput};
+use crate::job::{read_trimmed, JobInput};
 use crate::settings::Settings;
 use crate::state::StateStore;
 
 /// Namespace for the environment ids dormant derives (UUID v5).
 const ENV_NAMESPACE: Uuid = Uuid::from_u128(0x6d0f_1c1e_8a4b_4b7e_9d6c_3f2a_1b0e_5c4d);
 
-/// The runner id: settings, else `CI_RUNNER_ID` from the trusted payload, else the variable.
-pub fn runner_id(settings: &Settings, input: &JobInput, job: &Job) -> Result<String> {
+/// The runner id: settings, else `CI_RUNNER_ID` from the trusted payload.
+/// Never the job's own `CI_RUNNER_ID` variable: a job can set it, and the
+/// runner id says which runner's environments a key may resume.
+pub fn runner_id(settings: &Settings, input: &JobInput) -> Result<String> {
     settings
         .runner_id
         .clone()
         .or_else(|| input.payload_runner_id.clone())
-        .or_else(|| job.var("CI_RUNNER_ID").filter(|v| !v.is_empty()).map(str::to_string))
         .map(|r| r.trim().to_string())
         .filter(|r| !r.is_empty() && !r.contains('/'))
-        .context("cannot tell this runner's id: the job carries no usable CI_RUNNER_ID; set runner_id in dormant's settings")
+        .context(
+            "cannot tell this runner's id: the job payload's variables carry no usable CI_RUNNER_ID \
+             (a job's own CI_RUNNER_ID variable is never used: a job can set it); \
+             set runner_id in dormant's settings",
+        )
 }
 
 /// The system id: settings, else the runner's `.runner_system_id`, else one

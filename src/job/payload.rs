@@ -1,6 +1,6 @@
 //! The job payload (`JOB_RESPONSE_FILE`) read into [`JobInput`], with the
-//! `DORMANT_*` / `CI_SUSPEND*` job variables as the fallback GitLab versions
-//! without `suspend_options` need.
+//! `DORMANT_*` / `CI_SUSPEND*` job variables filling in the suspension
+//! triggers and the key where the payload leaves them unset.
 //!
 //! [`JobInput::from_payload`] is pure (text and variables in, typed input out),
 //! so tests and the fuzz targets feed it directly. GitLab Runner writes the
@@ -10,6 +10,15 @@
 //! of being read as something the job never asked for (`[true]` is not
 //! "suspend on success"). Messages name fields and types, never the payload's
 //! values: the file holds the job token and masked variables.
+//!
+//! Go's `omitempty` never omits a struct, so every payload a real runner writes
+//! carries `"suspend_options": {}` even when nothing is set: an empty object
+//! sets nothing, and each trigger and the key are taken field by field (see
+//! [`suspend_request`] and the README's "How keys flow").
+//!
+//! The job's identity (job id, project id, runner id) comes from the payload
+//! only: a job can set any `CI_*` variable itself, and the project id is what
+//! stops another project's job from resuming an environment.
 
 use anyhow::{bail, Context, Result};
 use serde_json::{Map, Value};
@@ -38,8 +47,19 @@ pub struct SuspendRequest {
     pub on_success: bool,
     pub on_failure: bool,
     pub resume_key: Option<String>,
-    /// Where the request came from, for the job log.
-    pub source: &'static str,
+    /// Where the request came from, for the job log ("the job payload's
+    /// suspend_options", "the DORMANT_* job variables", or both).
+    pub source: String,
+    /// Where the key came from (`suspend_options.runtime_environment_key`,
+    /// `DORMANT_ENVIRONMENT_KEY`, ...), for a refusal that names it.
+    pub key_from: &'static str,
+    /// Trigger variables the payload's own field made unused while they said
+    /// otherwise, one line each for the job log.
+    pub overridden: Vec<String>,
+    /// A trigger variable that is not a boolean: job input, so prepare refuses
+    /// the job with this message (a build failure, never retried). Kept here
+    /// instead of failing the parse so that config and cleanup still run.
+    pub invalid: Option<String>,
 }
 
 impl SuspendRequest {
@@ -168,17 +188,8 @@ impl JobInput {
         let image = root.obj("image", "image")?;
         let options = root.obj("suspend_options", "suspend_options")?;
 
-        let job_id = match root.id("id")? {
-            Some(id) => id,
-            None => parse_id(job.var("CI_JOB_ID"), "CI_JOB_ID")?
-                .context("no job id: neither the payload's `id` nor CI_JOB_ID is set")?,
-        };
-        let project_id = match info.as_ref().map(|i| i.id("project_id")).transpose()?.flatten() {
-            Some(id) => id,
-            None => parse_id(job.var("CI_PROJECT_ID"), "CI_PROJECT_ID")?.context(
-                "no project id: neither the payload's `job_info.project_id` nor CI_PROJECT_ID is set",
-            )?,
-        };
+        let job_id = root.id("id")?;
+        let project_id = info.as_ref().map(|i| i.id("project_id")).transpose()?;
         let project_path = match &info {
             Some(i) => i.string("project_full_path")?,
             None => None,
@@ -193,26 +204,18 @@ impl JobInput {
             Some(i) => i.string("name")?,
             None => None,
         };
-        let suspend = match options {
-            Some(opts) => {
-                let key = |name| -> Result<Option<String>> {
-                    Ok(opts
-                        .string(name)?
-                        .filter(|k| !k.trim().is_empty())
-                        .map(str::to_string))
-                };
-                let runtime_key = key("runtime_environment_key")?;
-                // The spelling of runner releases 19.0–19.3.
-                let older_key = key("environment_key")?;
-                SuspendRequest {
-                    on_success: opts.boolean("suspend_on_success")?.unwrap_or(false),
-                    on_failure: opts.boolean("suspend_on_failure")?.unwrap_or(false),
-                    resume_key: runtime_key.or(older_key),
-                    source: "the job payload's suspend_options",
-                }
-            }
-            None => suspend_from_variables(job)?,
-        };
+        let suspend = suspend_request(options.as_ref(), job)?;
+        // Only from the payload (after every field's type is checked): a job
+        // can set CI_JOB_ID and CI_PROJECT_ID itself, and the project id says
+        // whose environments a key may resume.
+        let job_id = job_id.with_context(|| {
+            format!("the job payload has no job id (`id`): {NOT_FROM_THE_RUNNER}")
+        })?;
+        let project_id = project_id.flatten().with_context(|| {
+            format!(
+                "the job payload has no project id (`job_info.project_id`): {NOT_FROM_THE_RUNNER}"
+            )
+        })?;
         Ok(JobInput {
             job_id,
             project_id,
@@ -251,51 +254,144 @@ fn known_variables(variables: &[Value]) -> Result<(Option<String>, Option<String
     Ok((found, url))
 }
 
-fn parse_id(value: Option<&str>, name: &str) -> Result<Option<u64>> {
-    match value.map(str::trim).filter(|v| !v.is_empty()) {
-        None => Ok(None),
-        Some(v) => v
-            .parse()
-            .map(Some)
-            .map_err(|_| anyhow::anyhow!("job variable {name}={} is not a number", quoted(v))),
-    }
+/// One trigger or the key: its payload field, its `DORMANT_*` variable and
+/// the name GitLab Runner's first implementation used.
+struct Field {
+    payload: &'static [&'static str],
+    dormant: &'static str,
+    legacy: &'static str,
 }
 
-/// The variable fallback for GitLab versions that send no `suspend_options`:
-/// `DORMANT_*` first, then the names of GitLab Runner's first implementation.
-fn suspend_from_variables(job: &Job) -> Result<SuspendRequest> {
-    let pick = |i: usize| -> Option<(&'static str, &str)> {
-        [DORMANT_VARS[i], LEGACY_VARS[i]]
-            .into_iter()
-            .find_map(|name| {
-                job.var(name)
-                    .filter(|v| !v.trim().is_empty())
-                    .map(|v| (name, v))
-            })
+const ON_SUCCESS: Field = Field {
+    payload: &["suspend_on_success"],
+    dormant: DORMANT_VARS[0],
+    legacy: LEGACY_VARS[0],
+};
+const ON_FAILURE: Field = Field {
+    payload: &["suspend_on_failure"],
+    dormant: DORMANT_VARS[1],
+    legacy: LEGACY_VARS[1],
+};
+/// `environment_key` is the spelling of runner releases 19.0–19.3.
+const KEY: Field = Field {
+    payload: &["runtime_environment_key", "environment_key"],
+    dormant: DORMANT_VARS[2],
+    legacy: LEGACY_VARS[2],
+};
+
+const FROM_PAYLOAD: &str = "the job payload's suspend_options";
+const FROM_DORMANT_VARS: &str = "the DORMANT_* job variables";
+const FROM_LEGACY_VARS: &str = "the CI_SUSPEND* job variables";
+
+/// What the job asks for, field by field: each trigger and the key from the
+/// payload's `suspend_options` where it sets them, else from the variables
+/// (`DORMANT_*` first, then the legacy names). A runner writes
+/// `"suspend_options": {}` when nothing is set, and false or empty inner
+/// fields are left out, so an empty object sets nothing. A field the payload
+/// carries wins over a variable that says otherwise (noted in `overridden`).
+///
+/// Every trigger variable that is set must be a boolean, used or not: a
+/// typo is refused by prepare rather than silently read as "no".
+fn suspend_request(options: Option<&Obj<'_>>, job: &Job) -> Result<SuspendRequest> {
+    let var = |name: &'static str| {
+        job.var(name)
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .map(|v| (name, v))
     };
-    let flag = |i: usize| -> Result<(bool, Option<&'static str>)> {
-        match pick(i) {
-            None => Ok((false, None)),
-            Some((name, v)) => Ok((parse_bool(name, v)?, Some(name))),
+    let from_vars = |f: &Field| var(f.dormant).or_else(|| var(f.legacy));
+    let mut used = Vec::new();
+    let mut note = |from: &'static str| {
+        if !used.contains(&from) {
+            used.push(from);
         }
     };
-    let (on_success, s1) = flag(0)?;
-    let (on_failure, s2) = flag(1)?;
-    let key = pick(2);
-    let used_legacy = [s1, s2, key.map(|k| k.0)]
-        .iter()
-        .flatten()
-        .any(|n| n.starts_with("CI_"));
-    let used_any = s1.is_some() || s2.is_some() || key.is_some();
+    let var_origin = |name: &str| {
+        if name.starts_with("CI_") {
+            FROM_LEGACY_VARS
+        } else {
+            FROM_DORMANT_VARS
+        }
+    };
+
+    let mut problems = Vec::new();
+    let mut overridden = Vec::new();
+    let mut flag = |f: &Field| -> Result<bool> {
+        // Validate every variable of this trigger, even one that goes unused.
+        let mut from_var = None;
+        for name in [f.dormant, f.legacy] {
+            if let Some((name, v)) = var(name) {
+                match parse_bool(name, v) {
+                    Ok(b) => from_var = from_var.or(Some((name, b))),
+                    Err(e) => problems.push(format!("{e:#}")),
+                }
+            }
+        }
+        let from_payload = match options {
+            Some(o) => o.boolean(f.payload[0])?,
+            None => None,
+        };
+        Ok(match (from_payload, from_var) {
+            (Some(p), var) => {
+                note(FROM_PAYLOAD);
+                if let Some((name, b)) = var.filter(|(_, b)| *b != p) {
+                    overridden.push(format!(
+                        "job variable {name}={b} is not used: the job payload's \
+                         suspend_options.{} says {p}, and the payload wins",
+                        f.payload[0]
+                    ));
+                }
+                p
+            }
+            (None, Some((name, b))) => {
+                note(var_origin(name));
+                b
+            }
+            (None, None) => false,
+        })
+    };
+    let on_success = flag(&ON_SUCCESS)?;
+    let on_failure = flag(&ON_FAILURE)?;
+
+    let mut payload_key = None;
+    if let Some(o) = options {
+        for name in KEY.payload {
+            let k = o.string(name)?.map(str::trim).filter(|k| !k.is_empty());
+            if payload_key.is_none() {
+                payload_key = k.map(|k| (*name, k));
+            }
+        }
+    }
+    let (resume_key, key_from) = match (payload_key, from_vars(&KEY)) {
+        (Some((name, k)), _) => {
+            note(FROM_PAYLOAD);
+            let from = if name == "environment_key" {
+                "suspend_options.environment_key"
+            } else {
+                "suspend_options.runtime_environment_key"
+            };
+            (Some(k.to_string()), from)
+        }
+        (None, Some((name, k))) => {
+            note(var_origin(name));
+            (Some(k.to_string()), name)
+        }
+        (None, None) => (None, ""),
+    };
+    let source = if used.is_empty() {
+        "nothing (no trigger or key in the job payload or the job variables)".to_string()
+    } else {
+        used.join(" and ")
+    };
     Ok(SuspendRequest {
         on_success,
         on_failure,
-        resume_key: key.map(|(_, v)| v.trim().to_string()),
-        source: match (used_any, used_legacy) {
-            (false, _) => "nothing (no suspend_options, no variables)",
-            (true, false) => "the DORMANT_* job variables",
-            (true, true) => "the CI_SUSPEND* job variables",
-        },
+        resume_key,
+        source,
+        key_from,
+        overridden,
+        // One line each: every line of a message stays short.
+        invalid: (!problems.is_empty()).then(|| problems.join("\n")),
     })
 }
 
@@ -305,7 +401,8 @@ pub fn parse_bool(name: &str, value: &str) -> Result<bool> {
         "1" | "true" | "yes" | "on" => Ok(true),
         "0" | "false" | "no" | "off" | "" => Ok(false),
         _ => bail!(
-            "job variable {name}={} is not a boolean: use true or false",
+            "job variable {name}={} is not a boolean: set it to true or false \
+             (1/0, yes/no and on/off are read too), or remove it",
             quoted(value.trim())
         ),
     }

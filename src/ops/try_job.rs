@@ -65,14 +65,26 @@ pub fn try_job(
     let base = now_unix() * 100 + fastrand::u64(0..50);
     let project = 1;
 
+    // Job 1 asks through a job variable, job 2 through the payload: both ways
+    // a job asks stay exercised, under the runner's own payload encoding
+    // (`"suspend_options": {}` when GitLab set nothing).
     let mut first = SimJob::new(base, project)
-        .suspend_on(true, false)
+        .var("DORMANT_SUSPEND_ON_SUCCESS", "true")
         .script(WRITE_FILE);
     first.get_sources = "echo 'fetching sources (simulated)'; touch .fetched-by-job-1".into();
     let r1 = runner.run_job(&first)?;
-    print_job(out, "job 1: new environment, suspend on success", &r1)?;
+    print_job(
+        out,
+        "job 1: new environment, suspend on success (asked by DORMANT_SUSPEND_ON_SUCCESS=true)",
+        &r1,
+    )?;
     let mut checks: Vec<(bool, String)> = Vec::new();
     checks.push((r1.result == JobResult::Success, "job 1 succeeded".into()));
+    checks.push((
+        r1.log()
+            .contains("triggers from the DORMANT_* job variables"),
+        "job 1's suspension was read from its job variable".into(),
+    ));
     let key = r1.key.clone();
     checks.push((key.is_some(), "job 1 printed an environment key".into()));
     let store = StateStore::open(&state_dir)?;
@@ -100,7 +112,7 @@ pub fn try_job(
         let r2 = runner.run_job(&second)?;
         print_job(
             out,
-            "job 2: resume with the key, no trigger (releases at the end)",
+            "job 2: resume with the key in the payload, no trigger (releases at the end)",
             &r2,
         )?;
         checks.push((

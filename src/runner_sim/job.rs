@@ -1,7 +1,9 @@
 //! The job a simulated runner runs: what GitLab would send (the payload written
 //! to `JOB_RESPONSE_FILE`, the job variables) and the stages the job has.
 
-use serde_json::{json, Value};
+use serde_json::Value;
+
+use super::payload::{self, RunnerVersion, SuspendOptions};
 
 /// When the simulated runner signals a call.
 #[derive(Debug, Clone)]
@@ -10,7 +12,7 @@ pub enum When {
     FileExists(std::path::PathBuf),
 }
 
-/// One job: its identity, its `suspend_options`, variables and stages. The
+/// One job: its identity, its suspend options, variables and stages. The
 /// runner skips a stage with nothing to do, so only the stages set here run.
 #[derive(Debug, Clone, Default)]
 pub struct SimJob {
@@ -18,10 +20,16 @@ pub struct SimJob {
     pub project_id: u64,
     /// `namespace/project`, so `CI_PROJECT_DIR = <builds_dir>/<path>`.
     pub project_path: String,
-    /// `suspend_options` as the payload carries it (`None`: field absent).
-    pub suspend_options: Option<Value>,
+    /// What GitLab set in the job's suspend options (`suspend_on`, `resume`);
+    /// the payload carries them as the simulated runner's release writes them.
+    pub suspend: SuspendOptions,
+    /// Written as the payload's `suspend_options` instead of the runner's own
+    /// encoding: for tests of a payload no runner writes (`[true]`, ...).
+    pub suspend_options_override: Option<Value>,
     /// Job variables (become `CUSTOM_ENV_*` and are exported by every script but prepare_script's).
     pub variables: Vec<(String, String)>,
+    /// Names of `variables` that are masked (the payload marks them so).
+    pub masked: Vec<String>,
     pub image: Option<String>,
     /// Body of `get_sources` (after `mkdir -p` and `cd` into the project dir).
     pub get_sources: String,
@@ -60,17 +68,13 @@ impl SimJob {
     }
 
     pub fn suspend_on(mut self, success: bool, failure: bool) -> Self {
-        let mut o = self.suspend_options.take().unwrap_or_else(|| json!({}));
-        o["suspend_on_success"] = json!(success);
-        o["suspend_on_failure"] = json!(failure);
-        self.suspend_options = Some(o);
+        self.suspend.on_success = success;
+        self.suspend.on_failure = failure;
         self
     }
 
     pub fn resume(mut self, key: &str) -> Self {
-        let mut o = self.suspend_options.take().unwrap_or_else(|| json!({}));
-        o["runtime_environment_key"] = json!(key);
-        self.suspend_options = Some(o);
+        self.suspend.key = Some(key.to_string());
         self
     }
 
@@ -82,6 +86,12 @@ impl SimJob {
     pub fn var(mut self, k: &str, v: &str) -> Self {
         self.variables.push((k.into(), v.into()));
         self
+    }
+
+    /// A masked job variable (a CI/CD variable with "Mask variable" set).
+    pub fn masked_var(mut self, k: &str, v: &str) -> Self {
+        self.masked.push(k.into());
+        self.var(k, v)
     }
 
     /// When `stage`'s call gets SIGTERM, if this job is canceled there.
@@ -107,31 +117,32 @@ impl SimJob {
             .map(|(_, f)| When::FileExists(f.clone()))
     }
 
-    /// The job payload as GitLab sends it (a subset: what dormant reads, plus
-    /// the token, which must never leak).
-    pub(super) fn payload(&self, runner_id: &str, token: &str) -> Value {
-        let mut vars: Vec<Value> = vec![
-            json!({"key": "CI_JOB_ID", "value": self.id.to_string(), "public": true}),
-            json!({"key": "CI_RUNNER_ID", "value": runner_id, "public": true}),
-            json!({"key": "CI_JOB_TOKEN", "value": token, "public": false, "masked": true}),
+    /// The job payload as the simulated runner writes it (`payload.rs`):
+    /// what dormant reads, the token and masked variables that must never
+    /// leak, and every struct the runner's encoder always writes.
+    pub(super) fn payload(&self, runner_id: &str, token: &str, version: RunnerVersion) -> Value {
+        let mut vars = vec![
+            payload::variable("CI_JOB_ID", &self.id.to_string(), true, false),
+            payload::variable("CI_RUNNER_ID", runner_id, true, false),
+            payload::variable("CI_JOB_TOKEN", token, false, true),
         ];
         for (k, v) in &self.variables {
-            vars.push(json!({"key": k, "value": v, "public": true}));
+            let masked = self.masked.contains(k);
+            vars.push(payload::variable(k, v, !masked, masked));
         }
-        let mut p = json!({
-            "id": self.id,
-            "token": token,
-            "job_info": {"name": "sim", "stage": "test", "project_id": self.project_id,
-                         "project_name": "project", "project_full_path": self.project_path},
-            "git_info": {"repo_url": format!("https://gitlab-ci-token:{token}@example.invalid/x.git")},
-            "runner_info": {"timeout": 3600},
-            "variables": vars,
-            "steps": [],
-        });
-        if let Some(image) = &self.image {
-            p["image"] = json!({"name": image});
-        }
-        if let Some(o) = &self.suspend_options {
+        let mut p = payload::encode(
+            &payload::PayloadJob {
+                id: self.id,
+                token,
+                project_id: self.project_id,
+                project_path: &self.project_path,
+                image: self.image.as_deref(),
+                variables: vars,
+                suspend: &self.suspend,
+            },
+            version,
+        );
+        if let Some(o) = &self.suspend_options_override {
             p["suspend_options"] = o.clone();
         }
         p

@@ -14,12 +14,14 @@
 //! - `attempt.rs`: a temp dir's context and each call's environment
 //! - `process.rs`: spawning one call and collecting its output
 //! - `job.rs`, `report.rs`: the job going in, the report coming out
+//! - `payload.rs`: the job payload as the runner's Go encoder writes it
 //!
 //! The names, exit codes, config output and stage order come from
 //! [`crate::contract`], which the driver side uses too.
 
 mod attempt;
 mod job;
+mod payload;
 mod prepare;
 mod process;
 mod report;
@@ -32,6 +34,7 @@ use std::time::Duration;
 use anyhow::Result;
 
 pub use job::SimJob;
+pub use payload::{RunnerVersion, SuspendOptions};
 pub use report::{Call, JobReport, JobResult};
 
 use prepare::Prepared;
@@ -57,6 +60,9 @@ pub struct Runner {
     pub job_token: String,
     /// Start every call with SIGHUP ignored: a runner started under `nohup`.
     pub ignore_sighup: bool,
+    /// The release simulated: how its payload spells the resume key, and
+    /// whether it has `suspend_options` at all.
+    pub version: RunnerVersion,
 }
 
 impl Runner {
@@ -71,6 +77,7 @@ impl Runner {
             runner_id: runner_id.to_string(),
             job_token: format!("glcbt-simulated-{:016x}", fastrand::u64(..)),
             ignore_sighup: false,
+            version: RunnerVersion::SIMULATED,
         }
     }
 

@@ -25,7 +25,7 @@ fn ok() -> FakeTransports {
 fn suspend_on_success() -> SuspendRequest {
     SuspendRequest {
         on_success: true,
-        source: "test",
+        source: "test".into(),
         ..Default::default()
     }
 }
@@ -54,7 +54,7 @@ fn resume(key: &str, on_success: bool) -> SuspendRequest {
     SuspendRequest {
         on_success,
         resume_key: Some(key.into()),
-        source: "test",
+        source: "test".into(),
         ..Default::default()
     }
 }
@@ -190,7 +190,7 @@ async fn a_failed_job_with_suspend_on_failure_is_kept_and_a_canceled_one_release
     let p = FakeProvider::default();
     let on_failure = SuspendRequest {
         on_failure: true,
-        source: "test",
+        source: "test".into(),
         ..Default::default()
     };
     let (s, _) = session(&store, &p, ok(), 1, on_failure.clone(), "failed");

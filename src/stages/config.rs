@@ -15,7 +15,7 @@ use crate::state::EnvPaths;
 
 pub fn config(settings: &Settings, job: &Job, out: &mut dyn Write) -> Result<(), Failure> {
     let input = job.input()?;
-    let runner_id = crate::identity::runner_id(settings, &input, job)?;
+    let runner_id = crate::identity::runner_id(settings, &input)?;
     // A resume runs in the environment its key names, so its builds_dir (and so
     // CI_PROJECT_DIR) is the suspended job's. A malformed key is refused by
     // prepare with a clear message; here it just gets a new job's id.

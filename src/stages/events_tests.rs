@@ -25,7 +25,7 @@ fn ok() -> FakeTransports {
 fn on_success() -> SuspendRequest {
     SuspendRequest {
         on_success: true,
-        source: "test",
+        source: "test".into(),
         ..Default::default()
     }
 }
@@ -34,7 +34,7 @@ fn resume(key: &str, on_success: bool) -> SuspendRequest {
     SuspendRequest {
         on_success,
         resume_key: Some(key.into()),
-        source: "test",
+        source: "test".into(),
         ..Default::default()
     }
 }

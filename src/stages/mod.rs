@@ -67,7 +67,7 @@ impl Session {
         cancel: CancellationToken,
     ) -> Result<Session> {
         let input = job.input()?;
-        let runner_id = crate::identity::runner_id(&settings, &input, &job)?;
+        let runner_id = crate::identity::runner_id(&settings, &input)?;
         let store = StateStore::open(&settings.state_dir(&job)?)?;
         let events = EventLog::new(store.root(), &settings.events);
         let provider = crate::provider::from_settings(&settings, &store)?;

@@ -34,6 +34,15 @@ pub async fn prepare(s: &Session) -> Result<(), Failure> {
         s.cancel.clone(),
         s.settings.prepare_timeout.get(),
     );
+    // A trigger variable that is not a boolean is the job's own input: refused
+    // before anything is claimed or made (a build failure, so the runner does
+    // not retry it), naming the variable and the values it takes.
+    if let Some(problem) = &s.input.suspend.invalid {
+        return Err(Failure::refused(problem));
+    }
+    for line in &s.input.suspend.overridden {
+        s.log.info(line);
+    }
     let _alive = hold_job_alive(&s.store, &s.runner_id, s.job_id())?;
     let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id(), &ctx).await?;
     let started = Instant::now();

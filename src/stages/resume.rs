@@ -38,7 +38,7 @@ pub(super) async fn prepare_resume(
     started: Instant,
     ctx: &Ctx,
 ) -> Result<(), Failure> {
-    let source = s.input.suspend.source;
+    let source = s.input.suspend.key_from;
     let shown = crate::text::quoted(text);
     let key = EnvironmentKey::parse(text).map_err(|e| {
         Failure::refused(format!(

@@ -25,7 +25,8 @@ fn triggers(on_success: bool, on_failure: bool, key: Option<&str>) -> SuspendReq
         on_success,
         on_failure,
         resume_key: key.map(str::to_string),
-        source: "test",
+        source: "test".into(),
+        ..Default::default()
     }
 }
 

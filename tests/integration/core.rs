@@ -3,8 +3,6 @@
 
 use std::time::{Duration, Instant};
 
-use serde_json::json;
-
 use crate::harness::*;
 
 const RUNNER: &str = "12";
@@ -143,43 +141,6 @@ fn suspend_on_success_then_resume_finds_the_files_and_skips_get_sources() {
     let rec = rig.record(&key).unwrap();
     assert_eq!(rec["status"], "suspended");
     assert_eq!(rec["job_count"], 2);
-}
-
-#[test]
-fn the_older_key_field_name_is_honoured() {
-    let rig = rig();
-    let key = suspended_env(&rig, 5);
-    let mut j = job(5).script("cat keep.txt");
-    j.suspend_options = Some(json!({"environment_key": key}));
-    let r = rig.run(&j);
-    assert_result(&r, JobResult::Success);
-    assert!(r.log().contains("precious"));
-    assert!(
-        !rig.env_dir(&key).exists(),
-        "a resume without triggers releases the environment"
-    );
-}
-
-#[test]
-fn job_variables_serve_when_the_payload_has_no_suspend_options() {
-    let rig = rig();
-    let r = rig.run(
-        &job(5)
-            .var("DORMANT_SUSPEND_ON_SUCCESS", "true")
-            .script("echo v > keep.txt"),
-    );
-    assert_result(&r, JobResult::Success);
-    let key = r.key.clone().unwrap();
-    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
-    // The first implementation's variable names still work for the resume.
-    let r = rig.run(
-        &job(5)
-            .var("CI_SUSPENDABLE_ENVIRONMENT_RESUME_KEY", &key)
-            .script("cat keep.txt"),
-    );
-    assert_result(&r, JobResult::Success);
-    assert!(r.log().contains("skipping get_sources"));
-    assert!(!rig.env_dir(&key).exists());
 }
 
 #[test]
@@ -630,6 +591,11 @@ fn dormant_try_passes_on_the_local_provider() {
     );
     assert!(text.contains("all checks passed"), "{text}");
     assert!(!text.contains("FAIL"), "{text}");
+    // Job 1 asks through a job variable, so that path stays exercised.
+    assert!(
+        text.contains("job 1's suspension was read from its job variable"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -35,6 +35,7 @@ mod events;
 mod harness;
 mod hygiene;
 mod job_request;
+mod job_variables;
 #[cfg(feature = "testing")]
 mod lifecycle;
 mod metrics;

@@ -42,11 +42,64 @@ fn older_key_field_is_read() {
 }
 
 #[test]
-fn payload_options_win_over_variables() {
+fn an_empty_suspend_options_sets_nothing_so_the_variables_serve() {
+    // Every real payload carries `"suspend_options": {}` when nothing is set
+    // (Go's omitempty never omits a struct): the variables must still be read.
     let text = r#"{"id": 1, "job_info": {"project_id": 2}, "suspend_options": {}}"#;
-    let j = job(&[("DORMANT_SUSPEND_ON_SUCCESS", "true")]);
-    let input = JobInput::from_payload(text, &j).unwrap();
-    assert!(!input.suspend.on_success);
+    let j = job(&[
+        ("DORMANT_SUSPEND_ON_SUCCESS", "true"),
+        ("DORMANT_ENVIRONMENT_KEY", "a/b/env=1"),
+    ]);
+    let s = JobInput::from_payload(text, &j).unwrap().suspend;
+    assert!(s.on_success && !s.on_failure);
+    assert_eq!(s.resume_key.as_deref(), Some("a/b/env=1"));
+    assert_eq!(s.key_from, "DORMANT_ENVIRONMENT_KEY");
+    assert_eq!(s.source, "the DORMANT_* job variables");
+    assert!(s.invalid.is_none() && s.overridden.is_empty());
+}
+
+#[test]
+fn each_field_comes_from_the_payload_where_it_is_set_else_from_the_variables() {
+    let text = r#"{"id": 1, "job_info": {"project_id": 2},
+        "suspend_options": {"suspend_on_success": true}}"#;
+    let j = job(&[
+        ("DORMANT_SUSPEND_ON_SUCCESS", "false"),
+        ("CI_SUSPEND_ON_FAILURE", "yes"),
+        ("CI_SUSPENDABLE_ENVIRONMENT_RESUME_KEY", "legacy/b/env=2"),
+    ]);
+    let s = JobInput::from_payload(text, &j).unwrap().suspend;
+    // The payload's trigger beats the variable that says otherwise ...
+    assert!(s.on_success);
+    assert_eq!(s.overridden.len(), 1, "{:?}", s.overridden);
+    assert!(
+        s.overridden[0].contains("DORMANT_SUSPEND_ON_SUCCESS=false")
+            && s.overridden[0].contains("suspend_options.suspend_on_success says true"),
+        "{:?}",
+        s.overridden
+    );
+    // ... and what the payload leaves unset comes from the variables.
+    assert!(s.on_failure);
+    assert_eq!(s.resume_key.as_deref(), Some("legacy/b/env=2"));
+    assert_eq!(
+        s.source,
+        "the job payload's suspend_options and the CI_SUSPEND* job variables"
+    );
+
+    // A key in the payload beats a key in a variable.
+    let text = r#"{"id": 1, "job_info": {"project_id": 2},
+        "suspend_options": {"environment_key": "p/s/env=9"}}"#;
+    let s = JobInput::from_payload(text, &job(&[("DORMANT_ENVIRONMENT_KEY", "v/s/env=8")]))
+        .unwrap()
+        .suspend;
+    assert_eq!(s.resume_key.as_deref(), Some("p/s/env=9"));
+    assert_eq!(s.key_from, "suspend_options.environment_key");
+    // A variable that agrees with the payload is no news.
+    let text = r#"{"id": 1, "job_info": {"project_id": 2},
+        "suspend_options": {"suspend_on_failure": true}}"#;
+    let s = JobInput::from_payload(text, &job(&[("DORMANT_SUSPEND_ON_FAILURE", "1")]))
+        .unwrap()
+        .suspend;
+    assert!(s.on_failure && s.overridden.is_empty());
 }
 
 #[test]
@@ -68,21 +121,56 @@ fn variables_serve_without_suspend_options_dormant_names_first() {
 }
 
 #[test]
-fn bad_boolean_names_the_variable() {
+fn a_bad_trigger_value_is_kept_for_prepare_to_refuse_naming_the_variable() {
+    // Not a parse error: config and cleanup still run; prepare refuses the job.
+    for options in [
+        "",
+        r#", "suspend_options": {}"#,
+        r#", "suspend_options": {"suspend_on_success": true}"#,
+    ] {
+        let text = format!(r#"{{"id": 1, "job_info": {{"project_id": 2}}{options}}}"#);
+        let input = JobInput::from_payload(&text, &job(&[("DORMANT_SUSPEND_ON_SUCCESS", "maybe")]))
+            .unwrap();
+        let problem = input.suspend.invalid.expect("a bad value is never ignored");
+        assert!(
+            problem.contains("DORMANT_SUSPEND_ON_SUCCESS")
+                && problem.contains("\"maybe\"")
+                && problem.contains("true or false"),
+            "{options}: {problem}"
+        );
+    }
+    // Every bad one is named, the legacy names too.
     let text = r#"{"id": 1, "job_info": {"project_id": 2}}"#;
-    let err =
-        JobInput::from_payload(text, &job(&[("DORMANT_SUSPEND_ON_SUCCESS", "maybe")])).unwrap_err();
+    let input = JobInput::from_payload(
+        text,
+        &job(&[
+            ("CI_SUSPEND_ON_FAILURE", "sometimes"),
+            ("DORMANT_SUSPEND_ON_SUCCESS", "2"),
+        ]),
+    )
+    .unwrap();
+    let problem = input.suspend.invalid.unwrap();
     assert!(
-        format!("{err:#}").contains("DORMANT_SUSPEND_ON_SUCCESS"),
-        "{err:#}"
+        problem.contains("CI_SUSPEND_ON_FAILURE") && problem.contains("DORMANT_SUSPEND_ON_SUCCESS"),
+        "{problem}"
     );
 }
 
 #[test]
-fn ids_fall_back_to_variables_and_garbage_is_an_error() {
+fn ids_come_from_the_payload_only_and_garbage_is_an_error() {
+    // A job can set CI_JOB_ID and CI_PROJECT_ID itself: the project id says
+    // whose environments a key may resume, so it is never taken from them.
     let j = job(&[("CI_JOB_ID", "9"), ("CI_PROJECT_ID", "3")]);
-    let input = JobInput::from_payload(r#"{"id": null, "job_info": null}"#, &j).unwrap();
-    assert_eq!((input.job_id, input.project_id), (9, 3));
+    let err =
+        JobInput::from_payload(r#"{"id": null, "job_info": {"project_id": 3}}"#, &j).unwrap_err();
+    assert!(format!("{err:#}").contains("no job id (`id`)"), "{err:#}");
+    let err = JobInput::from_payload(r#"{"id": 9, "job_info": null}"#, &j).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("no project id (`job_info.project_id`)"),
+        "{err:#}"
+    );
+    let input = JobInput::from_payload(r#"{"id": 9, "job_info": {"project_id": 4}}"#, &j).unwrap();
+    assert_eq!((input.job_id, input.project_id), (9, 4), "the payload wins");
     assert!(JobInput::from_payload("{}", &Job::default()).is_err());
     let err = JobInput::from_payload(r#"{"id": 1e400}"#, &Job::default()).unwrap_err();
     assert!(
@@ -205,6 +293,7 @@ fn what_gitlab_runner_writes_is_accepted_nulls_included() {
     let input = JobInput::from_payload(text, &Job::default()).unwrap();
     assert_eq!((input.job_id, input.project_id), (77, 5));
     assert!(!input.suspend.any_trigger() && input.suspend.resume_key.is_none());
+    // `false` carried by the payload is set (a runner leaves it out instead).
     assert_eq!(input.suspend.source, "the job payload's suspend_options");
 }
 
@@ -231,16 +320,9 @@ fn a_huge_job_variable_is_quoted_briefly() {
     let text = r#"{"id": 1, "job_info": {"project_id": 2}}"#;
     let huge = "y".repeat(65_536);
     for name in ["DORMANT_SUSPEND_ON_SUCCESS", "CI_SUSPEND_ON_FAILURE"] {
-        let err = format!(
-            "{:#}",
-            JobInput::from_payload(text, &job(&[(name, huge.as_str())])).unwrap_err()
-        );
+        let input = JobInput::from_payload(text, &job(&[(name, huge.as_str())])).unwrap();
+        let err = input.suspend.invalid.unwrap();
         assert!(err.len() < 400, "{} bytes: {err}", err.len());
         assert!(err.contains(name) && err.contains("(65536 bytes)"), "{err}");
     }
-    let err = format!(
-        "{:#}",
-        JobInput::from_payload("{}", &job(&[("CI_JOB_ID", huge.as_str())])).unwrap_err()
-    );
-    assert!(err.len() < 400 && err.contains("CI_JOB_ID"), "{err}");
 }
