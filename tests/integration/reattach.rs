@@ -1,7 +1,7 @@
 //! Re-attaching to a stage whose SSH connection was lost (the `ssh` provider
 //! against the test sshd). A connection that comes back within
-//! `ssh.reconnect_timeout` does not end the stage: its script runs on on the
-//! machine and `dormant run` re-attaches, with every line of output once and
+//! `ssh.reconnect_timeout` does not end the stage: its script keeps running on
+//! the machine and `dormant run` re-attaches, with every line of output once and
 //! the script's exit code — after one cut, three cuts, and a cut between the
 //! script's end and dormant reading it. One that does not come back in time
 //! is a system failure naming the lost connection; a cancel while
