@@ -49,7 +49,8 @@ pub fn path_for(settings: &Settings, paths: &EnvPaths, storage: StorageMode) -> 
     Ok(path(&crate::provider::dirs(settings, paths, storage)?))
 }
 
-/// The reason: the first line, without control characters, trimmed and bounded.
+/// The reason: the first line, control characters turned into spaces,
+/// trimmed, and cut to `MAX_REASON_CHARS` characters plus `…` when longer.
 pub fn reason(content: &[u8]) -> String {
     let text = String::from_utf8_lossy(content);
     let first = text.split(['\n', '\r']).next().unwrap_or("");

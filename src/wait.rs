@@ -12,7 +12,9 @@
 //!
 //! Every wait's tuning (interval, backoff, how chatty it is) is a value here
 //! or at its call site, never a hand-written loop: see docs/waits.md for the
-//! intervals every wait uses and why.
+//! intervals every wait uses and why, and for the few loops that drive
+//! something of dormant's own (a kept stage's session, `events --follow`)
+//! and are not waits on this helper.
 
 use std::future::Future;
 use std::time::Duration;

@@ -25,7 +25,8 @@
 //!   one file too many, which the next rotation deletes.
 //!
 //! No fsync: the log is history for operators, not state; a power loss may
-//! lose its last lines, never the state files (which are fsynced) it describes.
+//! lose its last lines, never the records and job phases it describes (which
+//! are fsynced).
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;

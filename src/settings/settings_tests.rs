@@ -63,6 +63,70 @@ fn every_problem_is_reported_at_once_naming_the_key() {
 }
 
 #[test]
+fn values_that_do_not_parse_are_all_reported_with_the_keys_after_them() {
+    // serde stops at the first value that does not parse: ec2.market comes
+    // first, and suspend.ttl and the unknown key after it were never seen.
+    let err = Settings::parse_str(
+        "[ec2]\nmarket = \"spott\"\n[suspend]\nttl = \"seven days\"\nwibble = true\n",
+    )
+    .unwrap_err();
+    let text = format!("{err:#}");
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("3 problem(s):"), "{text}");
+    let mut problems: Vec<&str> = lines.map(str::trim_start).collect();
+    problems.sort_unstable();
+    assert_eq!(
+        problems,
+        [
+            "ec2.market: unknown variant `spott`, expected `on-demand` or `spot`",
+            "suspend.ttl: \"seven days\" is not a duration: write e.g. \"90s\", \"10m\", \"2h\" or \"7d\"",
+            "suspend.wibble: unknown setting (see examples/dormant.toml for every setting)",
+        ],
+        "{text}"
+    );
+}
+
+#[test]
+fn bad_values_join_the_checks_of_the_others_once_each() {
+    // Bad elements of two lists keep their own indices; a bad value is not
+    // reported again by a check of the default standing in for it; the
+    // checks of the other keys still run.
+    let err = Settings::parse_str(
+        "provider = \"ssh\"\nruner_id = \"x\"\nstate_dir = \"rel\"\n\
+         [ec2]\nsubnet_ids = [\"a\", 1, 2]\nsecurity_group_ids = [\"b\", \"c\", true]\n\
+         [[ssh.hosts]]\naddress = \"h\"\nuser = \"u\"\nidentity_file = 5\nport = 70000\n",
+    )
+    .unwrap_err();
+    let text = format!("{err:#}");
+    let problems: Vec<&str> = text.lines().skip(1).map(str::trim_start).collect();
+    for expected in [
+        "runer_id: unknown setting",
+        "ec2.subnet_ids[1]: invalid type: integer `1`, expected a string",
+        "ec2.security_group_ids[2]: invalid type: boolean `true`, expected a string",
+        "ssh.hosts[0].identity_file: invalid type: integer `5`, expected path string",
+        "ssh.hosts[0].port: invalid value: integer `70000`, expected u16",
+        "state_dir: rel must be an absolute path",
+    ] {
+        assert_eq!(
+            problems.iter().filter(|p| p.starts_with(expected)).count(),
+            1,
+            "{expected:?} in {text}"
+        );
+    }
+    assert_eq!(problems.len(), 6, "{text}");
+    assert!(text.starts_with("6 problem(s):\n"), "{text}");
+}
+
+#[test]
+fn one_bad_value_is_reported_as_before() {
+    let err = Settings::parse_str("provider = \"gcp\"\n").unwrap_err();
+    assert_eq!(
+        format!("{err:#}"),
+        "1 problem(s):\n  provider: unknown variant `gcp`, expected one of `local`, `ssh`, `ec2`, `qemu`"
+    );
+}
+
+#[test]
 fn bad_values_name_the_key() {
     let err = Settings::parse_str("provider = \"gcp\"\n").unwrap_err();
     assert!(format!("{err:#}").contains("provider"), "{err:#}");

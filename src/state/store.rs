@@ -249,8 +249,10 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
 
 /// As [`write_json`] without the fsyncs: still atomic against a killed
 /// process (a reader sees the old file or the new one), but a power loss may
-/// lose it. Only for records that die with the runner's job anyway (a run
-/// stage's result), where the fsyncs cost 1–10 ms on every stage.
+/// lose it. Only for files whose last write may be lost: a run stage's result
+/// (it dies with the runner's job anyway, and the fsyncs would cost 1–10 ms on
+/// every stage), the sweep cursor and the metrics checkpoint (a lost write
+/// only repeats work). README "State on disk" lists which files are which.
 pub fn write_json_unsynced<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     write_json_as(path, value, false)
 }

@@ -520,13 +520,20 @@ fn bad_settings_fail_every_stage_with_the_key_named() {
     let rig = Rig::new(
         RUNNER,
         SYSTEM,
-        "colour = \"blue\"\n[suspend]\nttl = \"soon\"\n",
+        "colour = \"blue\"\n[ec2]\nmarket = \"spott\"\n[suspend]\nttl = \"soon\"\n",
     );
     let r = rig.run(&job(5));
     assert_result(&r, JobResult::SystemFailure);
     let out = &r.call("config#1").unwrap().output;
-    assert!(out.contains("colour: unknown setting"), "{out}");
-    assert!(out.contains("ttl"), "{out}");
+    // Every problem in one run, also after a value that does not parse.
+    for needle in [
+        "3 problem(s)",
+        "colour: unknown setting",
+        "ec2.market: unknown variant `spott`",
+        "suspend.ttl: \"soon\" is not a duration",
+    ] {
+        assert!(out.contains(needle), "missing {needle:?} in {out}");
+    }
     assert_eq!(r.call("config#1").unwrap().exit_code, 2);
 }
 

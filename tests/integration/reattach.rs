@@ -1,8 +1,17 @@
-//! A dropped connection never fails a job: a stage's script runs on on the
-//! machine, and `dormant run` re-attaches to it (the `ssh` provider against
-//! the test sshd; `ec2_job.rs` and `qemu.rs` do the same through theirs). The
-//! connection is cut by killing the test sshd's own per-connection processes
-//! (never another sshd on this machine), or frozen with SIGSTOP.
+//! Re-attaching to a stage whose SSH connection was lost (the `ssh` provider
+//! against the test sshd). A connection that comes back within
+//! `ssh.reconnect_timeout` does not end the stage: its script keeps running on
+//! the machine and `dormant run` re-attaches, with every line of output once and
+//! the script's exit code — after one cut, three cuts, and a cut between the
+//! script's end and dormant reading it. One that does not come back in time
+//! is a system failure naming the lost connection; a cancel while
+//! disconnected ends `run` promptly; in both, cleanup stops the script left
+//! on the host, and a script cleanup could not reach is stopped by the
+//! resuming job's prepare before its first stage. Connections are cut by
+//! SIGKILLing the test sshd's own per-connection processes, frozen with
+//! SIGSTOP, or the whole test sshd is stopped (the machine gone); never
+//! another sshd on this machine. The helpers at the top serve `ec2_job.rs`
+//! and `qemu_reattach.rs` too.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
