@@ -122,7 +122,14 @@ pub fn create(store: &StateStore, rec: &EnvironmentRecord) -> Result<bool> {
     let result = (|| {
         store::write_json(&inside(&staged.record), rec)?;
         match fs::rename(&staging, &paths.dir) {
-            Ok(()) => Ok(true),
+            // The record inside was fsynced; its directory's entry in
+            // `environments/` must survive a power loss too, or the machine
+            // made next would have no record (only sweep's tag search).
+            Ok(()) => {
+                let parent = paths.dir.parent().unwrap_or(store.root());
+                store::sync_dir(parent).with_context(|| format!("syncing {}", parent.display()))?;
+                Ok(true)
+            }
             // Someone else created it first (a racing retry): theirs stands.
             Err(e)
                 if e.kind() == std::io::ErrorKind::DirectoryNotEmpty

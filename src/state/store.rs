@@ -281,7 +281,7 @@ fn write_json_as<T: Serialize>(path: &Path, value: &T, durable: bool) -> Result<
         }
         fs::rename(&tmp, path)?;
         if durable {
-            File::open(dir)?.sync_all()?;
+            sync_dir(dir)?;
         }
         Ok(())
     };
@@ -290,6 +290,12 @@ fn write_json_as<T: Serialize>(path: &Path, value: &T, durable: bool) -> Result<
         .inspect_err(|_| {
             let _ = fs::remove_file(&tmp);
         })
+}
+
+/// Makes a rename or a new entry in `dir` durable (the entry lives in the
+/// directory, not in the file it names).
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
 }
 
 /// Writes `path` with mode 0600, also when it existed with a wider mode: state

@@ -30,6 +30,16 @@ pub fn ensure_keypair(paths: &EnvPaths) -> Result<String> {
                 String::from_utf8_lossy(&out.stderr).trim()
             );
         }
+        // ssh-keygen does not fsync: a power loss could leave a suspended
+        // machine whose only way in is gone. Once, when the pair is made.
+        let sync = || -> std::io::Result<()> {
+            for f in [private, &public] {
+                std::fs::File::open(f)?.sync_all()?;
+            }
+            let dir = private.parent().unwrap_or(std::path::Path::new("."));
+            crate::state::store::sync_dir(dir)
+        };
+        sync().with_context(|| format!("syncing the key pair {}", private.display()))?;
     }
     // The public half too: every file in the state dir is dormant's user's alone.
     for f in [private, &public] {

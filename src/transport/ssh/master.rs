@@ -282,6 +282,15 @@ impl Master {
             .await?;
         let secs = wait.elapsed().as_secs_f64();
         if first_pin {
+            // ssh does not fsync what it pinned: a power loss that lost it
+            // would have the next connection pin whatever answers, on trust.
+            let pinned = &self.paths.known_hosts;
+            std::fs::File::open(pinned)
+                .and_then(|f| f.sync_all())
+                .and_then(|()| {
+                    crate::state::store::sync_dir(pinned.parent().unwrap_or(Path::new(".")))
+                })
+                .with_context(|| format!("syncing the pinned host key {}", pinned.display()))?;
             ctx.log.info(format!(
                 "SSH to {dest} ready after {secs:.1} s; host key {} pinned for environment {}",
                 fingerprints(&self.paths.known_hosts).join(", "),
