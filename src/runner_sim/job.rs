@@ -44,6 +44,10 @@ pub struct SimJob {
     /// SIGKILL this stage's call, without a SIGTERM first, once this file
     /// exists (the OOM killer, an operator's `kill -9`).
     pub kill_on_file: Option<(String, std::path::PathBuf)>,
+    /// Variables GitLab masks in the job log (`masked`, not `public` in the
+    /// payload); the job exports them like any other. Secrets, as the job
+    /// token is: nothing dormant keeps may hold them.
+    pub masked_variables: Vec<(String, String)>,
 }
 
 impl SimJob {
@@ -82,6 +86,23 @@ impl SimJob {
     pub fn var(mut self, k: &str, v: &str) -> Self {
         self.variables.push((k.into(), v.into()));
         self
+    }
+
+    /// A masked variable (see [`SimJob::masked_variables`]).
+    pub fn masked_var(mut self, k: &str, v: &str) -> Self {
+        self.masked_variables.push((k.into(), v.into()));
+        self
+    }
+
+    /// [`SimJob::payload`] with the masked variables added to its `variables`.
+    pub(super) fn payload_with_masked_variables(&self, runner_id: &str, token: &str) -> Value {
+        let mut p = self.payload(runner_id, token);
+        if let Some(vars) = p["variables"].as_array_mut() {
+            for (k, v) in &self.masked_variables {
+                vars.push(json!({"key": k, "value": v, "public": false, "masked": true}));
+            }
+        }
+        p
     }
 
     /// When `stage`'s call gets SIGTERM, if this job is canceled there.
@@ -156,6 +177,7 @@ impl SimJob {
             v.push(("CI_JOB_IMAGE".into(), image.clone()));
         }
         v.extend(self.variables.iter().cloned());
+        v.extend(self.masked_variables.iter().cloned());
         v
     }
 }

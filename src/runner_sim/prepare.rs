@@ -42,7 +42,10 @@ impl Runner {
             };
             std::fs::write(
                 attempt.response_file(),
-                format!("{}\n", job.payload(&self.runner_id, &self.job_token)),
+                format!(
+                    "{}\n",
+                    job.payload_with_masked_variables(&self.runner_id, &self.job_token)
+                ),
             )?;
             let config = self.config(job, number, &attempt.dir, previous.as_ref(), calls)?;
             attempt.config = config.clone().unwrap_or_default();
