@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Benchmark of EC2 API calls per transition (a script, not a test).
+# EC2 API calls per transition, as a table.
 #
-# Runs the ignored test `ec2_calls::bench_api_calls` of the integration test
-# binary: whole jobs through the built binary against moto's EC2 emulator
-# behind the recording proxy (a loopback sshd stands in for every instance).
+# Runs the test `ec2_calls::ec2_api_calls_per_transition_are_the_readmes` of
+# the integration test binary and shows the table it prints: whole jobs
+# through the built binary against moto's EC2 emulator behind the recording
+# proxy (a loopback sshd stands in for every instance).
 # For each storage mode a new environment is created and suspended, resumed
 # and suspended again, resumed and released; the proxy's calls are split at
 # the first run stage of each job (prepare before it, cleanup after it) and
 # printed as a table: the total and the calls by action. moto's transitions
 # are instant, so every wait makes one poll: on EC2 add one describe per
-# second of transition. CI does not run it (it is #[ignore]d).
+# second of transition. The suite runs the same test: it fails on any count
+# that differs from the README's (action by action).
 #
 # Usage: scripts/bench-ec2-calls.sh
 # Env:   DORMANT_TEST_MOTO_SERVER, DORMANT_TEST_SSHD as for scripts/test.sh.
@@ -23,4 +25,4 @@ if [ ! -x "$DORMANT_TEST_MOTO_SERVER" ] || [ ! -x "$DORMANT_TEST_SSHD" ]; then
 fi
 echo "command: scripts/bench-ec2-calls.sh"
 cargo test --quiet --all-features --test integration -- \
-  --ignored --exact ec2_calls::bench_api_calls --nocapture --test-threads 1
+  --exact ec2_calls::ec2_api_calls_per_transition_are_the_readmes --nocapture --test-threads 1

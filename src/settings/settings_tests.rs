@@ -10,38 +10,234 @@ fn empty_file_gives_defaults() {
     assert!(s.suspend.enabled);
 }
 
+/// The shipped example parses, and names every setting and nothing else:
+/// table by table, the keys it sets or shows commented out are exactly the
+/// fields of the settings structs.
 #[test]
 fn the_shipped_example_parses_and_names_every_top_level_setting() {
     let text = include_str!("../../examples/dormant.toml");
     let parsed = Settings::parse_str(text).unwrap_or_else(|e| panic!("{e:#}"));
     assert_eq!(parsed.provider, ProviderKind::Local);
-    for key in [
-        "provider",
-        "state_dir",
-        "runner_id",
-        "system_id",
-        "runner_system_id_file",
-        "prepare_timeout",
-        "[suspend]",
-        "enabled",
-        "ttl",
-        "cleanup_sweep_budget",
-        "notify_command",
-        "notify_timeout",
-        "allow_job_request",
-        "[events]",
-        "max_file_size",
-        "keep_files",
-        "[local]",
-        "shell",
-        "[ssh]",
-        "[ec2]",
-        "[qemu]",
+    let structs = keys::of_the_settings_structs();
+    let example = keys::in_the_example(text);
+    for table in [
+        "",
+        "suspend",
+        "events",
+        "local",
+        "ssh",
+        "ssh.hosts",
+        "ec2",
+        "qemu",
     ] {
         assert!(
-            text.contains(key),
-            "examples/dormant.toml does not document {key}"
+            structs.contains_key(table),
+            "no table {table:?} found in {structs:?}"
         );
+    }
+    let mut problems = Vec::new();
+    for (table, fields) in &structs {
+        let shown = example.get(table).cloned().unwrap_or_default();
+        let missing: Vec<&String> = fields.difference(&shown).collect();
+        let extra: Vec<&String> = shown.difference(fields).collect();
+        if !missing.is_empty() || !extra.is_empty() {
+            problems.push(format!(
+                "table [{table}]: settings it does not name: {missing:?}; keys that are no setting: {extra:?}"
+            ));
+        }
+    }
+    // A table of the example that is no struct is a setting whose value is a
+    // table of names (`[qemu.images]`).
+    for table in example.keys().filter(|t| !structs.contains_key(*t)) {
+        let (parent, key) = table.rsplit_once('.').unwrap_or(("", table));
+        if !structs.get(parent).is_some_and(|f| f.contains(key)) {
+            problems.push(format!("a table [{table}] that is no setting"));
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "examples/dormant.toml:\n  {}",
+        problems.join("\n  ")
+    );
+}
+
+/// Keys table by table (`""` is the top level, `ssh.hosts` the table of each host).
+mod keys {
+    use std::cell::RefCell;
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use serde::de::{
+        self, DeserializeSeed, Deserializer, IntoDeserializer, MapAccess, SeqAccess, Visitor,
+    };
+    use serde::Deserialize;
+
+    use super::Settings;
+
+    type Tables = BTreeMap<String, BTreeSet<String>>;
+    type Error = de::value::Error;
+    type Found = RefCell<Option<(String, &'static [&'static str])>>;
+
+    /// The fields of every settings struct, as serde knows them (its own
+    /// list of each struct's fields): deserializing from [`Probe`], which
+    /// follows one path of keys into the structs and records the fields of
+    /// the struct at its end, once for every path.
+    pub fn of_the_settings_structs() -> Tables {
+        let mut tables = Tables::new();
+        let mut paths: Vec<Vec<&'static str>> = vec![Vec::new()];
+        while let Some(path) = paths.pop() {
+            let found = Found::default();
+            // Always an error: the probe stops where it finds the struct, and
+            // at any plain value (a field that is no table).
+            let _ = Settings::deserialize(Probe {
+                table: String::new(),
+                rest: &path,
+                found: &found,
+            });
+            if let Some((table, fields)) = found.into_inner() {
+                for field in fields {
+                    let mut deeper = path.clone();
+                    deeper.push(*field);
+                    paths.push(deeper);
+                }
+                tables.insert(table, fields.iter().map(|f| f.to_string()).collect());
+            }
+        }
+        tables
+    }
+
+    /// The keys the example sets or shows commented out (`# key = value`, a
+    /// line that is TOML by itself); a table header (`[a.b]`, `[[a.b]]`,
+    /// commented or not) is key `b` of table `a`.
+    pub fn in_the_example(text: &str) -> Tables {
+        let mut tables = Tables::new();
+        let mut table = String::new();
+        for line in text.lines() {
+            let line = line
+                .strip_prefix('#')
+                .map_or(line, str::trim_start)
+                .trim_end();
+            let header = line
+                .strip_prefix("[[")
+                .and_then(|l| l.strip_suffix("]]"))
+                .or_else(|| line.strip_prefix('[').and_then(|l| l.strip_suffix(']')));
+            if let Some(name) = header.filter(|n| {
+                n.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '.')
+            }) {
+                let (parent, key) = name.rsplit_once('.').unwrap_or(("", name));
+                tables
+                    .entry(parent.to_string())
+                    .or_default()
+                    .insert(key.to_string());
+                table = name.to_string();
+                tables.entry(table.clone()).or_default();
+            } else if let Ok(one) = toml::from_str::<toml::Table>(line) {
+                if one.len() == 1 {
+                    tables
+                        .entry(table.clone())
+                        .or_default()
+                        .extend(one.keys().cloned());
+                }
+            }
+        }
+        tables
+    }
+
+    struct Probe<'a> {
+        table: String,
+        rest: &'a [&'static str],
+        found: &'a Found,
+    }
+
+    impl<'de> Deserializer<'de> for Probe<'_> {
+        type Error = Error;
+
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Error> {
+            Err(de::Error::custom("a plain value"))
+        }
+
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            visitor: V,
+        ) -> Result<V::Value, Error> {
+            let Some((key, rest)) = self.rest.split_first() else {
+                *self.found.borrow_mut() = Some((self.table, fields));
+                return Err(de::Error::custom("found"));
+            };
+            let table = match self.table.as_str() {
+                "" => key.to_string(),
+                t => format!("{t}.{key}"),
+            };
+            visitor.visit_map(OneEntry {
+                key: Some(key),
+                value: Some(Probe {
+                    table,
+                    rest,
+                    found: self.found,
+                }),
+            })
+        }
+
+        fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+            visitor.visit_some(self)
+        }
+
+        fn deserialize_newtype_struct<V: Visitor<'de>>(
+            self,
+            _: &'static str,
+            visitor: V,
+        ) -> Result<V::Value, Error> {
+            visitor.visit_newtype_struct(self)
+        }
+
+        /// A list of tables (`[[ssh.hosts]]`): one element.
+        fn deserialize_seq<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
+            visitor.visit_seq(OneElement(Some(self)))
+        }
+
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
+            bytes byte_buf unit unit_struct tuple tuple_struct map enum identifier
+            ignored_any
+        }
+    }
+
+    struct OneEntry<'a> {
+        key: Option<&'static str>,
+        value: Option<Probe<'a>>,
+    }
+
+    impl<'de> MapAccess<'de> for OneEntry<'_> {
+        type Error = Error;
+
+        fn next_key_seed<K: DeserializeSeed<'de>>(
+            &mut self,
+            seed: K,
+        ) -> Result<Option<K::Value>, Error> {
+            self.key
+                .take()
+                .map(|k| seed.deserialize(k.into_deserializer()))
+                .transpose()
+        }
+
+        fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, Error> {
+            seed.deserialize(self.value.take().expect("one value per key"))
+        }
+    }
+
+    struct OneElement<'a>(Option<Probe<'a>>);
+
+    impl<'de> SeqAccess<'de> for OneElement<'_> {
+        type Error = Error;
+
+        fn next_element_seed<T: DeserializeSeed<'de>>(
+            &mut self,
+            seed: T,
+        ) -> Result<Option<T::Value>, Error> {
+            self.0.take().map(|p| seed.deserialize(p)).transpose()
+        }
     }
 }
 

@@ -465,30 +465,76 @@ fn two_jobs_racing_to_resume_one_key_one_wins_one_is_refused() {
 #[test]
 fn secrets_never_reach_state_files_or_logs() {
     let rig = rig();
-    let r = rig.run(&job(5).suspend_on(true, false));
+    let masked = format!(
+        "masked-SIMULATED-SECRET-{}-{}",
+        std::process::id(),
+        job_id()
+    );
+    let secrets = [rig.secret_token().to_string(), masked.clone()];
+    // A new environment suspended, then resumed and suspended again: every
+    // stage and both kinds of cleanup saw the secrets.
+    let r = rig.run(
+        &job(5)
+            .suspend_on(true, false)
+            .masked_var("DEPLOY_PASSWORD", &masked),
+    );
     assert_result(&r, JobResult::Success);
-    for call in &r.calls {
-        assert!(
-            !call.output.contains(rig.secret_token()),
-            "{} printed the job token",
-            call.name
-        );
+    let key = r.key.clone().unwrap();
+    let r2 = rig.run(
+        &job(5)
+            .resume(&key)
+            .suspend_on(true, false)
+            .masked_var("DEPLOY_PASSWORD", &masked)
+            .script("test -n \"$DEPLOY_PASSWORD\" || exit 9"),
+    );
+    assert_result(&r2, JobResult::Success);
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    let holds =
+        |hay: &[u8], needle: &str| hay.windows(needle.len()).any(|w| w == needle.as_bytes());
+    // The job log and the runner's log (cleanup): every call's output.
+    for call in r.calls.iter().chain(&r2.calls) {
+        for s in &secrets {
+            assert!(
+                !holds(call.output.as_bytes(), s),
+                "{} printed the secret {s}",
+                call.name
+            );
+        }
     }
+    // Every file of the state dir (records, job state, the event log, keys,
+    // the environment's own tree), byte for byte: a secret in a file that is
+    // not UTF-8 is a leak too.
+    let mut files = 0;
     let mut stack = vec![rig.state_dir.clone()];
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
-            if path.is_dir() {
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            if meta.is_dir() {
                 stack.push(path);
-            } else if let Ok(text) = std::fs::read_to_string(&path) {
-                assert!(
-                    !text.contains(rig.secret_token()),
-                    "{} holds the job token",
-                    path.display()
-                );
+            } else if meta.is_file() {
+                let bytes = std::fs::read(&path).unwrap();
+                files += 1;
+                for s in &secrets {
+                    assert!(!holds(&bytes, s), "{} holds the secret {s}", path.display());
+                }
             }
         }
     }
+    assert!(
+        files > 3,
+        "only {files} files in the state dir: the walk missed it"
+    );
+    assert!(
+        r.log().contains(&key) && !entries_of(&rig.state_dir.join("events")).is_empty(),
+        "the job log and the event log were there to search"
+    );
+}
+
+fn entries_of(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
 }
 
 #[test]

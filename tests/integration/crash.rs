@@ -8,6 +8,10 @@
 //! The kill is dormant's own `failpoint!` (the `testing` cargo feature),
 //! armed through `DORMANT_FAILPOINT` in the runner's environment; with
 //! `DORMANT_FAILPOINT_ONCE` it fires once, so the runner's retry gets past it.
+//! Every scenario proves its process died at the named point
+//! ([`assert_killed_at`]: the failpoint's last words in a call that ended by
+//! SIGKILL, its once-marker made): many scenarios end the same way with no
+//! kill at all, so a renamed or unreachable failpoint would otherwise pass.
 //! The same scenarios run on `local`, on `ssh` (a loopback sshd) and on `ec2`
 //! (moto behind the recording proxy, SSH to the loopback sshd).
 
@@ -15,6 +19,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::harness::*;
+use dormant::runner_sim::Call;
 
 /// `suspend.claim_grace` in these tests: a dead holder counts as gone after it.
 pub(crate) const GRACE: &str = "[suspend]\nclaim_grace = \"1s\"\n";
@@ -60,6 +65,71 @@ pub(crate) fn arm(rig: &mut Rig, point: Option<&str>, once: bool) {
                 marker.display().to_string(),
             );
         }
+    }
+}
+
+/// What dormant prints as an armed failpoint kills it (`src/failpoint.rs`).
+fn last_words(point: &str) -> String {
+    format!("dormant: failpoint {point}: SIGKILL")
+}
+
+/// Proves the process died at `point`, `times` times: exactly that many of
+/// `calls` printed the failpoint's last words and ended by SIGKILL, and the
+/// once-marker of a failpoint armed once exists (the failpoint makes it just
+/// before the kill). Without this a renamed or unreachable failpoint goes
+/// unnoticed: most scenarios end the same way with no kill at all.
+#[track_caller]
+pub(crate) fn assert_killed_at(rig: &Rig, calls: &[Call], point: &str, times: usize) {
+    assert_eq!(
+        rig.runner.env.get("DORMANT_FAILPOINT").map(String::as_str),
+        Some(point),
+        "{point}: not the armed failpoint"
+    );
+    let said = last_words(point);
+    let killed: Vec<&Call> = calls.iter().filter(|c| c.output.contains(&said)).collect();
+    let every: Vec<String> = calls
+        .iter()
+        .map(|c| format!("{} (exit {})", c.name, c.exit_code))
+        .collect();
+    let all_output: String = calls.iter().map(|c| c.output.as_str()).collect();
+    assert_eq!(
+        killed.len(),
+        times,
+        "{point}: the process was not killed there {times} time(s) (calls: {every:?}):\n{all_output}"
+    );
+    for c in killed {
+        assert_eq!(
+            c.exit_code,
+            128 + libc::SIGKILL,
+            "{point}: {} printed the failpoint but was not SIGKILLed:\n{}",
+            c.name,
+            c.output
+        );
+    }
+    if let Some(marker) = rig.runner.env.get("DORMANT_FAILPOINT_ONCE") {
+        assert!(
+            std::path::Path::new(marker).exists(),
+            "{point}: armed once, but its marker {marker} was never made"
+        );
+    }
+}
+
+/// An operator's command as a call, for [`assert_killed_at`].
+pub(crate) fn operator_call(name: &str, out: &std::process::Output) -> Call {
+    use std::os::unix::process::ExitStatusExt;
+    Call {
+        name: name.to_string(),
+        exit_code: out
+            .status
+            .code()
+            .unwrap_or_else(|| 128 + out.status.signal().unwrap_or(0)),
+        elapsed: Duration::ZERO,
+        output: format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        arrivals: Vec::new(),
     }
 }
 
@@ -157,6 +227,7 @@ pub fn every_crash_point(rig: &mut Rig, machines: &dyn Machines) {
         let r = rig.run(&keeper());
         assert_result(&r, JobResult::Success);
         assert_eq!(r.prepare_attempts, 2, "{point}: killed once, retried once");
+        assert_killed_at(rig, &r.calls, point, 1);
         let key = r.key.clone().unwrap();
         assert_eq!(rig.status(&key).as_deref(), Some("suspended"), "{point}");
         assert_settled(rig, machines, point);
@@ -183,6 +254,8 @@ pub fn every_crash_point(rig: &mut Rig, machines: &dyn Machines) {
                 .script("test \"$(cat kept.txt)\" = precious || exit 9"),
         );
         assert_result(&r, JobResult::Success);
+        assert_eq!(r.prepare_attempts, 2, "{point}: killed once, retried once");
+        assert_killed_at(rig, &r.calls, point, 1);
         assert_eq!(rig.status(&key).as_deref(), Some("suspended"), "{point}");
         assert_settled(rig, machines, point);
         resume_and_release(rig, &key, point);
@@ -197,6 +270,7 @@ pub fn every_crash_point(rig: &mut Rig, machines: &dyn Machines) {
     arm(rig, Some("resume:ready"), false);
     let r = rig.run(&job(5).resume(&key));
     assert_eq!(r.prepare_attempts, 3, "{}", r.log());
+    assert_killed_at(rig, &r.calls, "resume:ready", 3);
     assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
     assert_settled(rig, machines, "resume killed three times");
     resume_and_release(rig, &key, "resume killed three times");
@@ -206,6 +280,9 @@ pub fn every_crash_point(rig: &mut Rig, machines: &dyn Machines) {
     arm(rig, Some("run:first-stage"), false);
     let r = rig.run(&job(5).suspend_on(true, false));
     assert_ne!(r.result, JobResult::Success);
+    // Armed for every call: the first stage, and `cleanup_file_variables`,
+    // which the runner still calls after it.
+    assert_killed_at(rig, &r.calls, "run:first-stage", 2);
     let key = r.key.clone().unwrap();
     assert!(
         rig.status(&key).is_none(),
@@ -226,6 +303,7 @@ pub fn every_crash_point(rig: &mut Rig, machines: &dyn Machines) {
     ] {
         arm(rig, Some(point), true);
         let r = rig.run(&keeper());
+        assert_killed_at(rig, &r.calls, point, 1);
         let key = r.key.clone().unwrap();
         arm(rig, None, false);
         let text = sweep(rig);
@@ -241,6 +319,7 @@ pub fn every_crash_point(rig: &mut Rig, machines: &dyn Machines) {
     for point in ["cleanup:decided", "release:intent", "release:deleted"] {
         arm(rig, Some(point), true);
         let r = rig.run(&job(5));
+        assert_killed_at(rig, &r.calls, point, 1);
         let key = r.key.clone().unwrap();
         arm(rig, None, false);
         let text = sweep(rig);
@@ -254,7 +333,8 @@ pub fn every_crash_point(rig: &mut Rig, machines: &dyn Machines) {
     arm(rig, None, false);
     let key = rig.run(&keeper()).key.unwrap();
     arm(rig, Some("cleanup:decided"), true);
-    rig.run(&job(5).resume(&key).suspend_on(true, false));
+    let r = rig.run(&job(5).resume(&key).suspend_on(true, false));
+    assert_killed_at(rig, &r.calls, "cleanup:decided", 1);
     assert_eq!(
         rig.status(&key).as_deref(),
         Some("active"),
@@ -269,7 +349,7 @@ pub fn every_crash_point(rig: &mut Rig, machines: &dyn Machines) {
     let key = rig.run(&keeper()).key.unwrap();
     arm(rig, Some("release:intent"), true);
     let out = rig.dormant(&["release", &key]);
-    assert!(!out.status.success(), "killed");
+    assert_killed_at(rig, &[operator_call("release", &out)], "release:intent", 1);
     assert_eq!(rig.status(&key).as_deref(), Some("releasing"));
     arm(rig, None, false);
     let text = sweep(rig);

@@ -123,6 +123,7 @@ fn every_crash_point_on_local_volume_mode() {
         let r = rig.run(&keeper());
         assert_result(&r, JobResult::Success);
         assert_eq!(r.prepare_attempts, 2, "{point}: killed once, retried once");
+        assert_killed_at(&rig, &r.calls, point, 1);
         let key = r.key.clone().unwrap();
         assert_eq!(rig.status(&key).as_deref(), Some("suspended"), "{point}");
         assert_settled(&rig, &machines, point);
@@ -141,11 +142,7 @@ fn every_crash_point_on_local_volume_mode() {
     ] {
         arm(&mut rig, Some(point), true);
         let r = rig.run(&keeper());
-        assert!(
-            r.cleanup_output().contains(&format!("failpoint {point}")),
-            "{point}: {}",
-            r.cleanup_output()
-        );
+        assert_killed_at(&rig, &r.calls, point, 1);
         let key = r.key.clone().unwrap();
         arm(&mut rig, None, false);
         let text = sweep(&rig);
@@ -174,6 +171,7 @@ fn every_crash_point_on_local_volume_mode() {
         );
         assert_result(&r, JobResult::Success);
         assert_eq!(r.prepare_attempts, 2, "{point}");
+        assert_killed_at(&rig, &r.calls, point, 1);
         assert_eq!(rig.status(&key).as_deref(), Some("suspended"), "{point}");
         assert_volume_settled(&rig, point);
         resume_and_release(&mut rig, &key, point);
@@ -188,6 +186,7 @@ fn every_crash_point_on_local_volume_mode() {
     arm(&mut rig, Some("resume:started"), false);
     let r = rig.run(&job(5).resume(&key));
     assert_eq!(r.prepare_attempts, 3, "{}", r.log());
+    assert_killed_at(&rig, &r.calls, "resume:started", 3);
     assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
     assert!(
         r.cleanup_output()
@@ -204,7 +203,8 @@ fn every_crash_point_on_local_volume_mode() {
         arm(&mut rig, None, false);
         let key = rig.run(&keeper()).key.unwrap();
         arm(&mut rig, Some(point), true);
-        rig.run(&job(5).resume(&key).suspend_on(true, false));
+        let r = rig.run(&job(5).resume(&key).suspend_on(true, false));
+        assert_killed_at(&rig, &r.calls, point, 1);
         assert_eq!(rig.status(&key).as_deref(), Some("suspending"), "{point}");
         std::thread::sleep(PAST_GRACE);
         resume_and_release(&mut rig, &key, point);
@@ -216,6 +216,7 @@ fn every_crash_point_on_local_volume_mode() {
     for point in ["release:deleted", "release:volume-deleted"] {
         arm(&mut rig, Some(point), true);
         let r = rig.run(&job(5));
+        assert_killed_at(&rig, &r.calls, point, 1);
         let key = r.key.clone().unwrap();
         assert_eq!(rig.status(&key).as_deref(), Some("releasing"), "{point}");
         arm(&mut rig, None, false);

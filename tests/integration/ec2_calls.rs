@@ -2,8 +2,10 @@
 //! (machine mode with stop and with hibernate, volume mode),
 //! counted by the recording proxy while whole jobs run through the built
 //! binary (moto behind the proxy, the loopback sshd standing in for every
-//! instance). `bench_api_calls` (ignored; `scripts/bench-ec2-calls.sh`)
-//! prints the table of the README.
+//! instance). `ec2_api_calls_per_transition_are_the_readmes` checks every
+//! count, action by action, and that the README's table says the same: an
+//! extra or a missing call fails it. It prints the table too
+//! (`scripts/bench-ec2-calls.sh` shows it).
 //!
 //! moto's transitions are instant, so each wait makes one poll: on real EC2
 //! add one DescribeInstances (or DescribeVolumes) per second of transition.
@@ -42,14 +44,26 @@ fn run_counted(env: &Ec2Env, rig: &Rig, job: &dormant::runner_sim::SimJob) -> Jo
     }
 }
 
-/// "3 (DescribeInstances 2, StopInstances 1)".
-fn tally(calls: &[Call]) -> String {
-    let mut by: BTreeMap<&str, usize> = BTreeMap::new();
+/// How many calls of each action.
+type Tally = BTreeMap<String, usize>;
+
+fn tally(calls: &[Call]) -> Tally {
+    let mut by = Tally::new();
     for c in calls {
-        *by.entry(c.action.as_str()).or_default() += 1;
+        *by.entry(c.action.clone()).or_default() += 1;
     }
-    let parts: Vec<String> = by.iter().map(|(a, n)| format!("{a} {n}")).collect();
-    format!("{} ({})", calls.len(), parts.join(", "))
+    by
+}
+
+/// "3 (DescribeInstances 2, StopInstances 1)".
+fn show(t: &Tally) -> String {
+    let parts: Vec<String> = t.iter().map(|(a, n)| format!("{a} {n}")).collect();
+    format!("{} ({})", t.values().sum::<usize>(), parts.join(", "))
+}
+
+/// `[("DescribeInstances", 2), ...]` as a tally.
+fn want(calls: &[(&str, usize)]) -> Tally {
+    calls.iter().map(|(a, n)| (a.to_string(), *n)).collect()
 }
 
 /// How a row's runner is set up.
@@ -58,9 +72,18 @@ enum Mode {
     Volume,
 }
 
-/// One mode's row: a new environment suspended, resumed and suspended again,
-/// resumed and released.
-fn measure(name: &str, mode: Mode) -> [String; 6] {
+/// One mode's calls: a new environment suspended, resumed and suspended
+/// again, resumed and released.
+struct Row {
+    create: Tally,
+    suspend: Tally,
+    resume: Tally,
+    suspend_again: Tally,
+    resume_again: Tally,
+    release: Tally,
+}
+
+fn measure(mode: Mode) -> Row {
     let env = Ec2Env::start();
     let rig = match mode {
         Mode::Machine(ec2_lines) => env.rig(
@@ -91,35 +114,135 @@ fn measure(name: &str, mode: Mode) -> [String; 6] {
         &harness::job(5).resume(&first.key).script("cat kept.txt"),
     );
     assert!(rig.status(&first.key).is_none(), "released");
-    [
-        name.to_string(),
-        tally(&first.prepare),
-        tally(&first.cleanup),
-        tally(&again.prepare),
-        tally(&again.cleanup),
-        tally(&last.cleanup),
-    ]
+    Row {
+        create: tally(&first.prepare),
+        suspend: tally(&first.cleanup),
+        resume: tally(&again.prepare),
+        suspend_again: tally(&again.cleanup),
+        resume_again: tally(&last.prepare),
+        release: tally(&last.cleanup),
+    }
 }
 
+/// Every transition's calls, action by action, as the README breaks them
+/// down; the README's table row; the table printed.
 #[test]
-#[ignore = "a benchmark: scripts/bench-ec2-calls.sh runs it"]
-fn bench_api_calls() {
+fn ec2_api_calls_per_transition_are_the_readmes() {
+    let machine = Expected {
+        create: want(&[
+            ("DescribeInstances", 2),
+            ("DescribeImages", 1),
+            ("RunInstances", 1),
+        ]),
+        suspend: want(&[("DescribeInstances", 2), ("StopInstances", 1)]),
+        resume: want(&[("DescribeInstances", 2), ("StartInstances", 1)]),
+        release: want(&[("DescribeInstances", 1), ("TerminateInstances", 1)]),
+    };
     let rows = [
-        measure("machine, stop", Mode::Machine("")),
-        measure(
-            "machine, hibernate",
+        ("machine, `stop`", Mode::Machine(""), machine.clone()),
+        (
+            "machine, `hibernate`",
             Mode::Machine(
                 "suspend_mode = \"hibernate\"\nroot_volume_encrypted = true\nroot_volume_size_gb = 30\n",
             ),
+            machine,
         ),
-        measure("volume", Mode::Volume),
+        (
+            "volume",
+            Mode::Volume,
+            Expected {
+                create: want(&[
+                    ("DescribeInstances", 3),
+                    ("DescribeImages", 1),
+                    ("DescribeSubnets", 1),
+                    ("RunInstances", 1),
+                    ("DescribeVolumes", 4),
+                    ("CreateVolume", 1),
+                    ("AttachVolume", 1),
+                ]),
+                suspend: want(&[
+                    ("DescribeVolumes", 2),
+                    ("DetachVolume", 1),
+                    ("DescribeInstances", 1),
+                    ("TerminateInstances", 1),
+                ]),
+                resume: want(&[
+                    ("DescribeInstances", 2),
+                    ("RunInstances", 1),
+                    ("DescribeVolumes", 2),
+                    ("AttachVolume", 1),
+                ]),
+                release: want(&[
+                    ("DescribeInstances", 1),
+                    ("TerminateInstances", 1),
+                    ("DescribeVolumes", 1),
+                    ("DeleteVolume", 1),
+                ]),
+            },
+        ),
     ];
+    let readme = include_str!("../../README.md");
+    let mut table = Vec::new();
+    let mut wrong = Vec::new();
+    for (name, mode, expected) in rows {
+        let got = measure(mode);
+        table.push(format!(
+            "| {name} | {} | {} | {} | {} | {} | {} |",
+            show(&got.create),
+            show(&got.suspend),
+            show(&got.resume),
+            show(&got.suspend_again),
+            show(&got.resume_again),
+            show(&got.release)
+        ));
+        for (what, got, want) in [
+            ("create", &got.create, &expected.create),
+            ("suspend", &got.suspend, &expected.suspend),
+            ("resume", &got.resume, &expected.resume),
+            ("suspend again", &got.suspend_again, &expected.suspend),
+            ("resume again", &got.resume_again, &expected.resume),
+            ("release", &got.release, &expected.release),
+        ] {
+            if got != want {
+                wrong.push(format!(
+                    "{name}, {what}: {} (the README says {})",
+                    show(got),
+                    show(want)
+                ));
+            }
+        }
+        let sum = |t: &Tally| t.values().sum::<usize>();
+        let row = format!(
+            "| {name} | {} | {} | {} | {} |",
+            sum(&expected.create),
+            sum(&expected.suspend),
+            sum(&expected.resume),
+            sum(&expected.release)
+        );
+        if !readme.lines().any(|l| l == row) {
+            wrong.push(format!("README.md's table of EC2 calls has no row {row:?}"));
+        }
+    }
     println!();
     println!("EC2 API calls per transition (counted by the test proxy; moto's transitions are instant, so every wait polls once: on EC2 add one describe per second of transition)");
     println!();
-    println!("| mode | create | suspend | resume | suspend again | release |");
-    println!("|---|---|---|---|---|---|");
-    for r in rows {
-        println!("| {} |", r.join(" | "));
+    println!("| mode | create | suspend | resume | suspend again | resume again | release |");
+    println!("|---|---|---|---|---|---|---|");
+    for r in table {
+        println!("{r}");
     }
+    assert!(
+        wrong.is_empty(),
+        "EC2 calls per transition:\n  {}",
+        wrong.join("\n  ")
+    );
+}
+
+/// What one mode's transitions must cost.
+#[derive(Clone)]
+struct Expected {
+    create: Tally,
+    suspend: Tally,
+    resume: Tally,
+    release: Tally,
 }

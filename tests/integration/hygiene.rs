@@ -300,6 +300,14 @@ fn a_sigkilled_ssh_stage_leaves_no_script_behind() {
 
 /// A cancelled script whose escaped background process keeps the job's
 /// output open; `force_kill`: SIGKILL that long after the SIGTERM.
+///
+/// The job must end although that process lives on: dormant ends the
+/// script's process group, and a process that left it (`setsid`) is out of
+/// its reach (README: SIGTERM kills the script's process group; docs/ssh.md,
+/// "Limits"). So the test proves the escape was real: the process wrote its
+/// pid, and it still ran, its output still open, when the job had ended.
+/// Without that the test would pass just as well with no process holding
+/// anything.
 fn escaped_process_does_not_hold_the_runners_pipe(place: Where, force_kill: Option<Duration>) {
     let dir = tempfile::tempdir().unwrap();
     let (ready, gate) = (dir.path().join("ready"), dir.path().join("gate"));
@@ -312,17 +320,39 @@ fn escaped_process_does_not_hold_the_runners_pipe(place: Where, force_kill: Opti
     j.cancel = Some(("build_script".into(), Duration::from_secs(2)));
     j.force_kill = force_kill;
     let r = run_guarded(&place, &j, &ready, &gate, || {});
-    // The escaped process is the script's doing, not dormant's: it may live on
-    // (holding a pipe nobody reads). The test removes it.
-    if let Some(pid) = std::fs::read_to_string(&pidfile)
+    let pid = std::fs::read_to_string(&pidfile)
         .ok()
-        .and_then(|p| p.trim().parse::<i32>().ok())
-    {
+        .and_then(|p| p.trim().parse::<i32>().ok());
+    let output = pid.map(|pid| std::fs::read_link(format!("/proc/{pid}/fd/1")));
+    let running = pid.is_some_and(process_running);
+    // The test's own tidy-up: the escaped process is the script's doing.
+    if let Some(pid) = pid {
         // SAFETY: kill(2) on the escaped process this test's script started.
         unsafe {
             libc::kill(pid, libc::SIGKILL);
         }
     }
+    let pid = pid.unwrap_or_else(|| {
+        panic!(
+            "the escaped process never wrote its pid to {}: nothing escaped\n{}",
+            pidfile.display(),
+            r.log()
+        )
+    });
+    assert!(
+        running,
+        "the escaped process {pid} was gone when the job ended: nothing held the \
+         job's output open\n{}",
+        r.log()
+    );
+    let output = output
+        .unwrap()
+        .unwrap_or_else(|e| panic!("its stdout: {e}"));
+    assert_ne!(
+        output,
+        PathBuf::from("/dev/null"),
+        "the escaped process {pid} did not hold the job's output"
+    );
     assert_result(&r, JobResult::Canceled);
     let build = r.call("build_script").unwrap();
     assert!(!build.output.contains("finished"), "{}", build.output);
@@ -339,12 +369,7 @@ fn escaped_process_does_not_hold_the_runners_pipe(place: Where, force_kill: Opti
     wait_until(
         "the escaped process to be gone",
         Duration::from_secs(10),
-        || {
-            std::fs::read_to_string(&pidfile)
-                .ok()
-                .and_then(|p| p.trim().parse::<i32>().ok())
-                .is_none_or(|pid| !process_running(pid))
-        },
+        || !process_running(pid),
     );
 }
 

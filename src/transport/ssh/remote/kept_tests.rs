@@ -651,11 +651,17 @@ fn follows(pid: i32, out: &Path) -> bool {
 fn a_follower_does_not_outlive_an_owner_killed_before_it_recorded_it() {
     let m = Machine::new();
     let record = m.tmp.path().join("follower");
-    // In place of the owner's functions: note the follower's pid, then die
-    // as an owner SIGKILLed at that point would.
+    let gate = m.tmp.path().join("kill-the-owner");
+    // In place of the owner's functions: note the follower's pid, wait (at
+    // most a minute) until the test has seen the follower follow, then die
+    // as an owner SIGKILLed at that point would. (Killed at once, the owner
+    // could be gone before the follower ran at all: a follower that never
+    // followed proves nothing about ending with its owner.)
     let owner = format!(
-        "echo \"$f\" > '{}'; kill -s KILL $BASHPID",
-        record.display()
+        "echo \"$f\" > '{}'; for i in $(seq 1200); do [ -e '{}' ] && break; sleep 0.05; done; \
+         kill -s KILL $BASHPID",
+        record.display(),
+        gate.display()
     );
     let mut s = m.session_owned_by(
         "build.13",
@@ -668,11 +674,10 @@ fn a_follower_does_not_outlive_an_owner_killed_before_it_recorded_it() {
     assert_eq!(s.report(), Report::Kept);
     let follower = pids_in(&record)[0];
     let out = m.file("build.13", "out");
-    // (Its pid names the forked shell until it has exec'd tail.)
-    wait_for(
-        || follows(follower, &out) || !alive(follower),
-        "the follower to start",
-    );
+    // (Its pid names the forked shell until it has exec'd tail.) A live
+    // follower, following this stage's output: not one already gone.
+    wait_for(|| follows(follower, &out), "the follower to start");
+    std::fs::write(&gate, "").unwrap();
     let end = s.until(|r| matches!(r, Report::Exit(..)));
     assert!(matches!(end, Report::Exit(0, Some(13))), "{end:?}");
     wait_for(
