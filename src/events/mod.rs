@@ -99,6 +99,15 @@ pub enum SuspendCause {
 }
 
 impl SuspendCause {
+    pub const ALL: [SuspendCause; 6] = [
+        SuspendCause::Triggers,
+        SuspendCause::JobRequest,
+        SuspendCause::Shell,
+        SuspendCause::MachineLost,
+        SuspendCause::Unused,
+        SuspendCause::Recovered,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             SuspendCause::Triggers => "triggers",
@@ -135,6 +144,18 @@ pub enum ReleaseCause {
 }
 
 impl ReleaseCause {
+    pub const ALL: [ReleaseCause; 9] = [
+        ReleaseCause::NoTrigger,
+        ReleaseCause::Canceled,
+        ReleaseCause::PrepareFailed,
+        ReleaseCause::SuspendDisabled,
+        ReleaseCause::Ttl,
+        ReleaseCause::Operator,
+        ReleaseCause::Orphan,
+        ReleaseCause::Recovered,
+        ReleaseCause::Retried,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             ReleaseCause::NoTrigger => "no_trigger",
@@ -166,6 +187,14 @@ pub enum Step {
 }
 
 impl Step {
+    pub const ALL: [Step; 5] = [
+        Step::Create,
+        Step::Start,
+        Step::Connect,
+        Step::Stop,
+        Step::Delete,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Step::Create => "create",
@@ -175,6 +204,45 @@ impl Step {
             Step::Delete => "delete",
         }
     }
+}
+
+/// The causes a `recovered` line can carry: what the stale claim was settled to.
+pub const RECOVERED_CAUSES: [&str; 3] = ["release", "suspend", "resuspend"];
+/// The scopes of a `sweep` line (its cause).
+pub const SWEEP_SCOPES: [&str; 2] = ["full", "slice"];
+
+/// Every (event, cause) pair dormant writes. `dormant metrics` prints a zero
+/// for each one not seen yet, so a dashboard has a series to plot from the
+/// first scrape (a counter that appears only at its first increment makes
+/// `rate` and `increase` miss that increment, and a panel say "No data").
+pub fn known_causes() -> Vec<(&'static str, &'static str)> {
+    let mut out = vec![
+        (Kind::Created.as_str(), "job"),
+        (Kind::Resumed.as_str(), "job"),
+        (Kind::Resumed.as_str(), "shell"),
+    ];
+    out.extend(
+        SuspendCause::ALL
+            .iter()
+            .map(|c| (Kind::Suspended.as_str(), c.as_str())),
+    );
+    out.extend(
+        ReleaseCause::ALL
+            .iter()
+            .map(|c| (Kind::Released.as_str(), c.as_str())),
+    );
+    out.extend(
+        Step::ALL
+            .iter()
+            .map(|c| (Kind::Failed.as_str(), c.as_str())),
+    );
+    out.extend(
+        RECOVERED_CAUSES
+            .iter()
+            .map(|c| (Kind::Recovered.as_str(), *c)),
+    );
+    out.extend(SWEEP_SCOPES.iter().map(|c| (Kind::Sweep.as_str(), *c)));
+    out
 }
 
 /// A sweep's counts (the `sweep` field of a `sweep` line).
