@@ -134,7 +134,7 @@ pub async fn recover(
     if let Some(event) = event {
         // Whoever waits for this environment learns what became of it.
         let n = Notification::for_record(event, &snapshot).reason(words);
-        notify::announce(policy, &n, &ctx.log, Audience::Job).await;
+        notify::announce(policy, w.events, &n, &ctx.log, Audience::Job).await;
     }
     Ok(Found::Recovered { from: old, settled })
 }

@@ -76,7 +76,7 @@ pub async fn release(
     log.info(format!("environment {id} released"));
     if let Some(rec) = before {
         let n = Notification::for_record(Event::Release, &rec).reason("dormant release");
-        notify::announce(&settings.suspend, &n, &log, Audience::Operator).await;
+        notify::announce(&settings.suspend, &events, &n, &log, Audience::Operator).await;
     }
     Ok(())
 }

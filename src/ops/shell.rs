@@ -101,7 +101,7 @@ pub async fn shell(settings: &Settings, job: &Job, req: &ShellRequest, log: JobL
             (notify::Event::Suspend, "dormant shell ended")
         };
         let n = Notification::for_record(event, &rec).reason(reason);
-        notify::announce(&settings.suspend, &n, &log, Audience::Operator).await;
+        notify::announce(&settings.suspend, w.events, &n, &log, Audience::Operator).await;
     }
     match (entered, settled) {
         (Ok((code, _)), Ok(())) => {
@@ -246,7 +246,7 @@ async fn enter(
         );
     w.events.record(resumed, ctx).await;
     let n = Notification::for_record(notify::Event::Resume, &rec_active).reason("dormant shell");
-    notify::announce(&settings.suspend, &n, log, Audience::Operator).await;
+    notify::announce(&settings.suspend, w.events, &n, log, Audience::Operator).await;
     let dir = project_dir(settings, paths, &rec)?;
     let result = run_shell(transport.as_ref(), &dir, req, signals, ctx).await;
     lifecycle::close(Some(transport.as_ref()), id, ctx).await;
