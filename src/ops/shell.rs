@@ -152,7 +152,9 @@ async fn claim(
         match recover::recover(w, paths, &operator, &settings.suspend, false, ctx).await? {
             Found::NoEnvironment => bail!("environment {id} is gone"),
             Found::NotHeld | Found::Recovered { .. } => {}
-            Found::Live { holder, status } | Found::Idle { holder, status, .. } => bail!(
+            Found::Live { holder, status }
+            | Found::Idle { holder, status, .. }
+            | Found::RunnerAlive { holder, status, .. } => bail!(
                 "environment {id} is {} and held by {}: `dormant shell` opens only an \
                  environment nobody holds (a suspended one); retry after it is suspended",
                 status.as_str(),

@@ -375,7 +375,7 @@ async fn held_elsewhere(s: &Session, paths: &EnvPaths, ctx: &Ctx) -> Result<(), 
         .map_err(|e| Failure::System(e.context(format!("recovering environment {id}"))))?;
     match found {
         Found::NoEnvironment | Found::NotHeld | Found::Recovered { .. } => Ok(()),
-        Found::Live { holder, status } => Err(refuse(
+        Found::Live { holder, status } | Found::RunnerAlive { holder, status, .. } => Err(refuse(
             RefuseCause::InUse,
             held_message(id, &holder, status, None, s),
         )),
