@@ -196,7 +196,12 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
         }
         Command::Metrics => {
             let store = state::StateStore::open(&settings.state_dir(&job)?)?;
-            Ok(ops::metrics::metrics(&store, &log, &mut std::io::stdout())?)
+            Ok(ops::metrics::metrics(
+                &store,
+                settings.provider.as_str(),
+                &log,
+                &mut std::io::stdout(),
+            )?)
         }
         Command::Try { keep } => Ok(ops::try_job::try_job(
             cli.config.as_deref(),

@@ -94,8 +94,9 @@ impl Volume {
 #[derive(Debug, Clone)]
 pub struct ManagedVolume {
     pub volume: Volume,
-    /// The environment it belongs to, from its tags or path; `None` when no
-    /// record of this state dir knows it.
+    /// The environment it belongs to, from its tags or path, whether or not a
+    /// record of this state dir knows it (the sweep compares it with the
+    /// registry; an orphan's event names it); `None` when nothing says.
     pub env_id: Option<Uuid>,
     /// The provider's word for its state (`available`, `in-use`, `file`).
     pub state: String,

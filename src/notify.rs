@@ -7,7 +7,8 @@
 //! its own process group, and when the bound passes the whole group is killed.
 //! Its stdout is discarded and its stderr kept only for the error message, so
 //! nothing it prints reaches the job log (prepare's stderr is the job log).
-//! Callers log a failure and carry on; see [`NotifyError::short`].
+//! A failure is logged ([`NotifyError::short`] in the job log) and written to
+//! the event log as a `notify_failed` event; the caller carries on.
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
@@ -35,6 +36,18 @@ pub enum Event {
     Release,
     /// Released by the TTL sweep (`suspend.ttl`).
     Expire,
+}
+
+impl Event {
+    /// As the document says it (`suspend`, `resume`, `release`, `expire`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Event::Suspend => "suspend",
+            Event::Resume => "resume",
+            Event::Release => "release",
+            Event::Expire => "expire",
+        }
+    }
 }
 
 /// The JSON document on the hook's stdin. Fields dormant does not know are
@@ -130,10 +143,13 @@ pub enum Audience {
     Job,
 }
 
-/// Runs the hook, if one is set, and says a failure on `log`. Never fails:
-/// the job goes on whatever the hook does.
+/// Runs the hook, if one is set, and says a failure on `log` and in the
+/// event log (a `notify_failed` event: the operator learns that whoever
+/// waits for this environment was not told, also long after the job log is
+/// gone). Never fails: the job goes on whatever the hook does.
 pub async fn announce(
     settings: &crate::settings::SuspendSettings,
+    events: &crate::events::EventLog,
     n: &Notification,
     log: &crate::context::JobLog,
     audience: Audience,
@@ -142,15 +158,38 @@ pub async fn announce(
         return;
     };
     if let Err(e) = hook.send(n).await {
-        let event = serde_json::to_value(n.event).unwrap_or_default();
-        let event = event.as_str().unwrap_or("?");
+        let event = n.event.as_str();
         match audience {
             Audience::Operator => {
                 log.warn(format!("{event} of environment {}: {e}", n.environment_id))
             }
             Audience::Job => log.warn(format!("{} (the job goes on)", e.short())),
         }
+        // The event log is the operator's: the whole error, the hook's
+        // stderr included.
+        let ctx = crate::context::Ctx::new(log.clone(), Default::default(), EVENT_BUDGET);
+        events.record(failed_event(n, &e), &ctx).await;
     }
+}
+
+/// How long writing the `notify_failed` event may take (the event log has
+/// its own bound on its lock; this is only the context it needs).
+const EVENT_BUDGET: Duration = Duration::from_secs(10);
+
+/// The `notify_failed` event of a failed hook, about what it was told.
+fn failed_event(n: &Notification, e: &NotifyError) -> crate::events::Event {
+    use crate::events::{Event as Line, Kind};
+    let mut line = Line::new(Kind::NotifyFailed, n.event.as_str(), &n.provider)
+        .job(n.job_id)
+        .error_text(&e.to_string());
+    line.env = Some(n.environment_id);
+    line.key = n.key.clone();
+    line.project = n.project_id;
+    line.project_path = n.project_path.clone();
+    if let Some(reason) = &n.reason {
+        line = line.reason(reason);
+    }
+    line
 }
 
 /// Why the hook failed.

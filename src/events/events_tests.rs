@@ -430,12 +430,26 @@ fn no_log_yet_is_empty_metrics_not_an_error() {
     assert!(warnings.is_empty());
     assert!(t.events.is_empty() && t.pos.is_none());
     let mut out = Vec::new();
-    t.render(&mut out).unwrap();
+    t.render(&["ec2"], &mut out).unwrap();
     let text = String::from_utf8(out).unwrap();
     assert!(
         text.contains("# TYPE dormant_events_total counter"),
         "{text}"
     );
+    // Nothing happened yet, and every series is there for the configured
+    // provider: zeros and empty histograms.
+    for sample in [
+        "dormant_events_total{provider=\"ec2\",event=\"resumed\",cause=\"job\"} 0",
+        "dormant_events_total{provider=\"ec2\",event=\"released\",cause=\"ttl\"} 0",
+        "dormant_failures_total{provider=\"ec2\",step=\"start\"} 0",
+        "dormant_prepare_seconds_bucket{provider=\"ec2\",mode=\"resume\",le=\"+Inf\"} 0",
+        "dormant_prepare_seconds_count{provider=\"ec2\",mode=\"new\"} 0",
+        "dormant_suspend_seconds_sum{provider=\"ec2\"} 0",
+        "dormant_sweep_seconds_count{provider=\"ec2\",scope=\"slice\"} 0",
+        "dormant_sweep_unvisited_total{provider=\"ec2\",scope=\"full\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == sample), "no {sample} in:\n{text}");
+    }
     assert!(
         text.contains("dormant_last_full_sweep_timestamp_seconds 0"),
         "{text}"
@@ -443,5 +457,28 @@ fn no_log_yet_is_empty_metrics_not_an_error() {
     assert!(
         !dir.path().join("events").exists(),
         "metrics created the log"
+    );
+}
+
+#[test]
+fn zeros_never_hide_or_change_what_was_counted() {
+    let mut t = Tally::default();
+    t.fold(&Event::new(Kind::Failed, "start", "local"));
+    t.fold(&Event::new(Kind::Created, "job", "local").duration(std::time::Duration::from_secs(3)));
+    let z = t.with_zeros(&["ec2"]);
+    // The provider seen in the log gets its zeros too, beside the configured one.
+    assert_eq!(z.failures["local\tstart"], 1);
+    assert_eq!(z.failures["local\tstop"], 0);
+    assert_eq!(z.failures["ec2\tstart"], 0);
+    assert_eq!(z.events["local\tcreated\tjob"], 1);
+    assert_eq!(z.histograms["prepare\tlocal\tnew"].count, 1);
+    assert_eq!(z.histograms["prepare\tec2\tresume"].count, 0);
+    // Every pair the vocabulary names, for each provider.
+    let pairs = super::known_causes().len();
+    assert_eq!(z.events.len(), 2 * pairs, "{:?}", z.events.keys());
+    assert_eq!(
+        z.events.values().sum::<u64>(),
+        2,
+        "the two events folded, nothing more"
     );
 }

@@ -1,6 +1,6 @@
 //! The event history: every lifecycle event of every environment — created,
 //! resumed, suspended, released, a failed step, a recovered stale claim, a
-//! sweep — appended as one JSON line to the event log under
+//! sweep, a refused resume, a failed notify hook — appended as one JSON line to the event log under
 //! `<state dir>/events/`, so an operator can ask what *happened* long after
 //! the stage processes that did it have exited (`dormant events`, the last
 //! events in `dormant inspect`, the counters and histograms of
@@ -63,6 +63,12 @@ pub enum Kind {
     Recovered,
     /// A sweep's summary.
     Sweep,
+    /// A job's resume was refused (its cause: [`RefuseCause`]); the
+    /// environment is as it was.
+    Refused,
+    /// The notify hook failed (its cause: the hook's event, `suspend`,
+    /// `resume`, `release`, `expire`); whatever it was told of happened.
+    NotifyFailed,
 }
 
 impl Kind {
@@ -75,6 +81,8 @@ impl Kind {
             Kind::Failed => "failed",
             Kind::Recovered => "recovered",
             Kind::Sweep => "sweep",
+            Kind::Refused => "refused",
+            Kind::NotifyFailed => "notify_failed",
         }
     }
 }
@@ -99,6 +107,15 @@ pub enum SuspendCause {
 }
 
 impl SuspendCause {
+    pub const ALL: [SuspendCause; 6] = [
+        SuspendCause::Triggers,
+        SuspendCause::JobRequest,
+        SuspendCause::Shell,
+        SuspendCause::MachineLost,
+        SuspendCause::Unused,
+        SuspendCause::Recovered,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             SuspendCause::Triggers => "triggers",
@@ -135,6 +152,18 @@ pub enum ReleaseCause {
 }
 
 impl ReleaseCause {
+    pub const ALL: [ReleaseCause; 9] = [
+        ReleaseCause::NoTrigger,
+        ReleaseCause::Canceled,
+        ReleaseCause::PrepareFailed,
+        ReleaseCause::SuspendDisabled,
+        ReleaseCause::Ttl,
+        ReleaseCause::Operator,
+        ReleaseCause::Orphan,
+        ReleaseCause::Recovered,
+        ReleaseCause::Retried,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             ReleaseCause::NoTrigger => "no_trigger",
@@ -166,6 +195,14 @@ pub enum Step {
 }
 
 impl Step {
+    pub const ALL: [Step; 5] = [
+        Step::Create,
+        Step::Start,
+        Step::Connect,
+        Step::Stop,
+        Step::Delete,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Step::Create => "create",
@@ -175,6 +212,113 @@ impl Step {
             Step::Delete => "delete",
         }
     }
+}
+
+/// Why a job's resume was refused (the `cause` of a `refused` line).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefuseCause {
+    /// The key does not parse.
+    MalformedKey,
+    /// The key is another runner manager's (runner id or system id).
+    OtherRunner,
+    /// The key is for another provider than this runner's.
+    OtherProvider,
+    /// No such environment in the registry (released, expired, state lost).
+    NotFound,
+    /// The environment belongs to another project.
+    OtherProject,
+    /// The key's fields differ from the environment's record.
+    AlteredKey,
+    /// Held by a live job or shell, within its claim grace, or being released.
+    InUse,
+    /// The environment's machine no longer exists.
+    MachineGone,
+    /// The environment's data volume (volume mode) no longer exists.
+    VolumeGone,
+    /// The provider refused the start (what it says is in `error`).
+    Provider,
+}
+
+impl RefuseCause {
+    pub const ALL: [RefuseCause; 10] = [
+        RefuseCause::MalformedKey,
+        RefuseCause::OtherRunner,
+        RefuseCause::OtherProvider,
+        RefuseCause::NotFound,
+        RefuseCause::OtherProject,
+        RefuseCause::AlteredKey,
+        RefuseCause::InUse,
+        RefuseCause::MachineGone,
+        RefuseCause::VolumeGone,
+        RefuseCause::Provider,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefuseCause::MalformedKey => "malformed_key",
+            RefuseCause::OtherRunner => "other_runner",
+            RefuseCause::OtherProvider => "other_provider",
+            RefuseCause::NotFound => "not_found",
+            RefuseCause::OtherProject => "other_project",
+            RefuseCause::AlteredKey => "altered_key",
+            RefuseCause::InUse => "in_use",
+            RefuseCause::MachineGone => "machine_gone",
+            RefuseCause::VolumeGone => "volume_gone",
+            RefuseCause::Provider => "provider",
+        }
+    }
+}
+
+/// The causes of a `notify_failed` line: the event the hook was told of.
+pub const NOTIFY_EVENTS: [&str; 4] = ["suspend", "resume", "release", "expire"];
+
+/// The causes a `recovered` line can carry: what the stale claim was settled to.
+pub const RECOVERED_CAUSES: [&str; 3] = ["release", "suspend", "resuspend"];
+/// The scopes of a `sweep` line (its cause).
+pub const SWEEP_SCOPES: [&str; 2] = ["full", "slice"];
+
+/// Every (event, cause) pair dormant writes. `dormant metrics` prints a zero
+/// for each one not seen yet, so a dashboard has a series to plot from the
+/// first scrape (a counter that appears only at its first increment makes
+/// `rate` and `increase` miss that increment, and a panel say "No data").
+pub fn known_causes() -> Vec<(&'static str, &'static str)> {
+    let mut out = vec![
+        (Kind::Created.as_str(), "job"),
+        (Kind::Resumed.as_str(), "job"),
+        (Kind::Resumed.as_str(), "shell"),
+    ];
+    out.extend(
+        SuspendCause::ALL
+            .iter()
+            .map(|c| (Kind::Suspended.as_str(), c.as_str())),
+    );
+    out.extend(
+        ReleaseCause::ALL
+            .iter()
+            .map(|c| (Kind::Released.as_str(), c.as_str())),
+    );
+    out.extend(
+        Step::ALL
+            .iter()
+            .map(|c| (Kind::Failed.as_str(), c.as_str())),
+    );
+    out.extend(
+        RECOVERED_CAUSES
+            .iter()
+            .map(|c| (Kind::Recovered.as_str(), *c)),
+    );
+    out.extend(SWEEP_SCOPES.iter().map(|c| (Kind::Sweep.as_str(), *c)));
+    out.extend(
+        RefuseCause::ALL
+            .iter()
+            .map(|c| (Kind::Refused.as_str(), c.as_str())),
+    );
+    out.extend(
+        NOTIFY_EVENTS
+            .iter()
+            .map(|c| (Kind::NotifyFailed.as_str(), *c)),
+    );
+    out
 }
 
 /// A sweep's counts (the `sweep` field of a `sweep` line).
@@ -206,7 +350,8 @@ pub struct Event {
     pub time: String,
     /// The same instant in milliseconds since the Unix epoch.
     pub ts_ms: u64,
-    /// `created`, `resumed`, `suspended`, `released`, `failed`, `recovered`, `sweep`.
+    /// `created`, `resumed`, `suspended`, `released`, `failed`, `recovered`,
+    /// `sweep`, `refused`, `notify_failed`.
     pub event: String,
     /// The machine-readable why (see the enums above); for `failed` the step.
     pub cause: String,

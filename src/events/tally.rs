@@ -220,8 +220,63 @@ impl Tally {
         Ok((tally, warnings))
     }
 
-    /// The Prometheus text of everything counted (every family, also empty).
-    pub fn render(&self, out: &mut dyn Write) -> io::Result<()> {
+    /// The Prometheus text of everything counted, with a zero (an empty
+    /// histogram) for every label value dormant knows but has not counted
+    /// yet, for each of `providers` and every provider already counted: a
+    /// fresh install prints every series a dashboard plots, and a counter's
+    /// first increment is seen by `rate` (see [`Tally::with_zeros`]).
+    pub fn render(&self, providers: &[&str], out: &mut dyn Write) -> io::Result<()> {
+        self.with_zeros(providers).render_counted(out)
+    }
+
+    /// This tally plus zeros for the known label values: for each provider
+    /// (those given and those seen in the log), every (event, cause) pair
+    /// dormant writes, every failed step, every histogram with its modes or
+    /// scopes, and the sweeps' unvisited counters. Prometheus' instrumentation
+    /// guidance asks for this: a series that appears only when it first
+    /// changes leaves panels empty and hides its first increment.
+    pub fn with_zeros(&self, providers: &[&str]) -> Tally {
+        let mut t = self.clone();
+        let mut all: std::collections::BTreeSet<String> =
+            providers.iter().map(|p| label(p).to_string()).collect();
+        for k in self
+            .events
+            .keys()
+            .chain(self.failures.keys())
+            .chain(self.sweep_unvisited.keys())
+        {
+            all.insert(split::<1>(k)[0].to_string());
+        }
+        for k in self.histograms.keys() {
+            all.insert(split::<2>(k)[1].to_string());
+        }
+        for p in &all {
+            for (event, cause) in super::known_causes() {
+                t.events.entry(key(&[p, event, cause])).or_default();
+            }
+            for step in super::Step::ALL {
+                t.failures.entry(key(&[p, step.as_str()])).or_default();
+            }
+            let mut empty = |metric: &str, extra: &str| {
+                t.histograms
+                    .entry(format!("{metric}\t{p}\t{extra}"))
+                    .or_default();
+            };
+            for mode in ["new", "resume", "shell"] {
+                empty("prepare", mode);
+            }
+            empty("suspend", "");
+            empty("suspended_before_resume", "");
+            for scope in super::SWEEP_SCOPES {
+                empty("sweep", scope);
+                t.sweep_unvisited.entry(key(&[p, scope])).or_default();
+            }
+        }
+        t
+    }
+
+    /// The Prometheus text of what this tally holds (every family, also empty).
+    fn render_counted(&self, out: &mut dyn Write) -> io::Result<()> {
         family(
             out,
             "dormant_events_total",

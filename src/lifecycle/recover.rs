@@ -14,6 +14,7 @@ use crate::events::{Event, Kind, ReleaseCause, SuspendCause};
 use crate::model::EnvPaths;
 use crate::notify::{self, Audience, Notification};
 use crate::settings::SuspendSettings;
+use crate::state::job::live_runner;
 use crate::state::lock::LiveLock;
 use crate::state::registry::{self, Liveness};
 use crate::state::transitions::on_stale;
@@ -35,6 +36,14 @@ pub enum Found {
         status: EnvStatus,
         idle: u64,
     },
+    /// Asked to skip the grace (`force`), but the holder is a job whose
+    /// runner process (`runner_pid`, which runs all its stages) still runs:
+    /// the job is between two stages, not gone.
+    RunnerAlive {
+        holder: Holder,
+        status: EnvStatus,
+        runner_pid: u32,
+    },
     /// It was held by `from`, gone; now settled (`Settle::Suspend`/`Resuspend`:
     /// suspended; `Release`: deleted).
     Recovered { from: Holder, settled: Settle },
@@ -43,7 +52,9 @@ pub enum Found {
 /// `me`: who recovers (an operator command, a sweep, a job's prepare): while
 /// recovering, the environment is held by `me`, proven alive by the
 /// environment's `holder.live`. `force`: skip the grace (an operator's
-/// `release --force`) — never a live holder.
+/// `release --force`) — never a live holder, nor a job whose runner process
+/// still runs (between two stages no process of the job holds its liveness
+/// file; its runner, which calls every stage, does live).
 pub async fn recover(
     w: World<'_>,
     paths: &EnvPaths,
@@ -77,7 +88,22 @@ pub async fn recover(
                     idle,
                 })
             }
-            Liveness::Idle { idle } | Liveness::Gone { idle } => idle,
+            Liveness::Idle { idle } => {
+                if let Holder::Job {
+                    runner_id, job_id, ..
+                } = &claim.holder
+                {
+                    if let Some(runner) = live_runner(w.store, runner_id, *job_id) {
+                        return Ok(Found::RunnerAlive {
+                            holder: claim.holder,
+                            status: rec.status(),
+                            runner_pid: runner.pid,
+                        });
+                    }
+                }
+                idle
+            }
+            Liveness::Gone { idle } => idle,
         };
         // Proof we live, taken before the claim is ours.
         let alive = LiveLock::hold(&paths.holder_live)?;
@@ -134,7 +160,7 @@ pub async fn recover(
     if let Some(event) = event {
         // Whoever waits for this environment learns what became of it.
         let n = Notification::for_record(event, &snapshot).reason(words);
-        notify::announce(policy, &n, &ctx.log, Audience::Job).await;
+        notify::announce(policy, w.events, &n, &ctx.log, Audience::Job).await;
     }
     Ok(Found::Recovered { from: old, settled })
 }

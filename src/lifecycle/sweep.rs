@@ -168,7 +168,7 @@ pub async fn sweep(
             Ok(()) => {
                 report.released.push(*id);
                 let n = Notification::for_record(event, &rec).reason(why.text);
-                notify::announce(policy, &n, &ctx.log, Audience::Operator).await;
+                notify::announce(policy, w.events, &n, &ctx.log, Audience::Operator).await;
             }
             Err(e) => report.errors.push(e),
         }

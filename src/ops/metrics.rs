@@ -16,14 +16,33 @@ use crate::state::{now_unix, EnvStatus, StateStore};
 
 /// Prints every metric to `out`; warnings (a checkpoint that could not be
 /// saved or was rebuilt) go to `log`, never into the Prometheus text.
-pub fn metrics(store: &StateStore, log: &JobLog, out: &mut dyn Write) -> Result<()> {
+/// `provider` is the one the settings name: every series is printed for it
+/// (zeros, empty histograms) even before anything happened, and for every
+/// provider met in the registry or the log (Prometheus' instrumentation
+/// guidance: export a zero for every known label value, or a dashboard's
+/// panels say "No data" on a fresh install and `rate` misses a counter's
+/// first increment).
+pub fn metrics(
+    store: &StateStore,
+    provider: &str,
+    log: &JobLog,
+    out: &mut dyn Write,
+) -> Result<()> {
     let mut counts: BTreeMap<(String, &'static str), u64> = BTreeMap::new();
+    for status in EnvStatus::ALL {
+        counts.insert((provider.to_string(), status.as_str()), 0);
+    }
     let mut oldest_suspended: u64 = 0;
     let mut unreadable = 0u64;
     let now = now_unix();
     for id in store.environment_ids()? {
         match crate::state::registry::peek(&store.env_paths(id)) {
             Ok(Some(rec)) => {
+                if !counts.contains_key(&(rec.provider.clone(), EnvStatus::Active.as_str())) {
+                    for status in EnvStatus::ALL {
+                        counts.insert((rec.provider.clone(), status.as_str()), 0);
+                    }
+                }
                 *counts
                     .entry((rec.provider.clone(), rec.status().as_str()))
                     .or_default() += 1;
@@ -60,7 +79,9 @@ pub fn metrics(store: &StateStore, log: &JobLog, out: &mut dyn Write) -> Result<
     for w in warnings {
         log.warn(format!("metrics checkpoint: {w}"));
     }
-    tally.render(out)?;
+    let providers: std::collections::BTreeSet<&str> =
+        counts.keys().map(|(p, _)| p.as_str()).collect();
+    tally.render(&providers.into_iter().collect::<Vec<_>>(), out)?;
     Ok(())
 }
 
@@ -84,7 +105,7 @@ mod tests {
         std::fs::create_dir(&bad.dir).unwrap();
         std::fs::write(&bad.record, "{").unwrap();
         let mut out = Vec::new();
-        metrics(&store, &JobLog::capture().0, &mut out).unwrap();
+        metrics(&store, "local", &JobLog::capture().0, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert!(
             text.contains("dormant_environments{provider=\"local\",status=\"suspended\"} 2"),
@@ -102,10 +123,17 @@ mod tests {
             .unwrap();
         assert!((500..510).contains(&oldest), "{oldest}");
         assert!(text.contains("dormant_unreadable_records 1"), "{text}");
+        // Statuses no environment has are zeros, not missing.
+        assert!(
+            text.contains("dormant_environments{provider=\"local\",status=\"releasing\"} 0"),
+            "{text}"
+        );
     }
 
-    /// Names `dormant_*` in a PromQL expression.
-    fn metric_names(expr: &str) -> Vec<String> {
+    /// The series selectors of a PromQL expression: each `dormant_*` name
+    /// with its label matchers (`label="v"` or `label=~"v"`; both are taken
+    /// as equality, with `$provider` standing for `provider`).
+    fn selectors(expr: &str, provider: &str) -> Vec<(String, Vec<(String, String)>)> {
         let mut out = Vec::new();
         let mut rest = expr;
         while let Some(i) = rest.find("dormant_") {
@@ -113,10 +141,33 @@ mod tests {
             let end = tail
                 .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
                 .unwrap_or(tail.len());
-            out.push(tail[..end].to_string());
+            let name = tail[..end].to_string();
+            let mut labels = Vec::new();
             rest = &tail[end..];
+            if let Some(body) = rest.strip_prefix('{') {
+                let close = body.find('}').expect("a selector's braces close");
+                for m in body[..close].split(',').filter(|m| !m.trim().is_empty()) {
+                    let (k, v) = m.split_once('=').expect("a label matcher");
+                    let v = v.trim_start_matches('~').trim_matches('"');
+                    labels.push((k.trim().to_string(), v.replace("$provider", provider)));
+                }
+                rest = &body[close..];
+            }
+            out.push((name, labels));
         }
         out
+    }
+
+    /// Whether Prometheus text has a sample of `name` with all of `labels`.
+    fn has_sample(text: &str, name: &str, labels: &[(String, String)]) -> bool {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| l.split(['{', ' ']).next() == Some(name))
+            .any(|l| {
+                labels
+                    .iter()
+                    .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+            })
     }
 
     fn exprs(v: &serde_json::Value, out: &mut Vec<String>) {
@@ -137,12 +188,44 @@ mod tests {
         }
     }
 
-    /// The sample names (without labels) of Prometheus text.
-    fn sample_names(text: &str) -> std::collections::BTreeSet<String> {
-        text.lines()
-            .filter(|l| !l.starts_with('#') && !l.is_empty())
-            .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
+    /// The dashboard's expressions (panels and template variables).
+    fn dashboard_exprs() -> Vec<String> {
+        let dashboard: serde_json::Value =
+            serde_json::from_str(include_str!("../../examples/grafana-dashboard.json"))
+                .expect("examples/grafana-dashboard.json is JSON");
+        let mut all = Vec::new();
+        exprs(&dashboard, &mut all);
+        all
+    }
+
+    /// The selectors of the dashboard that `text` has no sample for.
+    fn unplotted(text: &str, provider: &str) -> Vec<String> {
+        let all = dashboard_exprs();
+        let sel: Vec<_> = all.iter().flat_map(|e| selectors(e, provider)).collect();
+        let names: std::collections::BTreeSet<&String> = sel.iter().map(|(n, _)| n).collect();
+        assert!(names.len() >= 12, "{names:?}");
+        sel.iter()
+            .filter(|(n, l)| !has_sample(text, n, l))
+            .map(|(n, l)| format!("{n}{l:?}"))
             .collect()
+    }
+
+    /// A fresh install (an empty state dir: no environment, no event log):
+    /// every series every panel of the dashboard selects is printed for the
+    /// configured provider, so no panel says "No data".
+    #[test]
+    fn every_series_the_dashboard_plots_is_printed_on_a_fresh_install() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::open(dir.path()).unwrap();
+        let mut out = Vec::new();
+        metrics(&store, "ec2", &JobLog::capture().0, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let missing = unplotted(&text, "ec2");
+        assert!(
+            missing.is_empty(),
+            "on an empty state dir, the dashboard selects {missing:?}, which dormant metrics \
+             does not print:\n{text}"
+        );
     }
 
     #[tokio::test]
@@ -181,25 +264,16 @@ mod tests {
             log.append(&e, &ctx).await.unwrap();
         }
         let mut out = Vec::new();
-        metrics(&store, &JobLog::capture().0, &mut out).unwrap();
-        let printed = sample_names(&String::from_utf8(out).unwrap());
-
-        let dashboard: serde_json::Value =
-            serde_json::from_str(include_str!("../../examples/grafana-dashboard.json"))
-                .expect("examples/grafana-dashboard.json is JSON");
-        let mut all = Vec::new();
-        exprs(&dashboard, &mut all);
-        let named: std::collections::BTreeSet<String> =
-            all.iter().flat_map(|e| metric_names(e)).collect();
-        assert!(named.len() >= 8, "{named:?}");
-        let missing: Vec<&String> = named.iter().filter(|n| !printed.contains(*n)).collect();
+        metrics(&store, "local", &JobLog::capture().0, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let missing = unplotted(&text, "local");
         assert!(
             missing.is_empty(),
-            "the dashboard plots {missing:?}, which dormant metrics does not print ({printed:?})"
+            "the dashboard selects {missing:?}, which dormant metrics does not print:\n{text}"
         );
         // What the dashboard is for: resume latency percentiles, failures,
         // environments by status, the oldest suspension.
-        let joined = all.join("\n");
+        let joined = dashboard_exprs().join("\n");
         for needle in [
             "histogram_quantile(0.9, sum by (le) (rate(dormant_prepare_seconds_bucket{provider=~\"$provider\",mode=\"resume\"}",
             "dormant_failures_total",

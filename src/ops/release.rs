@@ -62,6 +62,15 @@ pub async fn release(
              under it; wait for it to finish, or cancel the job",
             holder.describe()
         ),
+        Found::RunnerAlive {
+            holder, runner_pid, ..
+        } => bail!(
+            "environment {id} is held by {}, which is between two of its stages: no stage of it \
+             runs, but the process that runs its stages (GitLab Runner, pid {runner_pid}) does; \
+             --force never takes an environment from a live job: wait for the job to finish, or \
+             cancel it (its cleanup settles the environment)",
+            holder.describe()
+        ),
         Found::Idle { holder, idle, .. } => bail!(
             "environment {id} is held by {}, which has no process running but was active {idle} s ago \
              (within suspend.claim_grace, {}): it is recovered automatically after that; \
@@ -76,7 +85,7 @@ pub async fn release(
     log.info(format!("environment {id} released"));
     if let Some(rec) = before {
         let n = Notification::for_record(Event::Release, &rec).reason("dormant release");
-        notify::announce(&settings.suspend, &n, &log, Audience::Operator).await;
+        notify::announce(&settings.suspend, &events, &n, &log, Audience::Operator).await;
     }
     Ok(())
 }

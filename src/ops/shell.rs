@@ -101,7 +101,7 @@ pub async fn shell(settings: &Settings, job: &Job, req: &ShellRequest, log: JobL
             (notify::Event::Suspend, "dormant shell ended")
         };
         let n = Notification::for_record(event, &rec).reason(reason);
-        notify::announce(&settings.suspend, &n, &log, Audience::Operator).await;
+        notify::announce(&settings.suspend, w.events, &n, &log, Audience::Operator).await;
     }
     match (entered, settled) {
         (Ok((code, _)), Ok(())) => {
@@ -152,7 +152,9 @@ async fn claim(
         match recover::recover(w, paths, &operator, &settings.suspend, false, ctx).await? {
             Found::NoEnvironment => bail!("environment {id} is gone"),
             Found::NotHeld | Found::Recovered { .. } => {}
-            Found::Live { holder, status } | Found::Idle { holder, status, .. } => bail!(
+            Found::Live { holder, status }
+            | Found::Idle { holder, status, .. }
+            | Found::RunnerAlive { holder, status, .. } => bail!(
                 "environment {id} is {} and held by {}: `dormant shell` opens only an \
                  environment nobody holds (a suspended one); retry after it is suspended",
                 status.as_str(),
@@ -246,7 +248,7 @@ async fn enter(
         );
     w.events.record(resumed, ctx).await;
     let n = Notification::for_record(notify::Event::Resume, &rec_active).reason("dormant shell");
-    notify::announce(&settings.suspend, &n, log, Audience::Operator).await;
+    notify::announce(&settings.suspend, w.events, &n, log, Audience::Operator).await;
     let dir = project_dir(settings, paths, &rec)?;
     let result = run_shell(transport.as_ref(), &dir, req, signals, ctx).await;
     lifecycle::close(Some(transport.as_ref()), id, ctx).await;

@@ -96,10 +96,13 @@ pub async fn sweep(
     if let Some(vols) = provider.volumes() {
         // Listed first, as the machines above: a record is made before its volume.
         let listed = vols.list_volumes(&ctx).await?;
-        let known = store.environment_ids()?;
         let mut orphans = 0;
         for v in listed {
-            if v.env_id.is_some_and(|id| known.contains(&id)) {
+            // Known means a record: a directory left without one (a killed
+            // create) does not own its volume.
+            if v.env_id
+                .is_some_and(|id| store.env_paths(id).record.exists())
+            {
                 continue;
             }
             orphans += 1;
@@ -107,8 +110,9 @@ pub async fn sweep(
                 log.info(format!("deleting orphan data volume {}", v.volume.id));
                 let started = std::time::Instant::now();
                 vols.delete_volume(&v.volume, &ctx).await?;
-                // As for an orphan machine: no record, so the event names the volume.
-                let event = Event::new(
+                // As for an orphan machine: no record, so the event says what
+                // the volume's tags say (its environment) and names the volume.
+                let mut event = Event::new(
                     Kind::Released,
                     ReleaseCause::Orphan.as_str(),
                     provider.name(),
@@ -119,6 +123,7 @@ pub async fn sweep(
                     "data volume {} belongs to no environment in the registry",
                     v.volume.id
                 ));
+                event.env = v.env_id;
                 events.record(event, &ctx).await;
             } else {
                 log.warn(format!(

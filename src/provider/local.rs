@@ -279,7 +279,7 @@ impl Volumes for LocalProvider {
             if dir.is_dir() {
                 out.push(ManagedVolume {
                     volume: Volume::new(dir.display().to_string()),
-                    env_id: paths.record.exists().then_some(id),
+                    env_id: Some(id),
                     state: "directory".into(),
                 });
             }

@@ -184,7 +184,14 @@ async fn announce(s: &Session, event: Event, rec: &EnvironmentRecord, reason: St
     let n = Notification::for_record(event, rec)
         .job(&s.input)
         .reason(reason);
-    notify::announce(&s.settings.suspend, &n, &s.log, Audience::Operator).await;
+    notify::announce(
+        &s.settings.suspend,
+        &s.events,
+        &n,
+        &s.log,
+        Audience::Operator,
+    )
+    .await;
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -7,7 +7,7 @@ use anyhow::Result;
 use crate::context::Ctx;
 use crate::events::{Event, Kind, Step};
 use crate::provider::Machine;
-use crate::state::job::LockedJob;
+use crate::state::job::{LockedJob, RunnerProcess};
 use crate::state::{registry, EnvPaths, Holder, JobState, Mode, Phase};
 
 use super::Session;
@@ -27,6 +27,9 @@ pub(super) fn job_state(
     };
     state.suspend_on_success = s.input.suspend.on_success;
     state.suspend_on_failure = s.input.suspend.on_failure;
+    // Who runs the job's stages: between two of them, `release --force`
+    // takes this job's environment only once that process is gone.
+    state.runner_process = RunnerProcess::parent_of_this_process();
     state.phase = Phase::Claiming;
     locked.save(&state)?;
     Ok(state)

@@ -9,7 +9,7 @@ use anyhow::Result;
 
 use crate::context::Ctx;
 use crate::envkey::EnvironmentKey;
-use crate::events::{Event, Kind, Step};
+use crate::events::{Event, Kind, RefuseCause, Step};
 use crate::exit::Failure;
 use crate::lifecycle::recover::{self, Found};
 use crate::lifecycle::volume::{self, Relaunch};
@@ -25,13 +25,94 @@ use crate::state::{now_unix, EnvPaths, EnvStatus, EnvironmentRecord, Holder, Mod
 use super::prep::{announce, connect, job_state, record_failure};
 use super::Session;
 
+/// A refused resume, with the cause its `refused` event says.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+struct Refused {
+    cause: RefuseCause,
+    message: String,
+}
+
+/// A refusal (the job fails, the runner does not retry) saying `message`.
+fn refuse(cause: RefuseCause, message: impl Into<String>) -> Failure {
+    Failure::Refused(
+        Refused {
+            cause,
+            message: message.into(),
+        }
+        .into(),
+    )
+}
+
+/// What a refusal's event names as its cause: the provider's typed answers
+/// (a machine or volume gone, a start it refuses), or the cause given where
+/// dormant itself refused.
+fn refusal_cause(e: &anyhow::Error) -> Option<RefuseCause> {
+    if let Some(r) = e.downcast_ref::<Refused>() {
+        return Some(r.cause);
+    }
+    if e.downcast_ref::<MachineGone>().is_some() {
+        return Some(RefuseCause::MachineGone);
+    }
+    if e.downcast_ref::<VolumeGone>().is_some() {
+        return Some(RefuseCause::VolumeGone);
+    }
+    if e.downcast_ref::<Refusal>().is_some() {
+        return Some(RefuseCause::Provider);
+    }
+    None
+}
+
 /// Why a resume claim was not taken.
 enum NotClaimed {
     Refused(Failure),
     Held,
 }
 
+/// Resumes the environment of the key `text`; a refusal is also written to
+/// the event log (a `refused` event), so an operator sees refused resumes
+/// (a key of another project, an environment in use, a machine gone) beside
+/// what happened to the environments.
 pub(super) async fn prepare_resume(
+    s: &Session,
+    locked: &LockedJob,
+    text: &str,
+    started: Instant,
+    ctx: &Ctx,
+) -> Result<(), Failure> {
+    let result = resume(s, locked, text, started, ctx).await;
+    if let Err(Failure::Refused(e)) = &result {
+        record_refusal(s, text, e, ctx).await;
+    }
+    result
+}
+
+/// The `refused` event of a refused resume: about the environment the key
+/// names (when it parses), by this job.
+async fn record_refusal(s: &Session, text: &str, e: &anyhow::Error, ctx: &Ctx) {
+    let cause = refusal_cause(e).unwrap_or_else(|| {
+        // Every refusal of this file is typed; an untyped one is a bug here,
+        // and its event still says what the job was told.
+        tracing::warn!("a refused resume without a cause: {e:#}");
+        RefuseCause::Provider
+    });
+    let key = EnvironmentKey::parse(text).ok();
+    let mut event = Event::new(Kind::Refused, cause.as_str(), s.provider.name())
+        .by(&s.holder(Mode::Resume))
+        .error(e);
+    event.project = Some(s.input.project_id);
+    event.project_path = s.input.project_path.clone();
+    event.runner = Some(s.runner_id.clone());
+    if let Some(key) = key {
+        event.env = Some(key.env_id);
+        // The key as the job passed it: it parsed, so it is dormant's syntax,
+        // and at most as long as what a key can be.
+        event.key = Some(text.trim().to_string());
+    }
+    s.events.record(event, ctx).await;
+}
+
+async fn resume(
     s: &Session,
     locked: &LockedJob,
     text: &str,
@@ -41,14 +122,17 @@ pub(super) async fn prepare_resume(
     let source = s.input.suspend.key_from;
     let shown = crate::text::quoted(text);
     let key = EnvironmentKey::parse(text).map_err(|e| {
-        Failure::refused(format!(
-            "the environment key {shown} (from {source}) is malformed: {e}; \
+        refuse(
+            RefuseCause::MalformedKey,
+            format!(
+                "the environment key {shown} (from {source}) is malformed: {e}; \
              pass the key exactly as a suspending job printed it"
-        ))
+            ),
+        )
     })?;
     let system_id = crate::identity::system_id(&s.settings, &s.store)?;
     if key.runner_id != s.runner_id || key.system_id != system_id {
-        return Err(Failure::refused(format!(
+        return Err(refuse(RefuseCause::OtherRunner, format!(
             "the environment key belongs to runner {} on system {}, but this is runner {} on system {}: \
              a key is honoured only by the runner manager that made it; route the job to that runner \
              (e.g. by tags) or run it without a key to start a new environment",
@@ -60,17 +144,20 @@ pub(super) async fn prepare_resume(
     }
     if let Some(p) = key.field("provider") {
         if p != s.provider.name() {
-            return Err(Failure::refused(format!(
-                "the environment key is for the {} provider, but this runner uses {}",
-                crate::text::quoted(p),
-                s.provider.name()
-            )));
+            return Err(refuse(
+                RefuseCause::OtherProvider,
+                format!(
+                    "the environment key is for the {} provider, but this runner uses {}",
+                    crate::text::quoted(p),
+                    s.provider.name()
+                ),
+            ));
         }
     }
     let env_id = key.env_id;
     let paths = s.store.env_paths(env_id);
     let not_found = || {
-        Failure::refused(format!(
+        refuse(RefuseCause::NotFound, format!(
             "environment {env_id} is not in this runner's registry ({}): it was released, expired after \
              the TTL ({}), or its state was lost; start a new environment by running the job without a key",
             s.store.environments_dir().display(),
@@ -96,10 +183,13 @@ pub(super) async fn prepare_resume(
                 held_elsewhere(s, &paths, ctx).await?;
             }
             Err(UpdateError::Refused(NotClaimed::Held)) => {
-                return Err(Failure::refused(format!(
+                return Err(refuse(
+                    RefuseCause::InUse,
+                    format!(
                     "environment {env_id} was claimed by another job while this one recovered it; \
                      retry after that job has finished"
-                )))
+                ),
+                ))
             }
         }
     };
@@ -197,7 +287,7 @@ pub(super) async fn prepare_resume(
     let n = Notification::for_record(notify::Event::Resume, &rec)
         .job(&s.input)
         .reason(format!("resumed by job {}", s.job_id()));
-    notify::announce(&s.settings.suspend, &n, &s.log, Audience::Job).await;
+    notify::announce(&s.settings.suspend, &s.events, &n, &s.log, Audience::Job).await;
     Ok(())
 }
 
@@ -211,19 +301,22 @@ fn claim_resume(
     holder: &Holder,
 ) -> Result<Option<Machine>, NotClaimed> {
     let env_id = r.id;
-    let refuse = |m: String| NotClaimed::Refused(Failure::refused(m));
+    let refused = |cause, m: String| NotClaimed::Refused(refuse(cause, m));
     if r.project_id != s.input.project_id {
-        return Err(refuse(format!(
-            "environment {env_id} belongs to project {}, not to this job's project {}: \
+        return Err(refused(
+            RefuseCause::OtherProject,
+            format!(
+                "environment {env_id} belongs to project {}, not to this job's project {}: \
              an environment is only resumed by jobs of the project that suspended it",
-            r.project_id, s.input.project_id
-        )));
+                r.project_id, s.input.project_id
+            ),
+        ));
     }
     if let Some(recorded) = r.key.as_deref().and_then(|k| EnvironmentKey::parse(k).ok()) {
         for (name, value) in &key.fields {
             if let Some(ours) = recorded.field(name) {
                 if ours != value {
-                    return Err(refuse(format!(
+                    return Err(refused(RefuseCause::AlteredKey, format!(
                         "the environment key says {}={} but environment {env_id} has {name}={ours}: \
                          the key was altered; use the key exactly as it was printed",
                         crate::text::quoted(name),
@@ -234,7 +327,7 @@ fn claim_resume(
         }
     }
     if crate::envkey::storage_of(key) != r.storage {
-        return Err(refuse(format!(
+        return Err(refused(RefuseCause::AlteredKey, format!(
             "the environment key says storage={} but environment {env_id} is in {} mode: the key was \
              altered; use the key exactly as it was printed",
             crate::envkey::storage_of(key).as_str(),
@@ -259,11 +352,13 @@ fn claim_resume(
     };
     match r.holder() {
         // An earlier attempt of this job claimed it (its cleanup did not run).
-        Some(h) if same_holder(h, holder) => r.touch(holder).map_err(|e| refuse(e.to_string()))?,
+        Some(h) if same_holder(h, holder) => r
+            .touch(holder)
+            .map_err(|e| refused(RefuseCause::InUse, e.to_string()))?,
         Some(_) => return Err(NotClaimed::Held),
         None if r.status() == EnvStatus::Suspended => r
             .claim_for_resume(holder)
-            .map_err(|e| refuse(e.to_string()))?,
+            .map_err(|e| refused(RefuseCause::InUse, e.to_string()))?,
         None => return Err(NotClaimed::Held),
     }
     Ok(machine)
@@ -280,20 +375,18 @@ async fn held_elsewhere(s: &Session, paths: &EnvPaths, ctx: &Ctx) -> Result<(), 
         .map_err(|e| Failure::System(e.context(format!("recovering environment {id}"))))?;
     match found {
         Found::NoEnvironment | Found::NotHeld | Found::Recovered { .. } => Ok(()),
-        Found::Live { holder, status } => {
-            Err(Failure::refused(held_message(id, &holder, status, None, s)))
-        }
+        Found::Live { holder, status } | Found::RunnerAlive { holder, status, .. } => Err(refuse(
+            RefuseCause::InUse,
+            held_message(id, &holder, status, None, s),
+        )),
         Found::Idle {
             holder,
             status,
             idle,
-        } => Err(Failure::refused(held_message(
-            id,
-            &holder,
-            status,
-            Some(idle),
-            s,
-        ))),
+        } => Err(refuse(
+            RefuseCause::InUse,
+            held_message(id, &holder, status, Some(idle), s),
+        )),
     }
 }
 

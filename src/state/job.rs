@@ -2,7 +2,11 @@
 //! processes, and the job's two lock files: `.lock` (exclusive, held while a
 //! stage reads and writes the progress) and `.live` (shared, held by every
 //! stage process of the job for its whole life: proof the job is alive, see
-//! `registry::liveness`).
+//! `registry::liveness`). Between two stages no process of the job runs; the
+//! job state then names the process that runs its stages (GitLab Runner,
+//! every stage's parent: [`RunnerProcess`]), which lives from prepare to
+//! cleanup, so `dormant release --force` can tell a job between two stages
+//! from one whose runner is gone.
 
 use std::path::{Path, PathBuf};
 
@@ -96,6 +100,11 @@ pub struct JobState {
     /// `transitions::at_cleanup` says, and says why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub machine_lost: Option<String>,
+    /// The process that runs the job's stages (their parent), recorded by
+    /// prepare. `None` for a job state of an older dormant, or a prepare
+    /// whose parent could not be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner_process: Option<RunnerProcess>,
     pub created_at: u64,
     /// Format 1's booleans, read to derive `phase`.
     #[serde(default, skip_serializing)]
@@ -125,6 +134,7 @@ impl JobState {
             stages: Vec::new(),
             job_request: None,
             machine_lost: None,
+            runner_process: None,
             created_at: super::now_unix(),
             claimed: false,
             prepare_completed: false,
@@ -173,6 +183,61 @@ fn file_safe(s: &str) -> String {
             }
         })
         .collect()
+}
+
+/// The process that runs a job's stages: GitLab Runner calls every stage of a
+/// job as its own child and lives from the job's prepare to its cleanup. A
+/// pid alone could be reused: its start time (clock ticks after boot,
+/// `/proc/<pid>/stat`) makes the mark name one process only.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunnerProcess {
+    pub pid: u32,
+    pub started: u64,
+}
+
+impl RunnerProcess {
+    /// This stage's parent. `None` when it cannot be read, or when this
+    /// process was orphaned (its parent is init): then there is no runner
+    /// process to name.
+    pub fn parent_of_this_process() -> Option<RunnerProcess> {
+        // SAFETY: getppid(2) has no preconditions and touches no memory.
+        let pid = unsafe { libc::getppid() };
+        let pid = u32::try_from(pid).ok().filter(|p| *p > 1)?;
+        Some(RunnerProcess {
+            pid,
+            started: start_time(pid)?,
+        })
+    }
+
+    /// Whether that very process still runs (a zombie does not).
+    pub fn is_running(&self) -> bool {
+        start_time(self.pid) == Some(self.started)
+    }
+}
+
+/// Process `pid`'s start time (field 22 of `/proc/<pid>/stat`), `None` when
+/// it is gone or a zombie.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: the fields
+    // after it start after the last ')'.
+    let mut rest = stat.get(stat.rfind(')')? + 1..)?.split_whitespace();
+    let state = rest.next()?;
+    if state == "Z" || state == "X" {
+        return None;
+    }
+    // Field 3 was the state; field 22 is 19 further on.
+    rest.nth(18)?.parse().ok()
+}
+
+/// The process running the stages of a job that holds a claim, when the
+/// job's state names one and it still runs: the job is between two stages
+/// (or its stage processes were killed while its runner lives on), not gone.
+pub fn live_runner(store: &StateStore, runner_id: &str, job_id: u64) -> Option<RunnerProcess> {
+    let state = store::read_json::<JobState>(&store.job_file(runner_id, job_id))
+        .ok()
+        .flatten()?;
+    state.runner_process.filter(RunnerProcess::is_running)
 }
 
 /// Held by a stage process for its whole life: the job is alive.
@@ -264,6 +329,32 @@ mod tests {
     use crate::context::JobLog;
     use std::time::Duration;
     use tokio_util::sync::CancellationToken;
+
+    #[test]
+    fn the_runner_process_is_this_process_parent_and_runs_only_with_its_start_time() {
+        let me = RunnerProcess::parent_of_this_process().expect("a test has a parent");
+        assert_eq!(me.pid, std::os::unix::process::parent_id());
+        assert!(me.is_running());
+        // The same pid, another start time: a process that got the pid later.
+        let reused = RunnerProcess {
+            started: me.started + 1,
+            ..me.clone()
+        };
+        assert!(!reused.is_running());
+        // A process that ended (and was reaped).
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let gone = RunnerProcess {
+            pid: child.id(),
+            started: start_time(child.id()).expect("a running child has a start time"),
+        };
+        assert!(gone.is_running());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!gone.is_running());
+    }
 
     #[tokio::test]
     async fn a_held_job_lock_is_waited_for_within_the_deadline_and_sigterm_ends_the_wait() {

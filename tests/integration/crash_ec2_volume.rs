@@ -211,6 +211,7 @@ fn sweep_release_and_ttl_delete_volumes_and_orphans_are_found() {
         .availability_zone()
         .unwrap()
         .to_string();
+    let orphan_env = uuid::Uuid::new_v4();
     let orphan = crate::ec2_rig::block_on(async {
         let c = crate::moto::direct_client(&env.moto.url());
         let tag = |k: &str, v: &str| aws_sdk_ec2::types::Tag::builder().key(k).value(v).build();
@@ -223,7 +224,7 @@ fn sweep_release_and_ttl_delete_volumes_and_orphans_are_found() {
                     .tags(tag("dormant:managed-by", "dormant"))
                     .tags(tag("dormant:system", "s_0123456789ab"))
                     .tags(tag("dormant:volume", "data"))
-                    .tags(tag("dormant:env", &uuid::Uuid::new_v4().to_string()))
+                    .tags(tag("dormant:env", &orphan_env.to_string()))
                     .build(),
             )
             .send()
@@ -259,7 +260,9 @@ fn sweep_release_and_ttl_delete_volumes_and_orphans_are_found() {
     assert!(
         lines.iter().any(|e| e["event"] == "released"
             && e["cause"] == "orphan"
-            && e["reason"].as_str().is_some_and(|r| r.contains(&orphan))),
+            && e["reason"].as_str().is_some_and(|r| r.contains(&orphan))
+            // The environment its tag names.
+            && e["env"] == orphan_env.to_string().as_str()),
         "{lines:?}"
     );
     assert!(

@@ -407,3 +407,82 @@ async fn a_resume_changes_the_instance_type_when_its_own_has_no_capacity() {
     assert_eq!(rig.proxy.count("ModifyInstanceAttribute"), 0);
     assert_eq!(rig.proxy.count("StartInstances"), 1);
 }
+
+/// EC2 accepts a StartInstances it then cannot place: the instance goes
+/// `pending`, then back to `stopped` with the state reason
+/// `Server.InsufficientInstanceCapacity` (played by the proxy; moto cannot).
+/// The resume changes the stopped instance to the environment's next type
+/// and starts it again, saying so in the log; with no type left it stops,
+/// naming what it tried, after one start per type.
+#[tokio::test]
+async fn a_start_that_ends_stopped_for_lack_of_capacity_is_retried_as_the_next_type() {
+    let rig = rig(&[]).await;
+    let p = provider(
+        &rig,
+        &format!(
+            "subnet_id = \"{}\"\nfallback_instance_types = [\"t3a.medium\", \"m5.large\"]\n",
+            rig.subnet
+        ),
+        "",
+    );
+    let m = p
+        .create_or_reclaim(&rig.spec(), &rig.ctx(120))
+        .await
+        .unwrap();
+    p.stop(&m, &rig.ctx(60)).await.unwrap();
+    rig.proxy.clear_calls();
+    rig.proxy
+        .no_capacity_after_start(Shortage::default().of_type("t3.medium"));
+    rig.proxy
+        .no_capacity_after_start(Shortage::default().of_type("t3a.medium"));
+    let resumed = p.start(&m, &rig.ctx(120)).await.unwrap();
+    assert_eq!(resumed.id, m.id, "the same instance");
+    let i = rig.instance(&m.id).await;
+    assert_eq!(i.state().unwrap().name(), Some(&InstanceStateName::Running));
+    assert_eq!(i.instance_type().map(|t| t.as_str()), Some("m5.large"));
+    assert_eq!(resumed.field("instance_type"), Some("m5.large"));
+    assert_eq!(
+        (
+            rig.proxy.count("StartInstances"),
+            rig.proxy.count("ModifyInstanceAttribute")
+        ),
+        (3, 2),
+        "{:?}",
+        rig.proxy.actions()
+    );
+    let log = rig.log();
+    for said in [
+        format!(
+            "instance {} stopped again after it was started, for lack of capacity for t3.medium",
+            m.id
+        ),
+        format!(
+            "instance {} stopped again after it was started, for lack of capacity for t3a.medium",
+            m.id
+        ),
+        "Server.InsufficientInstanceCapacity".to_string(),
+        "starting it as another of the environment's instance types".to_string(),
+    ] {
+        assert!(log.contains(&said), "no {said:?} in:\n{log}");
+    }
+
+    // No type with room: one start per type, then an error naming them.
+    p.stop(&resumed, &rig.ctx(60)).await.unwrap();
+    rig.proxy.clear_calls();
+    rig.proxy
+        .no_capacity_after_start(Shortage::default().of_type("m5.large"));
+    let e = p.start(&resumed, &rig.ctx(120)).await.unwrap_err();
+    assert!(
+        err_text(&e).contains("stopped again for lack of capacity")
+            && err_text(&e).contains("m5.large, then t3.medium, then t3a.medium"),
+        "{e:#}"
+    );
+    assert_eq!(
+        rig.proxy.count("StartInstances"),
+        3,
+        "{:?}",
+        rig.proxy.actions()
+    );
+    let i = rig.instance(&m.id).await;
+    assert_eq!(i.state().unwrap().name(), Some(&InstanceStateName::Stopped));
+}

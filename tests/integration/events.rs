@@ -344,3 +344,80 @@ fn follow_prints_every_new_event_once_through_rotations_and_ends_on_sigterm() {
     let followed: Vec<&str> = followed.lines().collect();
     assert_eq!(followed, expected, "{stderr}");
 }
+
+/// A refused resume is a `refused` event naming its cause, the environment
+/// the key names and the job: another project's job, an environment in use,
+/// a malformed key (no environment), a released environment.
+#[test]
+fn refused_resumes_are_events_with_their_cause() {
+    use dormant::state::{Claim, EnvStatus, Holder, Mode, StateStore};
+    let rig = Rig::new(RUNNER, SYSTEM, "[suspend]\nclaim_grace = \"10m\"\n");
+    let r = rig.run(&job(5).suspend_on(true, false));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    let id = dormant::envkey::EnvironmentKey::parse(&key).unwrap().env_id;
+    let refused = |j: dormant::runner_sim::SimJob, says: &str| {
+        let job_id = j.id;
+        let r = rig.run(&j);
+        assert_result(&r, JobResult::BuildFailure(None));
+        assert!(r.log().contains(says), "{}", r.log());
+        job_id
+    };
+    let other_project = refused(job(6).resume(&key), "belongs to project 5");
+    // Held by a job within its claim grace (no process, active a moment ago).
+    let store = StateStore::open(&rig.state_dir).unwrap();
+    let holder = Holder::Job {
+        runner_id: RUNNER.into(),
+        job_id: 78,
+        mode: Mode::New,
+        suspend_on_failure: false,
+    };
+    dormant::state::testing::rewrite(&store, id, |status, claim, _| {
+        *status = EnvStatus::Active;
+        *claim = Some(Claim::new(holder.clone()));
+    })
+    .unwrap();
+    let in_use = refused(job(5).resume(&key), "in use by job 78");
+    dormant::state::testing::rewrite(&store, id, |status, claim, _| {
+        *status = EnvStatus::Suspended;
+        *claim = None;
+    })
+    .unwrap();
+    let malformed = refused(job(5).resume("not-a-key"), "is malformed");
+    assert!(rig.dormant(&["release", &key]).status.success());
+    let not_found = refused(job(5).resume(&key), "is not in this runner's registry");
+
+    let events: Vec<Value> = events_json(&rig, &[])
+        .into_iter()
+        .filter(|e| e["event"] == "refused")
+        .collect();
+    let got: Vec<(String, Value, Value)> = events
+        .iter()
+        .map(|e| {
+            (
+                e["cause"].as_str().unwrap().to_string(),
+                e["env"].clone(),
+                e["job"].clone(),
+            )
+        })
+        .collect();
+    let env = Value::from(id.to_string());
+    assert_eq!(
+        got,
+        [
+            ("other_project".into(), env.clone(), other_project.into()),
+            ("in_use".into(), env.clone(), in_use.into()),
+            ("malformed_key".into(), Value::Null, malformed.into()),
+            ("not_found".into(), env, not_found.into()),
+        ],
+        "{events:?}"
+    );
+    assert!(
+        events[0]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("belongs to project 5")),
+        "{events:?}"
+    );
+    assert_eq!(events[0]["project"], 6, "{events:?}");
+    assert_eq!(events[0]["key"], key.as_str(), "{events:?}");
+}

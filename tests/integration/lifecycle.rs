@@ -317,3 +317,67 @@ fn sweep_removes_what_killed_processes_left_in_jobs() {
         assert!(path.exists(), "{} removed: {said}", path.display());
     }
 }
+
+/// Between two stages of a job no process of it runs (its liveness file is
+/// unheld), but the process that runs its stages — GitLab Runner, here the
+/// test — does: `release --force` refuses, naming that process, and the job
+/// goes on in its environment. Once the job's state names a runner process
+/// that no longer runs (the same pid with another start time: the pid was
+/// reused), `--force` takes the environment.
+#[test]
+fn release_force_never_takes_the_environment_of_a_job_between_two_stages() {
+    let rig = Rig::local("41", "s_0123456789ab");
+    let store = StateStore::open(&rig.state_dir).unwrap();
+    let only_env = || {
+        let ids = store.environment_ids().unwrap();
+        assert_eq!(ids.len(), 1, "{ids:?}");
+        ids[0]
+    };
+    let j = job(5).script("echo built");
+    let mut forced = None;
+    let r = rig
+        .runner
+        .run_job_with(&j, &mut |name| {
+            if name == "build_script" {
+                forced = Some(rig.dormant(&["release", "--force", &only_env().to_string()]));
+            }
+        })
+        .unwrap();
+    assert_result(&r, JobResult::Success);
+    assert!(r.log().contains("built"), "{}", r.log());
+    let out = forced.expect("the job reached its build stage");
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains(&format!("held by job {}", j.id))
+            && t.contains("between two of its stages")
+            && t.contains(&format!("pid {}", std::process::id())),
+        "{t}"
+    );
+
+    // The runner process the job's state names is not running any more.
+    let j = job(5).script("echo built");
+    let mut forced = None;
+    let _ = rig
+        .runner
+        .run_job_with(&j, &mut |name| {
+            if name == "build_script" {
+                let file = store.job_file("41", j.id);
+                let mut state: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+                assert_eq!(
+                    state["runner_process"]["pid"],
+                    std::process::id(),
+                    "{state}"
+                );
+                state["runner_process"]["started"] = 1.into();
+                std::fs::write(&file, serde_json::to_vec(&state).unwrap()).unwrap();
+                let id = only_env();
+                forced = Some((id, rig.dormant(&["release", "--force", &id.to_string()])));
+            }
+        })
+        .unwrap();
+    let (id, out) = forced.expect("the job reached its build stage");
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!store.env_paths(id).exists(), "released");
+}

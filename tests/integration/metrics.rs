@@ -104,6 +104,12 @@ fn metrics_parse_with_prometheus_client_and_equal_the_events_counted_by_hand() {
             counted.insert((labels["event"].clone(), labels["cause"].clone()), *value);
         }
     }
+    // Every known (event, cause) is printed, the ones that did not happen as 0.
+    assert!(
+        counted.len() > by_hand.len() && counted.values().any(|v| *v == 0.0),
+        "{counted:?}"
+    );
+    counted.retain(|_, v| *v > 0.0);
     assert_eq!(counted, by_hand);
     assert_eq!(by_hand.get(&("created".into(), "job".into())), Some(&3.0));
     let sample = |name: &str, label: (&str, &str)| {
@@ -143,4 +149,81 @@ fn metrics_parse_with_prometheus_client_and_equal_the_events_counted_by_hand() {
         Some(1.0),
         "the failed job's environment"
     );
+}
+
+/// A fresh install: `dormant metrics` on an empty state dir prints, for the
+/// configured provider, a zero for every environment status, (event, cause),
+/// failed step and sweep scope, and an empty histogram for every mode, in
+/// text `prometheus_client` parses — so a dashboard has every series from
+/// the first scrape.
+#[test]
+fn a_fresh_install_prints_zeros_for_every_known_series() {
+    let rig = Rig::local(RUNNER, SYSTEM);
+    let out = rig.dormant(&["metrics"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let samples = parse_with_prometheus_client(&String::from_utf8(out.stdout).unwrap());
+    let value = |name: &str, labels: &[(&str, &str)]| {
+        samples
+            .iter()
+            .find(|(n, l, _)| {
+                n == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+            })
+            .map(|(_, _, v)| *v)
+    };
+    let local = ("provider", "local");
+    for status in [
+        "creating",
+        "resuming",
+        "active",
+        "suspending",
+        "suspended",
+        "releasing",
+    ] {
+        assert_eq!(
+            value("dormant_environments", &[local, ("status", status)]),
+            Some(0.0),
+            "{status}"
+        );
+    }
+    for step in ["create", "start", "connect", "stop", "delete"] {
+        assert_eq!(
+            value("dormant_failures_total", &[local, ("step", step)]),
+            Some(0.0),
+            "{step}"
+        );
+    }
+    for (event, cause) in [("created", "job"), ("resumed", "job"), ("released", "ttl")] {
+        assert_eq!(
+            value(
+                "dormant_events_total",
+                &[local, ("event", event), ("cause", cause)]
+            ),
+            Some(0.0),
+            "{event} {cause}"
+        );
+    }
+    for mode in ["new", "resume", "shell"] {
+        assert_eq!(
+            value(
+                "dormant_prepare_seconds_bucket",
+                &[local, ("mode", mode), ("le", "+Inf")]
+            ),
+            Some(0.0),
+            "{mode}"
+        );
+    }
+    assert_eq!(value("dormant_suspend_seconds_count", &[local]), Some(0.0));
+    for scope in ["full", "slice"] {
+        assert_eq!(
+            value("dormant_sweep_seconds_count", &[local, ("scope", scope)]),
+            Some(0.0)
+        );
+        assert_eq!(
+            value("dormant_sweep_unvisited_total", &[local, ("scope", scope)]),
+            Some(0.0)
+        );
+    }
 }

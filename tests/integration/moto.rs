@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use crate::harness::free_port;
 pub use crate::moto_refusals::Shortage;
-use crate::moto_refusals::{refusal, Refusals};
+use crate::moto_refusals::{late_refusal, refusal, show_stranded, Refusals};
 
 /// How long moto may take to answer after it was started (measured ≈ 0.4 s).
 const MOTO_START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -208,9 +208,19 @@ impl Proxy {
         self.refusals.lock().unwrap().shortages.push(s);
     }
 
+    /// From now on, starts matching `s` are accepted and then given up for
+    /// lack of capacity: the instance shows `pending`, then `stopped` with
+    /// the state reason `Server.InsufficientInstanceCapacity` (as EC2 does
+    /// when it accepts a StartInstances it cannot place).
+    pub fn no_capacity_after_start(&self, s: Shortage) {
+        self.refusals.lock().unwrap().late.push(s);
+    }
+
     /// Capacity is back everywhere.
     pub fn capacity_back(&self) {
-        self.refusals.lock().unwrap().shortages.clear();
+        let mut r = self.refusals.lock().unwrap();
+        r.shortages.clear();
+        r.late.clear();
     }
 
     /// Shows running instances as pending for `d` (`None`: forever).
@@ -432,6 +442,9 @@ fn serve(
     if let Some((status, code, message)) = refusal(&action, &text, upstream, refusals)? {
         return respond_error(&mut conn, status, code, &message);
     }
+    if let Some(accepted) = late_refusal(&action, &text, upstream, refusals)? {
+        return respond(&mut conn, 200, accepted.as_bytes());
+    }
     // Forward with Connection: close, then read moto's answer to the end.
     let mut up = TcpStream::connect(("127.0.0.1", upstream))?;
     let mut new_head = String::new();
@@ -464,6 +477,7 @@ fn serve(
                 );
             }
         }
+        xml = show_stranded(&xml, refusals);
         let st = state.lock().unwrap();
         for t in st.transitions.iter().filter(|t| now < t.until) {
             xml = show_state(&xml, &t.id, t.real, t.shown);
@@ -496,8 +510,7 @@ fn serve(
 
 /// Shows instance `id` in state `shown` where moto says `real`: the
 /// `instanceState` after its `<instanceId>` (moto writes it right after).
-fn show_state(xml: &str, id: &str, real: (u8, &str), shown: (u8, &str)) -> String {
-    let open = format!("<instanceId>{id}</instanceId>");
+pub fn show_state(xml: &str, id: &str, real: (u8, &str), shown: (u8, &str)) -> String {
     let from = format!(
         "<instanceState><code>{}</code><name>{}</name></instanceState>",
         real.0, real.1
@@ -506,19 +519,53 @@ fn show_state(xml: &str, id: &str, real: (u8, &str), shown: (u8, &str)) -> Strin
         "<instanceState><code>{}</code><name>{}</name></instanceState>",
         shown.0, shown.1
     );
-    let mut out = String::new();
-    let mut rest = xml;
-    while let Some(i) = rest.find(&open) {
-        let (before, after) = rest.split_at(i + open.len());
-        out.push_str(before);
-        // Only up to the next instance's id.
-        let end = after.find("<instanceId>").unwrap_or(after.len());
-        let (item, tail) = after.split_at(end);
-        out.push_str(&item.replacen(&from, &to, 1));
-        rest = tail;
+    in_item(xml, id, |item| item.replacen(&from, &to, 1))
+}
+
+/// Rewrites instance `id`'s `<item>` (the innermost one around its
+/// `<instanceId>`, wherever moto puts that among the item's fields) with `f`.
+pub fn in_item(xml: &str, id: &str, f: impl Fn(&str) -> String) -> String {
+    let Some(at) = xml.find(&format!("<instanceId>{id}</instanceId>")) else {
+        return xml.to_string();
+    };
+    // The item open at `at`: scan the tags before it.
+    let mut open: Vec<usize> = Vec::new();
+    let mut i = 0;
+    while let Some(j) = xml[i..at].find("item>") {
+        let p = i + j;
+        match xml[..p].chars().last() {
+            Some('<') => open.push(p - 1),
+            Some('/') => {
+                open.pop();
+            }
+            _ => {}
+        }
+        i = p + "item>".len();
     }
-    out.push_str(rest);
-    out
+    let Some(start) = open.pop() else {
+        return xml.to_string();
+    };
+    // Its end: the `</item>` that closes it.
+    let mut depth = 0usize;
+    let mut i = start;
+    let end = loop {
+        let (o, c) = (xml[i..].find("<item>"), xml[i..].find("</item>"));
+        match (o, c) {
+            (Some(o), Some(c)) if o < c => {
+                depth += 1;
+                i += o + "<item>".len();
+            }
+            (_, Some(c)) => {
+                depth -= 1;
+                i += c + "</item>".len();
+                if depth == 0 {
+                    break i;
+                }
+            }
+            _ => return xml.to_string(),
+        }
+    };
+    format!("{}{}{}", &xml[..start], f(&xml[start..end]), &xml[end..])
 }
 
 /// Replaces the text of every `<tag>...</tag>` with `value`; `None` removes

@@ -1,6 +1,9 @@
 //! What EC2 refuses that moto does not, played by the test proxy
 //! (`moto.rs`): launches and starts without capacity for a market, instance
-//! type or zone (`Shortage`: EC2's `InsufficientInstanceCapacity`), and an
+//! type or zone (`Shortage`: EC2's `InsufficientInstanceCapacity`), starts
+//! EC2 accepts and then gives up for lack of capacity (`late`: the instance
+//! goes `pending`, then `stopped` with the state reason
+//! `Server.InsufficientInstanceCapacity`), and an
 //! attach of a volume to an instance in another zone
 //! (`InvalidVolume.ZoneMismatch`). The proxy asks moto itself what it needs
 //! to know (an instance's type and zone, a subnet's zone, a volume's zone)
@@ -10,6 +13,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::net::TcpStream;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use crate::moto::{form_value, read_message, ACCESS_KEY, REGION};
 
@@ -51,12 +55,117 @@ impl Shortage {
     }
 }
 
+/// How long an instance whose start EC2 accepted without capacity shows
+/// `pending` before it shows `stopped` (on EC2: seconds).
+const STRANDED_PENDING: Duration = Duration::from_millis(1500);
+
+/// The state reason EC2 gives an instance it stopped for lack of capacity.
+pub const LATE_CAPACITY_CODE: &str = "Server.InsufficientInstanceCapacity";
+
 /// The shortages in force and what the proxy learnt about subnets.
 #[derive(Default)]
 pub struct Refusals {
     pub shortages: Vec<Shortage>,
+    /// Starts matching these are accepted, and the instance stays stopped
+    /// (moto is not asked) with EC2's capacity state reason.
+    pub late: Vec<Shortage>,
+    /// Instances whose start was accepted without capacity, and until when
+    /// they show `pending`.
+    stranded: HashMap<String, Instant>,
     /// Subnet id → zone, learnt from moto.
     subnet_zones: HashMap<String, String>,
+}
+
+/// The instance a StartInstances names, with its market, type and zone as
+/// moto knows them.
+fn start_target(
+    body: &str,
+    upstream: u16,
+) -> std::io::Result<Option<(String, String, String, String)>> {
+    let Some(id) = form_value(body, "InstanceId.1") else {
+        return Ok(None);
+    };
+    let xml = side_query(
+        upstream,
+        &format!("Action=DescribeInstances&InstanceId.1={id}"),
+    )?;
+    let market = if first_element(&xml, "instanceLifecycle").as_deref() == Some("spot") {
+        "spot"
+    } else {
+        "on-demand"
+    };
+    let t = first_element(&xml, "instanceType").unwrap_or_default();
+    let zone = first_element(&xml, "availabilityZone").unwrap_or_default();
+    Ok(Some((id, market.to_string(), t, zone)))
+}
+
+/// A StartInstances EC2 accepts but cannot place (a `late` shortage): the
+/// answer EC2 gives (`pending`), without asking moto, so the instance stays
+/// stopped; DescribeInstances then shows it as EC2 would
+/// ([`show_stranded`]). Any other StartInstances clears what was shown of
+/// its instance. `None`: pass it on.
+pub fn late_refusal(
+    action: &str,
+    body: &str,
+    upstream: u16,
+    state: &Mutex<Refusals>,
+) -> std::io::Result<Option<String>> {
+    if action != "StartInstances" {
+        return Ok(None);
+    }
+    let Some(id) = form_value(body, "InstanceId.1") else {
+        return Ok(None);
+    };
+    state.lock().unwrap().stranded.remove(&id);
+    if state.lock().unwrap().late.is_empty() {
+        return Ok(None);
+    }
+    let Some((id, market, t, zone)) = start_target(body, upstream)? else {
+        return Ok(None);
+    };
+    let mut st = state.lock().unwrap();
+    if !st.late.iter().any(|s| s.matches(&market, &t, &zone)) {
+        return Ok(None);
+    }
+    st.stranded
+        .insert(id.clone(), Instant::now() + STRANDED_PENDING);
+    Ok(Some(format!(
+        "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n<StartInstancesResponse \
+         xmlns=\"http://ec2.amazonaws.com/doc/2016-11-15\"><instancesSet><item><instanceId>{id}\
+         </instanceId><currentState><code>0</code><name>pending</name></currentState>\
+         <previousState><code>80</code><name>stopped</name></previousState></item></instancesSet>\
+         <requestId>test-proxy</requestId></StartInstancesResponse>"
+    )))
+}
+
+/// DescribeInstances as EC2 shows an instance whose start it accepted
+/// without capacity: `pending` for a moment, then `stopped` with the state
+/// reason `Server.InsufficientInstanceCapacity`.
+pub fn show_stranded(xml: &str, state: &Mutex<Refusals>) -> String {
+    let st = state.lock().unwrap();
+    let mut xml = xml.to_string();
+    let now = Instant::now();
+    for (id, until) in &st.stranded {
+        xml = if now < *until {
+            crate::moto::show_state(&xml, id, (80, "stopped"), (0, "pending"))
+        } else {
+            crate::moto::in_item(&xml, id, |item| {
+                let Some(start) = item.find("<stateReason>") else {
+                    return item.to_string();
+                };
+                let Some(len) = item[start..].find("</stateReason>") else {
+                    return item.to_string();
+                };
+                format!(
+                    "{}<stateReason><code>{LATE_CAPACITY_CODE}</code><message>{LATE_CAPACITY_CODE}: \
+                     Insufficient capacity. (test proxy)</message></stateReason>{}",
+                    &item[..start],
+                    &item[start + len + "</stateReason>".len()..]
+                )
+            })
+        };
+    }
+    xml
 }
 
 /// What EC2 would refuse that moto does not: a launch or start without
@@ -97,21 +206,10 @@ pub fn refusal(
             Ok(no_room(market, &t, &zone))
         }
         "StartInstances" if !state.lock().unwrap().shortages.is_empty() => {
-            let Some(id) = form_value(body, "InstanceId.1") else {
+            let Some((_, market, t, zone)) = start_target(body, upstream)? else {
                 return Ok(None);
             };
-            let xml = side_query(
-                upstream,
-                &format!("Action=DescribeInstances&InstanceId.1={id}"),
-            )?;
-            let market = if first_element(&xml, "instanceLifecycle").as_deref() == Some("spot") {
-                "spot"
-            } else {
-                "on-demand"
-            };
-            let t = first_element(&xml, "instanceType").unwrap_or_default();
-            let zone = first_element(&xml, "availabilityZone").unwrap_or_default();
-            Ok(no_room(market, &t, &zone))
+            Ok(no_room(&market, &t, &zone))
         }
         "AttachVolume" => {
             let (Some(vol), Some(id)) =

@@ -271,4 +271,35 @@ fn a_hanging_or_failing_hook_is_cut_and_the_job_goes_on() {
         "the runner's log has it all: {}",
         r.cleanup_output()
     );
+
+    // The event log says each time the hook failed, about which environment
+    // and job, with the whole error: the suspend (timed out), the resume and
+    // the release at the end of the resumed job (exited with 4).
+    let env = dormant::envkey::EnvironmentKey::parse(&key)
+        .unwrap()
+        .env_id
+        .to_string();
+    let failed: Vec<serde_json::Value> = crate::events::events_json(&rig, &[])
+        .into_iter()
+        .filter(|e| e["event"] == "notify_failed")
+        .collect();
+    let causes: Vec<&str> = failed
+        .iter()
+        .map(|e| e["cause"].as_str().unwrap())
+        .collect();
+    assert_eq!(causes, ["suspend", "resume", "release"], "{failed:?}");
+    assert_eq!(failed[1]["job"], failed[2]["job"], "the resumed job's");
+    assert_ne!(failed[0]["job"], failed[1]["job"], "{failed:?}");
+    for e in &failed {
+        assert_eq!(e["env"], env.as_str(), "{e}");
+        assert_eq!(e["project"], 32, "{e}");
+        assert!(e["job"].is_u64(), "{e}");
+        assert_eq!(e["provider"], "local", "{e}");
+    }
+    let error = |i: usize| failed[i]["error"].as_str().unwrap_or_default().to_string();
+    assert!(error(0).contains("did not finish within 1 s"), "{failed:?}");
+    assert!(
+        error(1).contains("exited with 4") && error(1).contains("hook-private-output"),
+        "{failed:?}"
+    );
 }

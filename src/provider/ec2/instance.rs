@@ -38,6 +38,9 @@ pub struct InstanceInfo {
     pub public_ip: Option<String>,
     pub launched_at: Option<u64>,
     pub state_reason: Option<String>,
+    /// The state reason's code (`Server.InsufficientInstanceCapacity`,
+    /// `Client.UserInitiatedShutdown`, ...).
+    pub state_reason_code: Option<String>,
     pub instance_type: Option<String>,
     /// The instance's availability zone.
     pub zone: Option<String>,
@@ -77,6 +80,11 @@ impl InstanceInfo {
                 .and_then(|r| r.message())
                 .filter(|m| !m.is_empty())
                 .map(str::to_string),
+            state_reason_code: i
+                .state_reason()
+                .and_then(|r| r.code())
+                .filter(|c| !c.is_empty())
+                .map(str::to_string),
             instance_type: i.instance_type().map(|t| t.as_str().to_string()),
             zone: i
                 .placement()
@@ -89,6 +97,18 @@ impl InstanceInfo {
 
     pub fn tag(&self, k: &str) -> Option<&str> {
         self.tags.get(k).map(String::as_str)
+    }
+
+    /// Stopped because EC2 had no capacity for it: a StartInstances that EC2
+    /// accepted, but the instance went from `pending` back to `stopped` with
+    /// the state reason `Server.InsufficientInstanceCapacity` (EC2 reports a
+    /// start it cannot place this way as well as by refusing the call).
+    pub fn stopped_for_capacity(&self) -> bool {
+        self.state == MachineState::Stopped
+            && [&self.state_reason_code, &self.state_reason]
+                .into_iter()
+                .flatten()
+                .any(|r| r.contains("InsufficientInstanceCapacity"))
     }
 }
 

@@ -18,7 +18,7 @@ use super::capacity::{self, retry_capacity};
 use super::errors::{api_error, is_not_found};
 use super::instance;
 use super::instance::InstanceInfo;
-use super::wait::{wait_for, wait_for_seeing, Want};
+use super::wait::{wait_for, wait_for_seeing, StoppedForCapacity, Want};
 use super::{field, Ec2Provider};
 use crate::context::Ctx;
 use crate::provider::{Machine, MachineGone, MachineState};
@@ -63,21 +63,64 @@ impl Ec2Provider {
             }
             MachineState::Running => return self.refreshed(machine, &region, &info),
             MachineState::Stopped => {
-                let started_as = self.start_any_type(&client, machine, &info, ctx).await?;
                 return self
-                    .until_reachable(&client, &region, &as_type(machine, started_as), ctx)
+                    .start_stopped(&client, &region, machine, info, ctx)
                     .await;
             }
             MachineState::Stopping => {
                 let info = wait_for(&client, id, Want::Stopped, ctx).await?;
-                let started_as = self.start_any_type(&client, machine, &info, ctx).await?;
                 return self
-                    .until_reachable(&client, &region, &as_type(machine, started_as), ctx)
+                    .start_stopped(&client, &region, machine, info, ctx)
                     .await;
             }
             MachineState::Pending | MachineState::Other(_) => {}
         }
         self.until_reachable(&client, &region, machine, ctx).await
+    }
+
+    /// Starts a stopped instance and waits until SSH may log in. A start EC2
+    /// accepted that ends with the instance stopped again for lack of
+    /// capacity ([`StoppedForCapacity`]) is started again as the
+    /// environment's next instance type (`retype.rs`): each type at most
+    /// once, so at most as many starts as the environment has types.
+    async fn start_stopped(
+        &self,
+        client: &Client,
+        region: &str,
+        machine: &Machine,
+        mut info: InstanceInfo,
+        ctx: &Ctx,
+    ) -> Result<Machine> {
+        let id = &machine.id;
+        let mut tried: Vec<String> = Vec::new();
+        loop {
+            let started_as = self
+                .start_any_type(client, machine, &info, &tried, ctx)
+                .await?;
+            let started = self
+                .until_reachable(client, region, &as_type(machine, started_as.clone()), ctx)
+                .await;
+            let Err(e) = started else {
+                return started;
+            };
+            let Some(stopped) = e.downcast_ref::<StoppedForCapacity>().cloned() else {
+                return Err(e);
+            };
+            ctx.log.warn(format!(
+                "{stopped}; EC2 accepted the start but had no room for it: starting it as another \
+                 of the environment's instance types"
+            ));
+            tried.push(started_as.unwrap_or(stopped.instance_type));
+            info = match instance::describe(client, id, ctx).await? {
+                Some(info) => info,
+                None => {
+                    return Err(MachineGone(format!(
+                        "instance {id} no longer exists in {region}: the environment's disk is gone"
+                    ))
+                    .into())
+                }
+            };
+        }
     }
 
     /// After a start: the machine once SSH may log in to it.

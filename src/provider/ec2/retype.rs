@@ -7,6 +7,12 @@
 //! type (ModifyInstanceAttribute) to each other one in order and tries again.
 //! The instance keeps the type it started as.
 //!
+//! EC2 may also accept the StartInstances and then stop the instance again
+//! for lack of capacity (state reason `Server.InsufficientInstanceCapacity`).
+//! The resume (`lifecycle.rs`) then calls [`Ec2Provider::start_any_type`]
+//! again with that type left out (`tried`), so the next type is set and
+//! started; each type is left out at most once per resume, so this ends.
+//!
 //! Not for a hibernated instance: its saved memory belongs to the hardware it
 //! was taken on, and EC2 does not let its type change.
 
@@ -30,11 +36,14 @@ use crate::settings::ec2::SuspendMode;
 impl Ec2Provider {
     /// Starts a stopped instance, trying the environment's other instance
     /// types when its own has no capacity. Returns the type it started as.
+    /// `tried`: types a start was accepted as in this resume, but the
+    /// instance stopped again for lack of capacity: not tried again.
     pub(super) async fn start_any_type(
         &self,
         client: &Client,
         machine: &Machine,
         info: &InstanceInfo,
+        tried: &[String],
         ctx: &Ctx,
     ) -> Result<Option<String>> {
         let id = &machine.id;
@@ -45,9 +54,26 @@ impl Ec2Provider {
                 .state_reason
                 .as_deref()
                 .is_some_and(|r| r.to_ascii_lowercase().contains("hibernat"));
-        if order.len() < 2 || hibernated {
+        if tried.is_empty() && (order.len() < 2 || hibernated) {
             self.start_call(client, id, ctx).await?;
             return Ok(current);
+        }
+        let order: Vec<String> = order.into_iter().filter(|t| !tried.contains(t)).collect();
+        if order.is_empty() || hibernated {
+            let zone = info.zone.as_deref().unwrap_or("its zone");
+            return Err(anyhow::Error::new(NoTypeLeft)).with_context(|| {
+                format!(
+                    "instance {id} stopped again for lack of capacity in {zone} after EC2 accepted \
+                     its start as {}{}; retry the job later, or let the environment have more \
+                     instance types (ec2.fallback_instance_types, when it is made)",
+                    tried.join(", then "),
+                    if hibernated {
+                        " (a hibernated instance cannot change its type)"
+                    } else {
+                        ", each of the environment's instance types"
+                    }
+                )
+            });
         }
         let now = Mutex::new(current.clone().unwrap_or_default());
         let rounds = AtomicU32::new(0);
@@ -95,7 +121,13 @@ impl Ec2Provider {
         .map(Some)
     }
 
-    async fn change_type(&self, client: &Client, id: &str, to: &str, ctx: &Ctx) -> Result<()> {
+    pub(super) async fn change_type(
+        &self,
+        client: &Client,
+        id: &str,
+        to: &str,
+        ctx: &Ctx,
+    ) -> Result<()> {
         call("ModifyInstanceAttribute", ctx, || {
             client
                 .modify_instance_attribute()
@@ -107,6 +139,12 @@ impl Ec2Provider {
         Ok(())
     }
 }
+
+/// Every type of the environment was started once in this resume and
+/// stopped again for lack of capacity (or the instance cannot change type).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("no instance type of the environment is left to start it as")]
+pub struct NoTypeLeft;
 
 /// The current type first, then the environment's other types in their order.
 fn type_order(recorded: Option<&str>, current: Option<&str>) -> Vec<String> {

@@ -355,10 +355,7 @@ impl Volumes for Ec2Provider {
             .into_iter()
             .filter(|v| !v.is_gone())
             .map(|v| {
-                let env_id = v
-                    .tag(tag::ENV)
-                    .and_then(|e| Uuid::parse_str(e).ok())
-                    .filter(|id| self.store.env_paths(*id).record.exists());
+                let env_id = v.tag(tag::ENV).and_then(|e| Uuid::parse_str(e).ok());
                 ManagedVolume {
                     volume: Self::as_volume(&region, &v),
                     env_id,

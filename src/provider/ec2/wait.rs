@@ -78,6 +78,20 @@ pub async fn wait_for_seeing(
     Ok(info)
 }
 
+/// An instance that EC2 accepted to start stopped again for lack of capacity
+/// ([`InstanceInfo::stopped_for_capacity`]): a resume may change its type
+/// and start it again (`lifecycle.rs`).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "instance {id} stopped again after it was started, for lack of capacity for {instance_type} \
+     (EC2 says: {reason})"
+)]
+pub struct StoppedForCapacity {
+    pub id: String,
+    pub instance_type: String,
+    pub reason: String,
+}
+
 /// What one describe means for a wait for `want`.
 pub fn check(
     id: &str,
@@ -110,6 +124,18 @@ pub fn check(
         ),
         (MachineState::Running, Want::Running) | (MachineState::Stopped, Want::Stopped) => {
             Ok(Poll::Ready(i))
+        }
+        (MachineState::Stopped, Want::Running) if i.stopped_for_capacity() => {
+            Err(StoppedForCapacity {
+                id: id.to_string(),
+                instance_type: i.instance_type.clone().unwrap_or_else(|| "its type".into()),
+                reason: i
+                    .state_reason
+                    .clone()
+                    .or_else(|| i.state_reason_code.clone())
+                    .unwrap_or_default(),
+            }
+            .into())
         }
         (MachineState::Stopped, Want::Running) => {
             bail!(

@@ -183,7 +183,7 @@ impl Volumes for QemuProvider {
             if disk.exists() {
                 out.push(ManagedVolume {
                     volume: Volume::new(disk.display().to_string()),
-                    env_id: self.store.env_paths(id).record.exists().then_some(id),
+                    env_id: Some(id),
                     state: "disk file".into(),
                 });
             }
