@@ -15,7 +15,9 @@
 //! the current one has no capacity), `volume` (the EBS calls of a data
 //! volume and their waits), `volumes` (volume mode: the `Volumes` side),
 //! `guest_seam` (the tests' stand-in for the guest's block device), `wait`
-//! (polling for an instance's state).
+//! (polling for an instance's state), `handover` (the tags a replacement
+//! runner-manager host takes an environment over with, and the boot hook
+//! that lets it in).
 
 pub mod call;
 pub mod capacity;
@@ -23,6 +25,7 @@ pub mod client;
 mod create;
 pub mod errors;
 pub mod guest_seam;
+pub mod handover;
 pub mod image;
 pub mod instance;
 pub mod launch;
@@ -68,6 +71,9 @@ mod field {
     /// creator's choice), comma-separated: a resume without capacity for the
     /// current one tries the others.
     pub const INSTANCE_TYPES: &str = "instance_types";
+    /// The ownership epoch the instance carried when this record last took
+    /// it (`handover.rs`).
+    pub const EPOCH: &str = "epoch";
 }
 
 pub struct Ec2Provider {
@@ -202,6 +208,18 @@ impl Provider for Ec2Provider {
                 }
             })
             .collect())
+    }
+
+    async fn keep_host_key(&self, machine: &Machine, known_hosts: &str, ctx: &Ctx) -> Result<()> {
+        let Some(key) = handover::pinned_host_key(known_hosts) else {
+            anyhow::bail!(
+                "the host key pinned for instance {} is not one key short enough for the {} tag",
+                machine.id,
+                handover::tag::HOST_KEY
+            );
+        };
+        let (client, _) = self.client_for(machine).await?;
+        handover::set_tags(&client, &machine.id, &[(handover::tag::HOST_KEY, key)], ctx).await
     }
 
     fn target(&self, machine: &Machine) -> Result<Target> {

@@ -29,7 +29,7 @@ use crate::model::{GuestMount, Machine, ManagedVolume, StorageMode, Volume};
 use crate::provider::{MachineState, VolumeGone, VolumeSpec, Volumes};
 
 /// A data volume's fields (and key fields).
-mod vfield {
+pub(super) mod vfield {
     pub const REGION: &str = "region";
     pub const ZONE: &str = "zone";
 }
@@ -138,6 +138,10 @@ impl Ec2Provider {
             (tag::PROJECT.into(), spec.project_id.to_string()),
             (tag::JOB.into(), spec.job_id.to_string()),
             (tag::VOLUME.into(), tag::VOLUME_DATA.into()),
+            (
+                super::handover::tag::EPOCH.into(),
+                super::handover::FIRST_EPOCH.to_string(),
+            ),
         ];
         t.extend(
             self.settings
@@ -276,7 +280,10 @@ impl Volumes for Ec2Provider {
             return Ok(());
         };
         match info.attachments.first() {
-            None if info.state == "available" => return Ok(()),
+            None if info.state == "available" => {
+                self.note_suspended(&client, &v.id, ctx).await;
+                return Ok(());
+            }
             Some((other, _)) if *other != machine.id => bail!(
                 "data volume {} is attached to instance {other}, not to the environment's instance {}; \
                  detach it by hand if {other} is not in use (`aws ec2 detach-volume --volume-id {}`)",
@@ -310,6 +317,7 @@ impl Volumes for Ec2Provider {
             "data volume {} detached from instance {}",
             v.id, machine.id
         ));
+        self.note_suspended(&client, &v.id, ctx).await;
         Ok(())
     }
 
