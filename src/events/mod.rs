@@ -63,6 +63,9 @@ pub enum Kind {
     Recovered,
     /// A sweep's summary.
     Sweep,
+    /// A suspended environment whose record was lost with its runner-manager
+    /// host, taken over by this one (`dormant adopt`).
+    Adopted,
 }
 
 impl Kind {
@@ -75,6 +78,7 @@ impl Kind {
             Kind::Failed => "failed",
             Kind::Recovered => "recovered",
             Kind::Sweep => "sweep",
+            Kind::Adopted => "adopted",
         }
     }
 }

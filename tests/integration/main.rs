@@ -13,6 +13,8 @@ mod crash_volume;
 #[cfg(feature = "ec2")]
 mod ec2;
 #[cfg(feature = "ec2")]
+mod ec2_adopt;
+#[cfg(feature = "ec2")]
 mod ec2_calls;
 #[cfg(feature = "ec2")]
 mod ec2_handover;

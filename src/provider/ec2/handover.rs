@@ -183,6 +183,43 @@ pub fn number(tags: &BTreeMap<String, String>, name: &str) -> Result<Option<u64>
     }
 }
 
+/// Whether a record may act on an instance or data volume: the ownership
+/// epoch it recorded (`recorded`) must be the one the tags carry now
+/// (`tagged`; absent: 0). A record without one (made before epochs, or a
+/// data volume's record from its creation) may act only while nobody has
+/// taken the environment over: a take-over always writes an epoch above
+/// [`FIRST_EPOCH`].
+pub fn epoch_matches(recorded: Option<&str>, tagged: Option<&str>) -> bool {
+    let tagged: u64 = tagged.and_then(|t| t.trim().parse().ok()).unwrap_or(0);
+    match recorded.and_then(|r| r.trim().parse::<u64>().ok()) {
+        Some(r) => r == tagged,
+        None => tagged <= FIRST_EPOCH,
+    }
+}
+
+/// The epoch a take-over of an environment whose tags carry `epoch` writes.
+pub fn next_epoch(epoch: u64) -> u64 {
+    epoch.max(FIRST_EPOCH) + 1
+}
+
+/// The refusal of a record whose epoch is not the tags' (a host that comes
+/// back after another one took its environment over).
+pub fn stale_record(
+    doing: &str,
+    resource: &str,
+    recorded: Option<&str>,
+    tagged: Option<&str>,
+) -> String {
+    format!(
+        "refusing to {doing} {resource}: another runner-manager host has taken this environment over \
+         (ownership epoch {} on it, {} in this host's record), so this host's record of it is stale and \
+         must not touch it; the environment is the other host's now: remove it from this host's state \
+         dir (its directory under environments/) without releasing it",
+        tagged.unwrap_or("none"),
+        recorded.unwrap_or("none")
+    )
+}
+
 /// The boot hook dormant puts in a machine-mode instance's user-data (a
 /// `bootcmd` entry, which cloud-init runs early on every boot): it asks the
 /// instance metadata service (IMDSv2, `imds`) for the instance tag

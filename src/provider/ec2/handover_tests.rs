@@ -236,3 +236,22 @@ fn the_boot_hook_leaves_the_keys_alone_without_a_usable_tag() {
     left.sort();
     assert_eq!(left, ["authorized_keys"]);
 }
+
+#[test]
+fn a_record_acts_only_with_the_epoch_the_tags_carry() {
+    // Made with epochs: equal or refused.
+    assert!(epoch_matches(Some("1"), Some("1")));
+    assert!(epoch_matches(Some("3"), Some("3")));
+    assert!(!epoch_matches(Some("1"), Some("2")), "taken over since");
+    assert!(!epoch_matches(Some("2"), None));
+    // Made before epochs (or a volume's record from its creation): only
+    // while nobody took it over.
+    assert!(epoch_matches(None, None));
+    assert!(epoch_matches(None, Some("1")));
+    assert!(!epoch_matches(None, Some("2")));
+    // A take-over always lands above the first epoch, whatever it found.
+    assert_eq!(next_epoch(0), 2);
+    assert_eq!(next_epoch(1), 2);
+    assert_eq!(next_epoch(2), 3);
+    assert!(!epoch_matches(None, Some(&next_epoch(0).to_string())));
+}

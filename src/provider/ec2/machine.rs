@@ -148,6 +148,17 @@ impl Ec2Provider {
                 );
             }
         }
+        let (recorded, tagged) = (machine.field(field::EPOCH), info.tag(handover::tag::EPOCH));
+        if !handover::epoch_matches(recorded, tagged) {
+            // The job's own key, refused: retrying cannot make it this host's.
+            return Err(Refusal(handover::stale_record(
+                doing,
+                &format!("instance {}", info.id),
+                recorded,
+                tagged,
+            ))
+            .into());
+        }
         Ok(())
     }
 

@@ -17,7 +17,8 @@
 //! `guest_seam` (the tests' stand-in for the guest's block device), `wait`
 //! (polling for an instance's state), `handover` (the tags a replacement
 //! runner-manager host takes an environment over with, and the boot hook
-//! that lets it in).
+//! that lets it in), `takeover` (what `dormant adopt` finds in EC2 and the
+//! tag write that takes an environment over).
 
 pub mod call;
 pub mod capacity;
@@ -34,6 +35,7 @@ mod machine;
 pub mod placement;
 mod retype;
 pub mod subnets;
+pub mod takeover;
 pub mod volume;
 mod volumes;
 pub mod wait;
@@ -75,6 +77,10 @@ mod field {
     /// it (`handover.rs`).
     pub const EPOCH: &str = "epoch";
 }
+
+/// The field of a record's machine (and data volume) that holds the
+/// ownership epoch the record took it with (`handover.rs`).
+pub const EPOCH_FIELD: &str = field::EPOCH;
 
 pub struct Ec2Provider {
     settings: Ec2Settings,

@@ -23,10 +23,10 @@ use super::create::{VolumePlace, Within};
 use super::instance::{self, tag, tag_filter};
 use super::lifecycle::terminate;
 use super::volume::{self, NewVolume, Until, VolumeInfo};
-use super::{field, guest_seam, subnets, Ec2Provider};
+use super::{field, guest_seam, handover, subnets, Ec2Provider, EPOCH_FIELD};
 use crate::context::Ctx;
 use crate::model::{GuestMount, Machine, ManagedVolume, StorageMode, Volume};
-use crate::provider::{MachineState, VolumeGone, VolumeSpec, Volumes};
+use crate::provider::{MachineState, Refusal, VolumeGone, VolumeSpec, Volumes};
 
 /// A data volume's fields (and key fields).
 pub(super) mod vfield {
@@ -106,6 +106,22 @@ impl Ec2Provider {
         Volume::new(&info.id)
             .with(vfield::REGION, region)
             .with(vfield::ZONE, &info.zone)
+    }
+
+    /// Never attach or delete a data volume another host has taken over
+    /// since this record was made (`handover::epoch_matches`).
+    fn verify_epoch(v: &Volume, info: &VolumeInfo, doing: &str) -> Result<()> {
+        let (recorded, tagged) = (v.field(EPOCH_FIELD), info.tag(handover::tag::EPOCH));
+        if handover::epoch_matches(recorded, tagged) {
+            return Ok(());
+        }
+        Err(Refusal(handover::stale_record(
+            doing,
+            &format!("data volume {}", info.id),
+            recorded,
+            tagged,
+        ))
+        .into())
     }
 
     /// Never attach or delete a volume that is not this runner manager's data volume.
@@ -242,6 +258,7 @@ impl Volumes for Ec2Provider {
             _ => return Err(gone(&v.id, &region).into()),
         };
         self.verify_volume(&info, "attach")?;
+        Self::verify_epoch(v, &info, "attach")?;
         if let Some(z) = machine.field(field::ZONE) {
             if z != info.zone {
                 bail!(
@@ -334,6 +351,7 @@ impl Volumes for Ec2Provider {
             return self.forget_seam(v);
         }
         self.verify_volume(&info, "delete")?;
+        Self::verify_epoch(v, &info, "delete")?;
         if info.state != "available" {
             // Its instance was terminated just before: the attachment ends with its shutdown.
             volume::wait_until(&client, &v.id, Until::Available, ctx)
