@@ -13,7 +13,7 @@ use std::process::Output;
 use crate::ec2_rig::{instances, key_field, volume, Ec2Env};
 use crate::harness::{self, assert_result, JobResult, Rig};
 
-const SYSTEM: &str = "s_0123456789ab";
+pub(crate) const SYSTEM: &str = "s_0123456789ab";
 
 fn text(o: &Output) -> String {
     format!(
@@ -23,14 +23,14 @@ fn text(o: &Output) -> String {
     )
 }
 
-fn adopt(rig: &Rig) -> String {
+pub(crate) fn adopt(rig: &Rig) -> String {
     let out = rig.dormant(&["adopt"]);
     let t = text(&out);
     assert!(out.status.success(), "dormant adopt failed: {t}");
     t
 }
 
-fn instance_tags(env: &Ec2Env, id: &str) -> BTreeMap<String, String> {
+pub(crate) fn instance_tags(env: &Ec2Env, id: &str) -> BTreeMap<String, String> {
     let i = instances(env)
         .into_iter()
         .find(|i| i.instance_id() == Some(id))
@@ -53,7 +53,7 @@ fn instance_state(env: &Ec2Env, id: &str) -> String {
         .unwrap()
 }
 
-fn suspend_one(rig: &Rig) -> String {
+pub(crate) fn suspend_one(rig: &Rig) -> String {
     let r = rig.run(
         &harness::job(5)
             .suspend_on(true, false)
@@ -65,7 +65,7 @@ fn suspend_one(rig: &Rig) -> String {
 
 /// A resume with the key printed before the loss: the file is there and
 /// `get_sources` is skipped; suspended again afterwards.
-fn resume_finds_the_file(rig: &Rig, key: &str) {
+pub(crate) fn resume_finds_the_file(rig: &Rig, key: &str) {
     let mut job = harness::job(5)
         .resume(key)
         .suspend_on(true, false)

@@ -7,6 +7,8 @@ mod core;
 #[cfg(feature = "testing")]
 mod crash;
 #[cfg(all(feature = "testing", feature = "ec2"))]
+mod crash_ec2_adopt;
+#[cfg(all(feature = "testing", feature = "ec2"))]
 mod crash_ec2_volume;
 #[cfg(feature = "testing")]
 mod crash_volume;
