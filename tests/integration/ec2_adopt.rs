@@ -41,16 +41,23 @@ pub(crate) fn instance_tags(env: &Ec2Env, id: &str) -> BTreeMap<String, String> 
         .collect()
 }
 
-fn instance_state(env: &Ec2Env, id: &str) -> String {
-    instances(env)
-        .into_iter()
-        .find(|i| i.instance_id() == Some(id))
-        .and_then(|i| {
-            i.state()
-                .and_then(|s| s.name())
-                .map(|n| n.as_str().to_string())
-        })
-        .unwrap()
+/// An instance's state, straight from the emulator (by its URL: the rig's
+/// sshd may have been moved out of the `Ec2Env` by then).
+fn instance_state(moto_url: &str, id: &str) -> String {
+    crate::ec2_rig::block_on(async {
+        let c = crate::moto::direct_client(moto_url);
+        let out = c
+            .describe_instances()
+            .instance_ids(id)
+            .send()
+            .await
+            .unwrap();
+        out.reservations()[0].instances()[0]
+            .state()
+            .and_then(|s| s.name())
+            .map(|n| n.as_str().to_string())
+            .unwrap()
+    })
 }
 
 pub(crate) fn suspend_one(rig: &Rig) -> String {
@@ -171,7 +178,7 @@ fn a_new_host_adopts_a_machine_mode_environment_and_the_old_key_resumes_it() {
         "{}",
         stale.log()
     );
-    assert_eq!(instance_state(&env, &id), "stopped");
+    assert_eq!(instance_state(&env.moto.url(), &id), "stopped");
 
     // A third host adopts it, and the machine's host key has changed meanwhile:
     // the first resume checks it against the key pinned at creation, never
@@ -181,6 +188,7 @@ fn a_new_host_adopts_a_machine_mode_environment_and_the_old_key_resumes_it() {
     assert!(out.contains("adopted 1"), "{out}");
     let mut sshd = env.sshd;
     sshd.swap_host_key();
+    let moto_url = env.moto.url();
     let r = third.run(&harness::job(5).resume(&key).script("true"));
     assert!(
         r.result != JobResult::Success && r.log().contains("host key"),
@@ -188,6 +196,11 @@ fn a_new_host_adopts_a_machine_mode_environment_and_the_old_key_resumes_it() {
         r.log()
     );
     assert_eq!(third.status(&key).as_deref(), Some("suspended"));
+    // `release` works on an adopted environment: the instance is terminated.
+    let out = third.dormant(&["release", &key]);
+    assert!(out.status.success(), "{}", text(&out));
+    let gone = instance_state(&moto_url, &id);
+    assert!(gone == "terminated" || gone == "shutting-down", "{gone}");
 }
 
 #[test]
