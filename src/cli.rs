@@ -88,6 +88,10 @@ pub enum Command {
         #[arg(long)]
         delete_orphans: bool,
     },
+    /// Take over the suspended EC2 environments of this runner manager (its
+    /// system id) that no record here knows: after replacing the host, with the
+    /// old one gone. Prints what it adopted, and what it left alone and why.
+    Adopt,
     /// Print Prometheus text: the registry (environments by status, oldest
     /// suspension) and the event log's counters and histograms.
     Metrics,

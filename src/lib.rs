@@ -194,6 +194,10 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
         Command::Sweep { delete_orphans } => {
             Ok(ops::sweep::sweep(&settings, &job, delete_orphans, log, cancel).await?)
         }
+        Command::Adopt => {
+            ops::adopt::adopt(&settings, &job, log, cancel).await?;
+            Ok(())
+        }
         Command::Metrics => {
             let store = state::StateStore::open(&settings.state_dir(&job)?)?;
             Ok(ops::metrics::metrics(

@@ -69,6 +69,9 @@ pub enum Kind {
     /// The notify hook failed (its cause: the hook's event, `suspend`,
     /// `resume`, `release`, `expire`); whatever it was told of happened.
     NotifyFailed,
+    /// A suspended environment whose record was lost with its runner-manager
+    /// host, taken over by this one (`dormant adopt`).
+    Adopted,
 }
 
 impl Kind {
@@ -83,6 +86,7 @@ impl Kind {
             Kind::Sweep => "sweep",
             Kind::Refused => "refused",
             Kind::NotifyFailed => "notify_failed",
+            Kind::Adopted => "adopted",
         }
     }
 }
@@ -318,6 +322,8 @@ pub fn known_causes() -> Vec<(&'static str, &'static str)> {
             .iter()
             .map(|c| (Kind::NotifyFailed.as_str(), *c)),
     );
+    // `dormant adopt` is the one source of adoptions.
+    out.push((Kind::Adopted.as_str(), "operator"));
     out
 }
 

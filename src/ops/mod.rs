@@ -1,7 +1,9 @@
 //! Operator commands beside the four stages: `list`, `inspect`, `events`,
-//! `release`, `sweep`, `metrics`, `shell`, and `try`, which drives a whole job like GitLab Runner
+//! `release`, `sweep`, `adopt` (take over a lost host's EC2 environments),
+//! `metrics`, `shell`, and `try`, which drives a whole job like GitLab Runner
 //! would. They use the lifecycle (`crate::lifecycle`), never a stage.
 
+pub mod adopt;
 pub mod events;
 pub mod list;
 pub mod metrics;

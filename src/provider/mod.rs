@@ -133,6 +133,20 @@ pub trait Provider: Send + Sync {
             .map(|m| m.machine))
     }
 
+    /// After a new machine-mode environment's first connection pinned its
+    /// machine's host key (`known_hosts`: the environment's known_hosts
+    /// file): keep it with the machine, where a replacement runner-manager
+    /// host can check the machine against it (EC2: a tag). Default: nothing
+    /// (the machine lives on this host, or is never entered by another).
+    async fn keep_host_key(
+        &self,
+        _machine: &Machine,
+        _known_hosts: &str,
+        _ctx: &Ctx,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     /// Where to connect to run scripts.
     fn target(&self, machine: &Machine) -> Result<Target>;
 

@@ -167,6 +167,9 @@ async fn prepare_new(
         record_failure(s, &paths, Step::Connect, &e, ctx).await;
         return Err(e.into());
     }
+    if storage == StorageMode::Machine {
+        keep_host_key(s, &paths, &machine, ctx).await;
+    }
     let (rec, ()) = registry::update(&paths, ctx, |r| r.activate(&holder))
         .await
         .map_err(update_error)?;
@@ -180,6 +183,20 @@ async fn prepare_new(
     crate::failpoint!("prepare:ready");
     announce(s, &key, env_id, false);
     Ok(())
+}
+
+/// The host key the first connection pinned, kept with the machine for a
+/// runner-manager host that may take the environment over. A failure costs
+/// only that (the job runs), so it is a warning that says so.
+async fn keep_host_key(s: &Session, paths: &EnvPaths, machine: &Machine, ctx: &Ctx) {
+    let known_hosts = std::fs::read_to_string(&paths.known_hosts).unwrap_or_default();
+    if let Err(e) = s.provider.keep_host_key(machine, &known_hosts, ctx).await {
+        s.log.warn(format!(
+            "could not keep the pinned host key with machine {} ({e:#}): if this runner-manager host \
+             is lost, another one cannot take this environment over",
+            machine.id
+        ));
+    }
 }
 
 /// Creates the new environment's record, held by this job — or takes it back

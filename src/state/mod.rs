@@ -28,7 +28,7 @@ pub use job::{JobState, Phase, StageRecord, StageResult};
 pub use lock::FileLock;
 pub use record::{Claim, EnvStatus, EnvironmentRecord, Holder, Mode, NewEnvironment};
 pub use store::StateStore;
-pub use transitions::{NotAllowed, Settle};
+pub use transitions::{Adopted, NotAllowed, Settle};
 pub use volume_state::{HostKeyChange, VolumeState, VolumeStep};
 
 /// Seconds since the Unix epoch: what state files record as times.

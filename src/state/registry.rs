@@ -8,6 +8,7 @@
 //! around read-check-write, never across a provider call.
 
 use std::fs;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -117,6 +118,19 @@ pub fn create(store: &StateStore, rec: &EnvironmentRecord) -> Result<bool> {
         return Ok(false);
     }
     let staging = store.staging_dir(rec.id)?;
+    create_staged(store, rec, staging)
+}
+
+/// [`create`] from a staging directory (`StateStore::staging_dir`) the
+/// caller has already put more of the environment's files in (`dormant
+/// adopt`: its key and known_hosts): they appear with the record, or not at
+/// all. The staging directory is gone afterwards either way.
+pub fn create_staged(
+    store: &StateStore,
+    rec: &EnvironmentRecord,
+    staging: PathBuf,
+) -> Result<bool> {
+    let paths = store.env_paths(rec.id);
     let staged = EnvPaths::new(store.root(), rec.id);
     let inside = |p: &std::path::Path| staging.join(p.file_name().unwrap_or_default());
     let result = (|| {

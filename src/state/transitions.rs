@@ -66,7 +66,64 @@ pub fn same_holder(a: &Holder, b: &Holder) -> bool {
     }
 }
 
+/// What the record of an environment taken over from a lost host is made
+/// of (`dormant adopt`): what the cloud keeps about it.
+pub struct Adopted {
+    pub id: uuid::Uuid,
+    pub provider: String,
+    pub runner_id: String,
+    pub system_id: String,
+    pub project_id: u64,
+    /// The job that made it.
+    pub job_id: u64,
+    pub key: String,
+    /// Machine mode: the stopped machine. Volume mode: `None`.
+    pub machine: Option<Machine>,
+    /// Volume mode: the detached data volume.
+    pub volume: Option<crate::model::Volume>,
+    pub created_at: u64,
+    /// Its original suspension: the TTL counts from here.
+    pub suspended_at: u64,
+}
+
 impl EnvironmentRecord {
+    /// A suspended environment that nobody holds, rebuilt from the cloud:
+    /// the status it had on the host that lost it.
+    pub fn adopted(a: Adopted) -> Self {
+        let storage = if a.volume.is_some() {
+            crate::model::StorageMode::Volume
+        } else {
+            crate::model::StorageMode::Machine
+        };
+        let mut rec = EnvironmentRecord::new(
+            super::record::NewEnvironment {
+                id: a.id,
+                provider: &a.provider,
+                runner_id: &a.runner_id,
+                system_id: &a.system_id,
+                project_id: a.project_id,
+                project_path: None,
+                job_id: a.job_id,
+                storage,
+                image: None,
+            },
+            Holder::Operator {
+                pid: std::process::id(),
+                what: "dormant adopt".into(),
+            },
+        );
+        rec.status = EnvStatus::Suspended;
+        rec.claim = None;
+        rec.key = Some(a.key);
+        rec.machine = a.machine;
+        rec.created_at = a.created_at;
+        rec.suspended_at = Some(a.suspended_at);
+        if let (Some(v), Some(state)) = (a.volume, rec.volume.as_mut()) {
+            state.adopted(v);
+        }
+        rec
+    }
+
     fn held_by(&self, holder: &Holder) -> bool {
         self.claim
             .as_ref()

@@ -76,6 +76,16 @@ impl VolumeState {
         }
     }
 
+    /// A detached volume taken over from a lost host (`dormant adopt`): it
+    /// was mounted and marked by the environment's first machine, so every
+    /// later mount must find its mark.
+    pub(super) fn adopted(&mut self, volume: Volume) {
+        self.volume = Some(volume);
+        self.step = VolumeStep::Detached;
+        self.initialized = true;
+        self.repin = false;
+    }
+
     pub fn step(&self) -> VolumeStep {
         self.step
     }

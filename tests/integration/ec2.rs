@@ -228,6 +228,12 @@ async fn launch_sets_tags_imdsv2_and_the_key_in_user_data() {
         ("dormant:system", &rig.system_id),
         ("dormant:project", "42"),
         ("team", "ci"),
+        // What a replacement runner-manager host enters the machine with
+        // (provider/ec2/handover.rs): the ownership epoch, the boot hook's
+        // version and the key it installs.
+        ("dormant:epoch", "1"),
+        ("dormant:entry", "imds-authorized-key-1"),
+        ("dormant:authorized-key", TEST_KEY),
     ] {
         assert_eq!(
             tags.get(k).map(String::as_str),
@@ -267,6 +273,14 @@ async fn launch_sets_tags_imdsv2_and_the_key_in_user_data() {
             .map(|t| t.as_str()),
         Some("required")
     );
+    // The boot hook reads dormant:authorized-key through the metadata service.
+    assert_eq!(
+        i.metadata_options()
+            .unwrap()
+            .instance_metadata_tags()
+            .map(|t| t.as_str()),
+        Some("enabled")
+    );
     // The environment's public key reaches cloud-init.
     let ud = rig
         .direct
@@ -284,6 +298,10 @@ async fn launch_sets_tags_imdsv2_and_the_key_in_user_data() {
     assert!(
         text.contains(&format!("ssh_authorized_keys:\n  - {TEST_KEY}\n")),
         "{text}"
+    );
+    assert!(
+        text.ends_with(&dormant::provider::ec2::handover::boot_hook_yaml("root")),
+        "the boot hook ends the user-data: {text}"
     );
     // A deterministic ClientToken went with the launch (idempotent on real EC2).
     let run = rig

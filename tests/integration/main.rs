@@ -7,13 +7,19 @@ mod core;
 #[cfg(feature = "testing")]
 mod crash;
 #[cfg(all(feature = "testing", feature = "ec2"))]
+mod crash_ec2_adopt;
+#[cfg(all(feature = "testing", feature = "ec2"))]
 mod crash_ec2_volume;
 #[cfg(feature = "testing")]
 mod crash_volume;
 #[cfg(feature = "ec2")]
 mod ec2;
 #[cfg(feature = "ec2")]
+mod ec2_adopt;
+#[cfg(feature = "ec2")]
 mod ec2_calls;
+#[cfg(feature = "ec2")]
+mod ec2_handover;
 #[cfg(feature = "ec2")]
 mod ec2_job;
 #[cfg(feature = "ec2")]

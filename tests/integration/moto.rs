@@ -617,6 +617,21 @@ impl CloudInit {
                 let mut keys = std::collections::BTreeSet::new();
                 while !flag.load(Ordering::SeqCst) {
                     if let Ok(out) = client.describe_instances().send().await {
+                        // The boot hook of a machine-mode instance (provider/ec2/handover.rs):
+                        // the key in its dormant:authorized-key tag is authorized while it
+                        // runs (here: added, since one sshd stands in for every instance).
+                        for i in out.reservations().iter().flat_map(|r| r.instances()) {
+                            let running = i.state().and_then(|s| s.name())
+                                == Some(&aws_sdk_ec2::types::InstanceStateName::Running);
+                            let tagged = i
+                                .tags()
+                                .iter()
+                                .find(|t| t.key() == Some("dormant:authorized-key"))
+                                .and_then(|t| t.value());
+                            if let (true, Some(k)) = (running, tagged) {
+                                keys.insert(k.trim().to_string());
+                            }
+                        }
                         for id in out
                             .reservations()
                             .iter()

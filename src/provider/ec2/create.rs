@@ -88,6 +88,9 @@ impl Ec2Provider {
         if let Some(note) = note {
             ctx.log.warn(note);
         }
+        if matches!(within, Within::Anywhere { volume_mode: false }) {
+            launch::check_tags_for_metadata(&self.settings)?;
+        }
         let region = match &within {
             Within::VolumeZone(place) => place.region.clone(),
             Within::Anywhere { .. } => self.clients.default_region().await?,
@@ -140,6 +143,9 @@ impl Ec2Provider {
         ctx: &Ctx,
     ) -> Result<Machine> {
         let (spec, within, instance_types) = (what.spec, what.within, what.instance_types);
+        // Only a machine-mode instance is ever stopped and started again, so
+        // only it needs a way back in for a new host (`handover.rs`).
+        let machine_mode = matches!(within, Within::Anywhere { volume_mode: false });
         let mut found = instance::find(
             client,
             vec![
@@ -210,9 +216,17 @@ impl Ec2Provider {
                 // this call share it; a retried prepare finds its launch by tags.
                 _ => launch::fresh_token(),
             },
-            user_data: launch::user_data(spec, &self.settings)?,
-            hibernate: matches!(within, Within::Anywhere { volume_mode: false })
-                && self.settings.suspend_mode == SuspendMode::Hibernate,
+            user_data: if machine_mode {
+                launch::machine_user_data(spec, &self.settings)?
+            } else {
+                launch::user_data(spec, &self.settings)?
+            },
+            hibernate: machine_mode && self.settings.suspend_mode == SuspendMode::Hibernate,
+            entry_tags: if machine_mode {
+                launch::entry_tags(spec)?
+            } else {
+                Vec::new()
+            },
         };
         let subnets = match within {
             Within::VolumeZone(place) => vec![place.subnet.clone()],

@@ -2,18 +2,24 @@
 //! `Name` and `dormant:*` tags on the instance and its volumes (set atomically
 //! at launch, so a retried prepare finds the instance by tag even when the
 //! first attempt died before saving state), IMDSv2 required, EBS root, and the
-//! environment's SSH public key in cloud-init user-data.
+//! environment's SSH public key in cloud-init user-data. A machine-mode
+//! instance also gets the way back in for a replacement runner-manager host
+//! (`handover.rs`): the boot hook in its user-data, its key in the
+//! `dormant:authorized-key` tag, and instance tags readable through the
+//! instance metadata service.
 
 use anyhow::{bail, Result};
 use aws_sdk_ec2::types::{
     BlockDeviceMapping, EbsBlockDevice, HibernationOptionsRequest, HttpTokensState,
     IamInstanceProfileSpecification, InstanceInterruptionBehavior, InstanceMarketOptionsRequest,
-    InstanceMetadataEndpointState, InstanceMetadataOptionsRequest, InstanceType, MarketType,
-    ResourceType, SpotInstanceType, SpotMarketOptions, Tag, TagSpecification, VolumeType,
+    InstanceMetadataEndpointState, InstanceMetadataOptionsRequest, InstanceMetadataTagsState,
+    InstanceType, MarketType, ResourceType, SpotInstanceType, SpotMarketOptions, Tag,
+    TagSpecification, VolumeType,
 };
 use aws_sdk_ec2::Client;
 
 use super::call::call;
+use super::handover;
 use super::image::ImageInfo;
 use super::instance::tag;
 use super::placement::Choice;
@@ -31,9 +37,61 @@ pub fn tags(spec: &MachineSpec, settings: &Ec2Settings) -> Vec<(String, String)>
         (tag::SYSTEM.into(), spec.system_id.clone()),
         (tag::PROJECT.into(), spec.project_id.to_string()),
         (tag::JOB.into(), spec.job_id.to_string()),
+        (
+            handover::tag::EPOCH.into(),
+            handover::FIRST_EPOCH.to_string(),
+        ),
     ];
     t.extend(settings.tags.iter().map(|(k, v)| (k.clone(), v.clone())));
     t
+}
+
+/// The instance's own tags beyond [`tags`] in machine mode: the way back in
+/// for a replacement host (`handover.rs`), i.e. the hook's version and the
+/// key it installs.
+pub fn entry_tags(spec: &MachineSpec) -> Result<Vec<(String, String)>> {
+    let key = spec.ssh_public_key.as_deref().unwrap_or_default();
+    let Some(key) = handover::authorized_key_tag(key) else {
+        bail!(
+            "the SSH public key of environment {} is not one ed25519 key line short enough for the \
+             {} tag",
+            spec.env_id,
+            handover::tag::AUTHORIZED_KEY
+        );
+    };
+    Ok(vec![
+        (
+            handover::tag::ENTRY.into(),
+            handover::tag::ENTRY_IMDS_KEY.into(),
+        ),
+        (handover::tag::AUTHORIZED_KEY.into(), key),
+    ])
+}
+
+/// With instance tags in the metadata service, EC2 accepts only tag keys of
+/// letters, digits and `+ - = . , _ : @` (no spaces, no `/`): an operator's
+/// tag outside that would fail every machine-mode launch, so it is refused
+/// here, before anything is made, naming the setting.
+pub fn check_tags_for_metadata(settings: &Ec2Settings) -> Result<()> {
+    for k in settings.tags.keys() {
+        let fits = !k.is_empty()
+            && k != "."
+            && k != ".."
+            && k != "_index"
+            && k.chars().all(|c| {
+                c.is_ascii_alphanumeric()
+                    || matches!(c, '+' | '-' | '=' | '.' | ',' | '_' | ':' | '@')
+            });
+        if !fits {
+            bail!(
+                "ec2.tags: the tag key {} cannot be used on machine-mode instances: they expose their tags \
+                 to the instance metadata service (how a replacement runner-manager host gets back in), \
+                 where EC2 allows only letters, digits and + - = . , _ : @ in tag keys; rename the tag",
+                crate::text::quoted(k)
+            );
+        }
+    }
+    Ok(())
 }
 
 /// A ClientToken (≤ 64 ASCII characters) that makes RunInstances idempotent on
@@ -55,6 +113,19 @@ pub fn user_data(spec: &MachineSpec, settings: &Ec2Settings) -> Result<String> {
     Ok(aws_smithy_types::base64::encode(text))
 }
 
+/// A machine-mode instance's user-data: [`user_data`]'s document plus the
+/// boot hook that installs the key of the `dormant:authorized-key` tag on
+/// every boot (`handover::boot_hook`).
+pub fn machine_user_data(spec: &MachineSpec, settings: &Ec2Settings) -> Result<String> {
+    let mut text = crate::provider::cloud_init::user_data(
+        spec.env_id,
+        spec.ssh_public_key.as_deref(),
+        &settings.ssh_user,
+    )?;
+    text.push_str(&handover::boot_hook_yaml(&settings.ssh_user));
+    Ok(aws_smithy_types::base64::encode(text))
+}
+
 /// What every choice of a launch shares.
 pub struct LaunchRequest<'a> {
     pub spec: &'a MachineSpec,
@@ -67,6 +138,10 @@ pub struct LaunchRequest<'a> {
     /// Launch with hibernation configured (machine mode, `suspend_mode =
     /// "hibernate"`; on-demand only).
     pub hibernate: bool,
+    /// Machine mode: the instance's [`entry_tags`], and its tags readable
+    /// through the instance metadata service (the boot hook reads one).
+    /// Empty: neither.
+    pub entry_tags: Vec<(String, String)>,
 }
 
 /// A ClientToken used for one launch only (volume mode, where every resume
@@ -109,15 +184,20 @@ pub async fn run_instance(
             )
             .build()
     });
-    let sdk_tags: Vec<Tag> = tags(req.spec, s)
-        .into_iter()
-        .map(|(k, v)| Tag::builder().key(k).value(v).build())
-        .collect();
-    let spec_for = |rt: ResourceType| {
+    let sdk_tag = |(k, v): (String, String)| Tag::builder().key(k).value(v).build();
+    let sdk_tags: Vec<Tag> = tags(req.spec, s).into_iter().map(sdk_tag).collect();
+    let spec_for = |rt: ResourceType, extra: &[(String, String)]| {
+        let mut all = sdk_tags.clone();
+        all.extend(extra.iter().cloned().map(sdk_tag));
         TagSpecification::builder()
             .resource_type(rt)
-            .set_tags(Some(sdk_tags.clone()))
+            .set_tags(Some(all))
             .build()
+    };
+    let metadata_tags = if req.entry_tags.is_empty() {
+        InstanceMetadataTagsState::Disabled
+    } else {
+        InstanceMetadataTagsState::Enabled
     };
     let wants_root = s.root_volume_size_gb.is_some()
         || s.root_volume_type.is_some()
@@ -174,10 +254,11 @@ pub async fn run_instance(
                 InstanceMetadataOptionsRequest::builder()
                     .http_tokens(HttpTokensState::Required)
                     .http_endpoint(InstanceMetadataEndpointState::Enabled)
+                    .instance_metadata_tags(metadata_tags.clone())
                     .build(),
             )
-            .tag_specifications(spec_for(ResourceType::Instance))
-            .tag_specifications(spec_for(ResourceType::Volume))
+            .tag_specifications(spec_for(ResourceType::Instance, &req.entry_tags))
+            .tag_specifications(spec_for(ResourceType::Volume, &[]))
             .set_block_device_mappings(root.clone().map(|r| vec![r]))
             .set_iam_instance_profile(profile.clone())
             .set_hibernation_options((req.hibernate && choice.market == Market::OnDemand).then(

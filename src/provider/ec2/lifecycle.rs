@@ -16,6 +16,7 @@ use aws_sdk_ec2::Client;
 use super::call::call;
 use super::capacity::{self, retry_capacity};
 use super::errors::{api_error, is_not_found};
+use super::handover;
 use super::instance;
 use super::instance::InstanceInfo;
 use super::wait::{wait_for, wait_for_seeing, StoppedForCapacity, Want};
@@ -230,6 +231,7 @@ impl Ec2Provider {
             }
             _ => {}
         }
+        self.note_suspended(&client, id, ctx).await;
         let hibernate = self.settings.suspend_mode == SuspendMode::Hibernate;
         ctx.log.info(format!(
             "{} instance {id}",
@@ -274,6 +276,23 @@ impl Ec2Provider {
         }
         wait_for(&client, id, Want::Stopped, ctx).await?;
         Ok(())
+    }
+
+    /// The suspension time on the instance (before it is stopped) or the
+    /// data volume (once it is detached): a host that takes the environment
+    /// over keeps it for the TTL (`handover.rs`). A failure is a warning:
+    /// the suspension itself matters more, and a take-over without the tag
+    /// counts the TTL from the take-over.
+    pub(super) async fn note_suspended(&self, client: &Client, resource: &str, ctx: &Ctx) {
+        let now = crate::state::now_unix().to_string();
+        if let Err(e) =
+            handover::set_tags(client, resource, &[(handover::tag::SUSPENDED_AT, now)], ctx).await
+        {
+            ctx.log.warn(format!(
+                "could not record the suspension time on {resource} ({e:#}): a runner-manager host that \
+                 takes this environment over counts its TTL from the take-over"
+            ));
+        }
     }
 
     pub(super) async fn release(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {

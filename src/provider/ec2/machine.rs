@@ -4,6 +4,7 @@
 
 use anyhow::{bail, Context, Result};
 
+use super::handover;
 use super::instance::{tag, InstanceInfo};
 use super::{field, Ec2Provider};
 use crate::provider::{Machine, MachineSpec, Refusal, SshTarget};
@@ -98,6 +99,10 @@ impl Ec2Provider {
             (field::ENV, info.tag(tag::ENV).map(str::to_string)),
             (field::RUNNER, info.tag(tag::RUNNER).map(str::to_string)),
             (field::SYSTEM, info.tag(tag::SYSTEM).map(str::to_string)),
+            (
+                field::EPOCH,
+                info.tag(handover::tag::EPOCH).map(str::to_string),
+            ),
             (field::ZONE, info.zone.clone()),
             (field::INSTANCE_TYPE, info.instance_type.clone()),
             (
@@ -142,6 +147,17 @@ impl Ec2Provider {
                     have.unwrap_or("(missing)")
                 );
             }
+        }
+        let (recorded, tagged) = (machine.field(field::EPOCH), info.tag(handover::tag::EPOCH));
+        if !handover::epoch_matches(recorded, tagged) {
+            // The job's own key, refused: retrying cannot make it this host's.
+            return Err(Refusal(handover::stale_record(
+                doing,
+                &format!("instance {}", info.id),
+                recorded,
+                tagged,
+            ))
+            .into());
         }
         Ok(())
     }

@@ -15,7 +15,10 @@
 //! the current one has no capacity), `volume` (the EBS calls of a data
 //! volume and their waits), `volumes` (volume mode: the `Volumes` side),
 //! `guest_seam` (the tests' stand-in for the guest's block device), `wait`
-//! (polling for an instance's state).
+//! (polling for an instance's state), `handover` (the tags a replacement
+//! runner-manager host takes an environment over with, and the boot hook
+//! that lets it in), `takeover` (what `dormant adopt` finds in EC2 and the
+//! tag write that takes an environment over).
 
 pub mod call;
 pub mod capacity;
@@ -23,6 +26,7 @@ pub mod client;
 mod create;
 pub mod errors;
 pub mod guest_seam;
+pub mod handover;
 pub mod image;
 pub mod instance;
 pub mod launch;
@@ -31,6 +35,7 @@ mod machine;
 pub mod placement;
 mod retype;
 pub mod subnets;
+pub mod takeover;
 pub mod volume;
 mod volumes;
 pub mod wait;
@@ -68,7 +73,14 @@ mod field {
     /// creator's choice), comma-separated: a resume without capacity for the
     /// current one tries the others.
     pub const INSTANCE_TYPES: &str = "instance_types";
+    /// The ownership epoch the instance carried when this record last took
+    /// it (`handover.rs`).
+    pub const EPOCH: &str = "epoch";
 }
+
+/// The field of a record's machine (and data volume) that holds the
+/// ownership epoch the record took it with (`handover.rs`).
+pub const EPOCH_FIELD: &str = field::EPOCH;
 
 pub struct Ec2Provider {
     settings: Ec2Settings,
@@ -202,6 +214,18 @@ impl Provider for Ec2Provider {
                 }
             })
             .collect())
+    }
+
+    async fn keep_host_key(&self, machine: &Machine, known_hosts: &str, ctx: &Ctx) -> Result<()> {
+        let Some(key) = handover::pinned_host_key(known_hosts) else {
+            anyhow::bail!(
+                "the host key pinned for instance {} is not one key short enough for the {} tag",
+                machine.id,
+                handover::tag::HOST_KEY
+            );
+        };
+        let (client, _) = self.client_for(machine).await?;
+        handover::set_tags(&client, &machine.id, &[(handover::tag::HOST_KEY, key)], ctx).await
     }
 
     fn target(&self, machine: &Machine) -> Result<Target> {

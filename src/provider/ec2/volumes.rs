@@ -23,13 +23,13 @@ use super::create::{VolumePlace, Within};
 use super::instance::{self, tag, tag_filter};
 use super::lifecycle::terminate;
 use super::volume::{self, NewVolume, Until, VolumeInfo};
-use super::{field, guest_seam, subnets, Ec2Provider};
+use super::{field, guest_seam, handover, subnets, Ec2Provider, EPOCH_FIELD};
 use crate::context::Ctx;
 use crate::model::{GuestMount, Machine, ManagedVolume, StorageMode, Volume};
-use crate::provider::{MachineState, VolumeGone, VolumeSpec, Volumes};
+use crate::provider::{MachineState, Refusal, VolumeGone, VolumeSpec, Volumes};
 
 /// A data volume's fields (and key fields).
-mod vfield {
+pub(super) mod vfield {
     pub const REGION: &str = "region";
     pub const ZONE: &str = "zone";
 }
@@ -108,6 +108,22 @@ impl Ec2Provider {
             .with(vfield::ZONE, &info.zone)
     }
 
+    /// Never attach or delete a data volume another host has taken over
+    /// since this record was made (`handover::epoch_matches`).
+    fn verify_epoch(v: &Volume, info: &VolumeInfo, doing: &str) -> Result<()> {
+        let (recorded, tagged) = (v.field(EPOCH_FIELD), info.tag(handover::tag::EPOCH));
+        if handover::epoch_matches(recorded, tagged) {
+            return Ok(());
+        }
+        Err(Refusal(handover::stale_record(
+            doing,
+            &format!("data volume {}", info.id),
+            recorded,
+            tagged,
+        ))
+        .into())
+    }
+
     /// Never attach or delete a volume that is not this runner manager's data volume.
     fn verify_volume(&self, info: &VolumeInfo, doing: &str) -> Result<()> {
         for (name, want) in [
@@ -138,6 +154,10 @@ impl Ec2Provider {
             (tag::PROJECT.into(), spec.project_id.to_string()),
             (tag::JOB.into(), spec.job_id.to_string()),
             (tag::VOLUME.into(), tag::VOLUME_DATA.into()),
+            (
+                super::handover::tag::EPOCH.into(),
+                super::handover::FIRST_EPOCH.to_string(),
+            ),
         ];
         t.extend(
             self.settings
@@ -238,6 +258,7 @@ impl Volumes for Ec2Provider {
             _ => return Err(gone(&v.id, &region).into()),
         };
         self.verify_volume(&info, "attach")?;
+        Self::verify_epoch(v, &info, "attach")?;
         if let Some(z) = machine.field(field::ZONE) {
             if z != info.zone {
                 bail!(
@@ -276,7 +297,10 @@ impl Volumes for Ec2Provider {
             return Ok(());
         };
         match info.attachments.first() {
-            None if info.state == "available" => return Ok(()),
+            None if info.state == "available" => {
+                self.note_suspended(&client, &v.id, ctx).await;
+                return Ok(());
+            }
             Some((other, _)) if *other != machine.id => bail!(
                 "data volume {} is attached to instance {other}, not to the environment's instance {}; \
                  detach it by hand if {other} is not in use (`aws ec2 detach-volume --volume-id {}`)",
@@ -310,6 +334,7 @@ impl Volumes for Ec2Provider {
             "data volume {} detached from instance {}",
             v.id, machine.id
         ));
+        self.note_suspended(&client, &v.id, ctx).await;
         Ok(())
     }
 
@@ -326,6 +351,7 @@ impl Volumes for Ec2Provider {
             return self.forget_seam(v);
         }
         self.verify_volume(&info, "delete")?;
+        Self::verify_epoch(v, &info, "delete")?;
         if info.state != "available" {
             // Its instance was terminated just before: the attachment ends with its shutdown.
             volume::wait_until(&client, &v.id, Until::Available, ctx)

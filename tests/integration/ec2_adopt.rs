@@ -1,0 +1,250 @@
+//! `dormant adopt`: a replacement runner-manager host (same system id, an
+//! empty state dir) takes over the suspended environments of the host it
+//! replaces, and the keys printed before the loss resume them there. Through
+//! the built binary against moto behind the test proxy, SSH to the loopback
+//! sshd (the `CloudInit` stand-in plays the boot hook: it authorizes the key
+//! of a running instance's `dormant:authorized-key` tag).
+//!
+//! Network rule: the instance addresses moto hands out are never contacted.
+
+use std::collections::BTreeMap;
+use std::process::Output;
+
+use crate::ec2_rig::{instances, key_field, volume, Ec2Env};
+use crate::harness::{self, assert_result, JobResult, Rig};
+
+pub(crate) const SYSTEM: &str = "s_0123456789ab";
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+pub(crate) fn adopt(rig: &Rig) -> String {
+    let out = rig.dormant(&["adopt"]);
+    let t = text(&out);
+    assert!(out.status.success(), "dormant adopt failed: {t}");
+    t
+}
+
+pub(crate) fn instance_tags(env: &Ec2Env, id: &str) -> BTreeMap<String, String> {
+    let i = instances(env)
+        .into_iter()
+        .find(|i| i.instance_id() == Some(id))
+        .unwrap_or_else(|| panic!("moto knows instance {id}"));
+    i.tags()
+        .iter()
+        .map(|t| (t.key().unwrap().to_string(), t.value().unwrap().to_string()))
+        .collect()
+}
+
+/// An instance's state, straight from the emulator (by its URL: the rig's
+/// sshd may have been moved out of the `Ec2Env` by then).
+fn instance_state(moto_url: &str, id: &str) -> String {
+    crate::ec2_rig::block_on(async {
+        let c = crate::moto::direct_client(moto_url);
+        let out = c
+            .describe_instances()
+            .instance_ids(id)
+            .send()
+            .await
+            .unwrap();
+        out.reservations()[0].instances()[0]
+            .state()
+            .and_then(|s| s.name())
+            .map(|n| n.as_str().to_string())
+            .unwrap()
+    })
+}
+
+pub(crate) fn suspend_one(rig: &Rig) -> String {
+    let r = rig.run(
+        &harness::job(5)
+            .suspend_on(true, false)
+            .script("echo 'agent state' > progress.txt"),
+    );
+    assert_result(&r, JobResult::Success);
+    r.key.clone().expect("the key is printed")
+}
+
+/// A resume with the key printed before the loss: the file is there and
+/// `get_sources` is skipped; suspended again afterwards.
+pub(crate) fn resume_finds_the_file(rig: &Rig, key: &str) {
+    let mut job = harness::job(5)
+        .resume(key)
+        .suspend_on(true, false)
+        .script("cat progress.txt; test ! -e .fetched-again");
+    job.get_sources = "touch .fetched-again".into();
+    let r = rig.run(&job);
+    assert_result(&r, JobResult::Success);
+    assert!(r.log().contains("agent state"), "{}", r.log());
+    assert!(r.log().contains("skipping get_sources"), "{}", r.log());
+}
+
+#[test]
+fn a_new_host_adopts_a_machine_mode_environment_and_the_old_key_resumes_it() {
+    let env = Ec2Env::start();
+    let settings = env.settings(&env.connect_address(), "");
+    let old = env.rig("7", SYSTEM, &settings);
+    let key = suspend_one(&old);
+    let id = key_field(&key, "instance").unwrap();
+    let old_rec = old.record(&key).unwrap();
+    // Another runner manager's environment in the same account and region.
+    let other = env.rig("7", "s_other", &settings);
+    let other_key = suspend_one(&other);
+    let other_id = key_field(&other_key, "instance").unwrap();
+
+    // The host is replaced: same settings, same system id, empty state dir.
+    let new = env.rig("7", SYSTEM, &settings);
+    let out = adopt(&new);
+    let env_id = dormant::envkey::EnvironmentKey::parse(&key).unwrap().env_id;
+    assert!(
+        out.contains(&format!(
+            "adopted environment {env_id} (machine mode, instance {id}"
+        )) && out.contains(&format!("key {key}")),
+        "the key printed before the loss, rebuilt exactly: {out}"
+    );
+    assert!(out.contains("adopted 1, left alone 0"), "{out}");
+    assert!(
+        !out.contains(&other_id),
+        "another system id's is never looked at: {out}"
+    );
+    assert_eq!(
+        instance_tags(&env, &other_id)
+            .get("dormant:epoch")
+            .map(String::as_str),
+        Some("1")
+    );
+    let rec = new.record(&key).expect("the record is rebuilt");
+    assert_eq!(rec["status"], "suspended", "{rec}");
+    assert_eq!(rec["key"], key.as_str(), "{rec}");
+    assert_eq!(rec["project_id"], 5, "{rec}");
+    // The TTL counts from the original suspension (the tag, written just before the stop).
+    let (was, is) = (
+        old_rec["suspended_at"].as_u64().unwrap(),
+        rec["suspended_at"].as_u64().unwrap(),
+    );
+    assert!(is <= was && was - is <= 60, "original {was}, adopted {is}");
+    let tags = instance_tags(&env, &id);
+    assert_eq!(
+        tags.get("dormant:epoch").map(String::as_str),
+        Some("2"),
+        "{tags:?}"
+    );
+    let public = std::fs::read_to_string(new.env_dir(&key).join("id_ed25519.pub")).unwrap();
+    assert_eq!(
+        tags.get("dormant:authorized-key").map(String::as_str),
+        Some(public.trim()),
+        "the new host's key, for the boot hook"
+    );
+    let pinned = std::fs::read_to_string(new.env_dir(&key).join("known_hosts")).unwrap();
+    assert!(
+        pinned.contains(tags.get("dormant:host-key").unwrap()),
+        "pinned from the tag: {pinned}"
+    );
+    let events = text(&new.dormant(&["events", "--json"]));
+    assert!(
+        events.contains("\"event\":\"adopted\"") && events.contains(&env_id.to_string()),
+        "{events}"
+    );
+
+    // Idempotent: a second run adopts nothing and says why.
+    let again = adopt(&new);
+    assert!(
+        again.contains("adopted 0, left alone 1")
+            && again.contains("a record on this host knows it"),
+        "{again}"
+    );
+    assert_eq!(
+        instance_tags(&env, &id)
+            .get("dormant:epoch")
+            .map(String::as_str),
+        Some("2")
+    );
+
+    // The key the orchestrator held resumes it on the new host.
+    resume_finds_the_file(&new, &key);
+
+    // The old host comes back with its stale record: refused before any start.
+    let stale = old.run(&harness::job(5).resume(&key).script("true"));
+    assert!(
+        stale.result != JobResult::Success
+            && stale
+                .log()
+                .contains("another runner-manager host has taken this environment over"),
+        "{}",
+        stale.log()
+    );
+    assert_eq!(instance_state(&env.moto.url(), &id), "stopped");
+
+    // A third host adopts it, and the machine's host key has changed meanwhile:
+    // the first resume checks it against the key pinned at creation, never
+    // trusting the new one.
+    let third = env.rig("7", SYSTEM, &settings);
+    let out = adopt(&third);
+    assert!(out.contains("adopted 1"), "{out}");
+    let mut sshd = env.sshd;
+    sshd.swap_host_key();
+    let moto_url = env.moto.url();
+    let r = third.run(&harness::job(5).resume(&key).script("true"));
+    assert!(
+        r.result != JobResult::Success && r.log().contains("host key"),
+        "{}",
+        r.log()
+    );
+    assert_eq!(third.status(&key).as_deref(), Some("suspended"));
+    // `release` works on an adopted environment: the instance is terminated.
+    let out = third.dormant(&["release", &key]);
+    assert!(out.status.success(), "{}", text(&out));
+    let gone = instance_state(&moto_url, &id);
+    assert!(gone == "terminated" || gone == "shutting-down", "{gone}");
+}
+
+#[test]
+fn a_new_host_adopts_a_volume_mode_environment_and_the_old_key_resumes_it() {
+    let env = Ec2Env::start();
+    let settings = env.volume_settings("", "");
+    let old = env.volume_rig("7", SYSTEM, &settings);
+    let key = suspend_one(&old);
+    let vol = key_field(&key, "volume").unwrap();
+
+    let new = env.volume_rig("7", SYSTEM, &settings);
+    let out = adopt(&new);
+    let env_id = dormant::envkey::EnvironmentKey::parse(&key).unwrap().env_id;
+    assert!(
+        out.contains(&format!(
+            "adopted environment {env_id} (volume mode, data volume {vol}"
+        )) && out.contains(&format!("key {key}")),
+        "{out}"
+    );
+    let v = volume(&env, &vol).unwrap();
+    let epoch = v
+        .tags()
+        .iter()
+        .find(|t| t.key() == Some("dormant:epoch"))
+        .and_then(|t| t.value());
+    assert_eq!(epoch, Some("2"));
+    assert!(adopt(&new).contains("adopted 0, left alone 1"));
+
+    resume_finds_the_file(&new, &key);
+
+    // The old host's stale record: refused at the volume, which stays the new host's.
+    let stale = old.run(&harness::job(5).resume(&key).script("true"));
+    assert!(
+        stale.result != JobResult::Success
+            && stale
+                .log()
+                .contains("another runner-manager host has taken this environment over"),
+        "{}",
+        stale.log()
+    );
+    assert_eq!(
+        volume(&env, &vol).unwrap().state().unwrap().as_str(),
+        "available"
+    );
+    // The new host still resumes it.
+    resume_finds_the_file(&new, &key);
+}
