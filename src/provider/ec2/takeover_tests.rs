@@ -37,6 +37,7 @@ fn instance(state: MachineState, name: &str, tags: BTreeMap<String, String>) -> 
         public_ip: None,
         launched_at: Some(1_600_000_000),
         state_reason: None,
+        state_reason_code: None,
         instance_type: Some("t3.medium".into()),
         zone: Some("us-east-1a".into()),
         subnet_id: None,
