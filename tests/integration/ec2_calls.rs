@@ -129,12 +129,19 @@ fn measure(mode: Mode) -> Row {
 #[test]
 fn ec2_api_calls_per_transition_are_the_readmes() {
     let machine = Expected {
+        // CreateTags: the hand-over tags a replacement host reads
+        // (`dormant:host-key` after the first login, `dormant:suspended-at`).
         create: want(&[
             ("DescribeInstances", 2),
             ("DescribeImages", 1),
             ("RunInstances", 1),
+            ("CreateTags", 1),
         ]),
-        suspend: want(&[("DescribeInstances", 2), ("StopInstances", 1)]),
+        suspend: want(&[
+            ("DescribeInstances", 2),
+            ("CreateTags", 1),
+            ("StopInstances", 1),
+        ]),
         resume: want(&[("DescribeInstances", 2), ("StartInstances", 1)]),
         release: want(&[("DescribeInstances", 1), ("TerminateInstances", 1)]),
     };
@@ -163,6 +170,7 @@ fn ec2_api_calls_per_transition_are_the_readmes() {
                 suspend: want(&[
                     ("DescribeVolumes", 2),
                     ("DetachVolume", 1),
+                    ("CreateTags", 1),
                     ("DescribeInstances", 1),
                     ("TerminateInstances", 1),
                 ]),
