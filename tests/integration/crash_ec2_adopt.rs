@@ -7,7 +7,8 @@
 //! the loopback sshd for every instance, the guest seam for data volumes.
 
 use crate::crash::arm;
-use crate::ec2_adopt::{adopt, instance_tags, resume_finds_the_file, suspend_one, SYSTEM};
+use crate::ec2_adopt::{adopt, resume_finds_the_file, suspend_one, SYSTEM};
+use crate::ec2_rig::instance_tags;
 use crate::ec2_rig::{key_field, volume, Ec2Env};
 
 use std::os::unix::process::ExitStatusExt;

@@ -7,10 +7,9 @@
 //!
 //! Network rule: the instance addresses moto hands out are never contacted.
 
-use std::collections::BTreeMap;
 use std::process::Output;
 
-use crate::ec2_rig::{instances, key_field, volume, Ec2Env};
+use crate::ec2_rig::{instance_state, instance_tags, key_field, volume, Ec2Env};
 use crate::harness::{self, assert_result, JobResult, Rig};
 
 pub(crate) const SYSTEM: &str = "s_0123456789ab";
@@ -28,36 +27,6 @@ pub(crate) fn adopt(rig: &Rig) -> String {
     let t = text(&out);
     assert!(out.status.success(), "dormant adopt failed: {t}");
     t
-}
-
-pub(crate) fn instance_tags(env: &Ec2Env, id: &str) -> BTreeMap<String, String> {
-    let i = instances(env)
-        .into_iter()
-        .find(|i| i.instance_id() == Some(id))
-        .unwrap_or_else(|| panic!("moto knows instance {id}"));
-    i.tags()
-        .iter()
-        .map(|t| (t.key().unwrap().to_string(), t.value().unwrap().to_string()))
-        .collect()
-}
-
-/// An instance's state, straight from the emulator (by its URL: the rig's
-/// sshd may have been moved out of the `Ec2Env` by then).
-fn instance_state(moto_url: &str, id: &str) -> String {
-    crate::ec2_rig::block_on(async {
-        let c = crate::moto::direct_client(moto_url);
-        let out = c
-            .describe_instances()
-            .instance_ids(id)
-            .send()
-            .await
-            .unwrap();
-        out.reservations()[0].instances()[0]
-            .state()
-            .and_then(|s| s.name())
-            .map(|n| n.as_str().to_string())
-            .unwrap()
-    })
 }
 
 pub(crate) fn suspend_one(rig: &Rig) -> String {
@@ -178,7 +147,7 @@ fn a_new_host_adopts_a_machine_mode_environment_and_the_old_key_resumes_it() {
         "{}",
         stale.log()
     );
-    assert_eq!(instance_state(&env.moto.url(), &id), "stopped");
+    assert_eq!(instance_state(&env.moto.url(), &id).as_str(), "stopped");
 
     // A third host adopts it, and the machine's host key has changed meanwhile:
     // the first resume checks it against the key pinned at creation, never
@@ -200,6 +169,7 @@ fn a_new_host_adopts_a_machine_mode_environment_and_the_old_key_resumes_it() {
     let out = third.dormant(&["release", &key]);
     assert!(out.status.success(), "{}", text(&out));
     let gone = instance_state(&moto_url, &id);
+    let gone = gone.as_str();
     assert!(gone == "terminated" || gone == "shutting-down", "{gone}");
 }
 

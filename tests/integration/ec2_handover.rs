@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::ec2_rig::{instances, key_field, volume, Ec2Env};
+use crate::ec2_rig::{instance_tags, instances, key_field, volume, Ec2Env};
 use crate::harness::{self, assert_result, JobResult};
 
 fn now() -> u64 {
@@ -17,17 +17,6 @@ fn now() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs()
-}
-
-fn instance_tags(env: &Ec2Env, id: &str) -> BTreeMap<String, String> {
-    let i = instances(env)
-        .into_iter()
-        .find(|i| i.instance_id() == Some(id))
-        .unwrap_or_else(|| panic!("moto knows instance {id}"));
-    i.tags()
-        .iter()
-        .map(|t| (t.key().unwrap().to_string(), t.value().unwrap().to_string()))
-        .collect()
 }
 
 /// `dormant:suspended-at` as a number within `[from, to]`.

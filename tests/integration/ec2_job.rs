@@ -9,28 +9,10 @@
 
 use aws_sdk_ec2::types::InstanceStateName;
 
-use crate::ec2_rig::{block_on, Ec2Env};
+use crate::ec2_rig::{block_on, instance_state, Ec2Env};
 use crate::harness::{self, assert_result, JobResult};
 use crate::moto::{direct_client, REGION};
 use crate::reattach::{assert_every_line_once, assert_nothing_kept, counting, wait_lines};
-
-fn instance_state(moto_url: &str, id: &str) -> InstanceStateName {
-    block_on(async {
-        let c = direct_client(moto_url);
-        let out = c
-            .describe_instances()
-            .instance_ids(id)
-            .send()
-            .await
-            .unwrap();
-        out.reservations()[0].instances()[0]
-            .state()
-            .unwrap()
-            .name()
-            .unwrap()
-            .clone()
-    })
-}
 
 #[test]
 fn a_job_suspends_its_instance_and_a_later_job_resumes_it_then_releases_it() {

@@ -157,6 +157,38 @@ pub fn volume(env: &Ec2Env, id: &str) -> Option<Volume> {
     })
 }
 
+/// An instance's tags, straight from the emulator.
+pub fn instance_tags(env: &Ec2Env, id: &str) -> std::collections::BTreeMap<String, String> {
+    let i = instances(env)
+        .into_iter()
+        .find(|i| i.instance_id() == Some(id))
+        .unwrap_or_else(|| panic!("moto knows instance {id}"));
+    i.tags()
+        .iter()
+        .map(|t| (t.key().unwrap().to_string(), t.value().unwrap().to_string()))
+        .collect()
+}
+
+/// An instance's state, straight from the emulator (by its URL: the rig's
+/// sshd may have been moved out of the `Ec2Env` by then).
+pub fn instance_state(moto_url: &str, id: &str) -> InstanceStateName {
+    block_on(async {
+        let c = direct_client(moto_url);
+        let out = c
+            .describe_instances()
+            .instance_ids(id)
+            .send()
+            .await
+            .unwrap();
+        out.reservations()[0].instances()[0]
+            .state()
+            .unwrap()
+            .name()
+            .unwrap()
+            .clone()
+    })
+}
+
 /// Every instance moto has (terminated ones too), by launch order.
 pub fn instances(env: &Ec2Env) -> Vec<Instance> {
     block_on(async {
