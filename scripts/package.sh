@@ -45,13 +45,15 @@ expected="-rw-r--r-- ./etc/dormant/config.toml
 -rw-r--r-- ./usr/lib/systemd/system/dormant-metrics.timer
 -rw-r--r-- ./usr/lib/systemd/system/dormant-sweep.service
 -rw-r--r-- ./usr/lib/systemd/system/dormant-sweep.timer
+-rw-r--r-- ./usr/lib/systemd/system/dormant-warm.service
+-rw-r--r-- ./usr/lib/systemd/system/dormant-warm.timer
 -rwxr-xr-x ./usr/libexec/dormant/metrics-textfile
 -rw-r--r-- ./usr/share/bash-completion/completions/dormant
 -rw-r--r-- ./usr/share/doc/dormant/README.md
 -rw-r--r-- ./usr/share/doc/dormant/copyright
 -rw-r--r-- ./usr/share/doc/dormant/examples/gitlab-runner-config.toml
 -rw-r--r-- ./usr/share/fish/vendor_completions.d/dormant.fish
-$(for c in "" -adopt -cleanup -config -events -inspect -list -metrics -prepare -release -run -shell -sweep -try; do
+$(for c in "" -adopt -cleanup -config -events -inspect -list -metrics -prepare -release -run -shell -sweep -try -warm; do
     echo "-rw-r--r-- ./usr/share/man/man1/dormant$c.1.gz"; done)
 -rw-r--r-- ./usr/share/zsh/vendor-completions/_dormant"
 actual=$(dpkg-deb -c "$deb" | awk '$1 !~ /^d/ {print $1, $6}' | sort -k2)
@@ -68,7 +70,7 @@ dpkg-deb -e "$deb" "$ctl"
 [ "$(cat "$ctl/conffiles")" = "/etc/dormant/config.toml" ] ||
   fail "conffiles is not exactly /etc/dormant/config.toml: $(cat "$ctl/conffiles")"
 dpkg-deb -f "$deb" Depends | grep -q 'openssh-client' || fail "Depends lacks openssh-client"
-for unit in dormant-sweep.timer dormant-metrics.timer; do
+for unit in dormant-sweep.timer dormant-metrics.timer dormant-warm.timer; do
   grep -q "deb-systemd-helper enable $unit" "$ctl/postinst" || fail "postinst does not enable $unit"
 done
 dpkg-deb -x "$deb" "$stage/root"
@@ -82,7 +84,7 @@ fi
 #    pages of Documentation=), with the host's own units (timers.target ...)
 #    beside them. Any message is a failure, warnings included.
 cp -rn /usr/lib/systemd/system/. "$root/usr/lib/systemd/system/"
-units="dormant-sweep.service dormant-sweep.timer dormant-metrics.service dormant-metrics.timer"
+units="dormant-sweep.service dormant-sweep.timer dormant-metrics.service dormant-metrics.timer dormant-warm.service dormant-warm.timer"
 # shellcheck disable=SC2086
 out=$(MANPATH="$root/usr/share/man" systemd-analyze verify --root="$root" $units 2>&1) ||
   fail "systemd-analyze verify failed: $out"

@@ -92,6 +92,11 @@ pub enum Command {
     /// system id) that no record here knows: after replacing the host, with the
     /// old one gone. Prints what it adopted, and what it left alone and why.
     Adopt,
+    /// Top up the warm pool: retire warm machines that are too old, made from
+    /// settings that changed, dead or not wanted, and boot what `warm` asks for
+    /// (qemu: `[qemu] warm`). Prepare starts it detached after taking a warm
+    /// machine; the Debian package's timer runs it every minute.
+    Warm,
     /// Print Prometheus text: the registry (environments by status, oldest
     /// suspension) and the event log's counters and histograms.
     Metrics,

@@ -198,6 +198,7 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
             ops::adopt::adopt(&settings, &job, log, cancel).await?;
             Ok(())
         }
+        Command::Warm => Ok(ops::warm::warm(&settings, &job, log, cancel).await?),
         Command::Metrics => {
             let store = state::StateStore::open(&settings.state_dir(&job)?)?;
             Ok(ops::metrics::metrics(

@@ -72,6 +72,10 @@ pub enum Kind {
     /// A suspended environment whose record was lost with its runner-manager
     /// host, taken over by this one (`dormant adopt`).
     Adopted,
+    /// A warm machine (booted ahead of any job) was launched, became ready,
+    /// was taken by an environment, or retired; or a prepare found none
+    /// (`missed`). Its cause says which (`lifecycle::warm::WARM_CAUSES`).
+    Warm,
 }
 
 impl Kind {
@@ -87,6 +91,7 @@ impl Kind {
             Kind::Refused => "refused",
             Kind::NotifyFailed => "notify_failed",
             Kind::Adopted => "adopted",
+            Kind::Warm => "warm",
         }
     }
 }
@@ -278,6 +283,8 @@ pub const NOTIFY_EVENTS: [&str; 4] = ["suspend", "resume", "release", "expire"];
 
 /// The causes a `recovered` line can carry: what the stale claim was settled to.
 pub const RECOVERED_CAUSES: [&str; 3] = ["release", "suspend", "resuspend"];
+/// The causes of a `warm` line.
+pub const WARM_CAUSES: [&str; 5] = ["launched", "ready", "taken", "missed", "retired"];
 /// The scopes of a `sweep` line (its cause).
 pub const SWEEP_SCOPES: [&str; 2] = ["full", "slice"];
 
@@ -324,6 +331,7 @@ pub fn known_causes() -> Vec<(&'static str, &'static str)> {
     );
     // `dormant adopt` is the one source of adoptions.
     out.push((Kind::Adopted.as_str(), "operator"));
+    out.extend(WARM_CAUSES.iter().map(|c| (Kind::Warm.as_str(), *c)));
     out
 }
 
@@ -393,6 +401,9 @@ pub struct Event {
     pub from: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sweep: Option<SweepCounts>,
+    /// `warm`: the warm machine's id (`dormant list` shows it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm: Option<uuid::Uuid>,
 }
 
 impl Event {
@@ -424,6 +435,7 @@ impl Event {
             error: None,
             from: None,
             sweep: None,
+            warm: None,
         }
     }
 

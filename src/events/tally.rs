@@ -150,12 +150,15 @@ impl Tally {
             }
         };
         match e.event.as_str() {
-            "created" => observe("prepare", "new", e.duration_s),
+            "created" => {
+                let mode = if e.warm.is_some() { "new_warm" } else { "new" };
+                observe("prepare", mode, e.duration_s)
+            }
             "resumed" => {
-                let mode = if e.cause == "shell" {
-                    "shell"
-                } else {
-                    "resume"
+                let mode = match (e.cause.as_str(), e.warm.is_some()) {
+                    ("shell", _) => "shell",
+                    (_, true) => "resume_warm",
+                    _ => "resume",
                 };
                 observe("prepare", mode, e.duration_s);
                 observe("suspended_before_resume", "", e.suspended_s);
@@ -262,7 +265,7 @@ impl Tally {
                     .entry(format!("{metric}\t{p}\t{extra}"))
                     .or_default();
             };
-            for mode in ["new", "resume", "shell"] {
+            for mode in ["new", "new_warm", "resume", "resume_warm", "shell"] {
                 empty("prepare", mode);
             }
             empty("suspend", "");
@@ -303,7 +306,7 @@ impl Tally {
                 "dormant_failures_total{{provider=\"{p}\",step=\"{s}\"}} {n}"
             )?;
         }
-        self.histogram(out, "prepare", "mode", "Prepare time in seconds: a new environment made (mode new), a suspended one resumed for a job (resume) or a shell (shell).")?;
+        self.histogram(out, "prepare", "mode", "Prepare time in seconds: a new environment made (mode new; new_warm when it took a warm machine), a suspended one resumed for a job (resume; resume_warm on a warm machine) or a shell (shell).")?;
         self.histogram(
             out,
             "suspend",

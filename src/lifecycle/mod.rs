@@ -8,7 +8,8 @@
 //! import each other. Each effect records its event in the event log
 //! (`crate::events`) once its result is recorded: this is the one place a
 //! suspension or a release is written there. `volume` and `guest` are volume
-//! mode's effects; `lost` says whether a machine went away under a job.
+//! mode's effects; `lost` says whether a machine went away under a job; `warm` takes,
+//! refills and retires warm machines.
 
 pub mod guest;
 pub mod lost;
@@ -16,6 +17,7 @@ pub mod recover;
 pub mod sweep;
 mod sweep_slice;
 pub mod volume;
+pub mod warm;
 
 use std::time::Instant;
 

@@ -1,7 +1,8 @@
 //! `list` and `inspect`: the operator's view of the registry. `list` shows
 //! every directory under `environments/`, also one without a readable record
 //! (a corrupt file, or a leftover `sweep` removes). `inspect` shows one
-//! record with its last events from the event log.
+//! record with its last events from the event log. Both show the warm
+//! pool's machines too (`list` after the environments; `inspect <warm id>`).
 
 use std::io::Write;
 
@@ -76,6 +77,52 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
             Err(e) => writeln!(out, "{id}  unreadable  {e:#}")?,
         }
     }
+    list_warm(&store, json, out)
+}
+
+/// The warm pool's machines, after the environments: one line each (JSON:
+/// the entry, with `"warm": true` and its age).
+fn list_warm(store: &crate::state::StateStore, json: bool, out: &mut dyn Write) -> Result<()> {
+    let pool = crate::state::pool::Pool::new(store);
+    let entries = pool.entries()?;
+    if entries.is_empty() {
+        return Ok(());
+    }
+    let now = now_unix();
+    if !json {
+        writeln!(out)?;
+        writeln!(
+            out,
+            "{:<36}  {:<10}  {:<8}  {:>8}  {:<12}  MADE FROM",
+            "WARM MACHINE", "STATUS", "PROVIDER", "AGE", "ZONE"
+        )?;
+    }
+    for (id, entry) in entries {
+        match entry {
+            Ok(Some(e)) if json => writeln!(
+                out,
+                "{}",
+                json!({"warm": true, "age_s": e.age_secs(now), "entry": e})
+            )?,
+            Ok(Some(e)) => writeln!(
+                out,
+                "{:<36}  {:<10}  {:<8}  {:>8}  {:<12}  {}",
+                e.id,
+                e.status.as_str(),
+                e.provider,
+                human_age(e.age_secs(now)),
+                e.zone.as_deref().unwrap_or("-"),
+                e.made_from
+            )?,
+            Ok(None) => {}
+            Err(e) if json => writeln!(
+                out,
+                "{}",
+                json!({"warm": true, "id": id, "status": "unreadable", "error": format!("{e:#}")})
+            )?,
+            Err(e) => writeln!(out, "{id}  unreadable  {e:#}")?,
+        }
+    }
     Ok(())
 }
 
@@ -107,6 +154,13 @@ impl<'a> Shown<'a> {
 pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -> Result<()> {
     let store = open_store(settings, job)?;
     let id = env_id(key)?;
+    if !store.env_paths(id).exists() {
+        if let Some(entry) = crate::state::pool::Pool::new(&store).peek(id)? {
+            let doc = json!({"warm": true, "age_s": entry.age_secs(now_unix()), "entry": entry});
+            writeln!(out, "{}", serde_json::to_string_pretty(&doc)?)?;
+            return Ok(());
+        }
+    }
     let rec = registry::peek(&store.env_paths(id))?.with_context(|| {
         format!(
             "environment {id} is not in the registry under {}",

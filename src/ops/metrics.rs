@@ -75,6 +75,26 @@ pub fn metrics(
     writeln!(out, "# HELP dormant_unreadable_records Environment records that cannot be read (corrupt or newer format).")?;
     writeln!(out, "# TYPE dormant_unreadable_records gauge")?;
     writeln!(out, "dormant_unreadable_records {unreadable}")?;
+    let mut warm: BTreeMap<&'static str, u64> = ["launching", "ready", "taken", "retiring"]
+        .into_iter()
+        .map(|s| (s, 0))
+        .collect();
+    for (_, entry) in crate::state::pool::Pool::new(store).entries()? {
+        if let Ok(Some(e)) = entry {
+            *warm.entry(e.status.as_str()).or_default() += 1;
+        }
+    }
+    writeln!(
+        out,
+        "# HELP dormant_warm_machines Warm machines in the pool, by status (launching: booting)."
+    )?;
+    writeln!(out, "# TYPE dormant_warm_machines gauge")?;
+    for (status, n) in &warm {
+        writeln!(
+            out,
+            "dormant_warm_machines{{provider=\"{provider}\",status=\"{status}\"}} {n}"
+        )?;
+    }
     let (tally, warnings) = Tally::update(&crate::events::dir(store.root()))?;
     for w in warnings {
         log.warn(format!("metrics checkpoint: {w}"));

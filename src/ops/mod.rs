@@ -1,6 +1,6 @@
 //! Operator commands beside the four stages: `list`, `inspect`, `events`,
 //! `release`, `sweep`, `adopt` (take over a lost host's EC2 environments),
-//! `metrics`, `shell`, and `try`, which drives a whole job like GitLab Runner
+//! `metrics`, `shell`, `warm` (top up the warm pool), and `try`, which drives a whole job like GitLab Runner
 //! would. They use the lifecycle (`crate::lifecycle`), never a stage.
 
 pub mod adopt;
@@ -11,6 +11,7 @@ pub mod release;
 pub mod shell;
 pub mod sweep;
 pub mod try_job;
+pub mod warm;
 
 use anyhow::Result;
 use uuid::Uuid;

@@ -45,6 +45,14 @@ pub async fn sweep(
         report.kept,
         report.errors.len()
     ));
+    // Warm machines: too old, settings changed, dead, or not wanted (warm =
+    // 0 removes them all). Booting is `dormant warm`'s, not the sweep's.
+    if let Some(pool) = provider.warm() {
+        match crate::lifecycle::warm::refill(w, pool, settings, false, &ctx).await {
+            Ok(r) => super::warm::print(&log, &r),
+            Err(e) => log.warn(format!("warm pool: {e:#}")),
+        }
+    }
     // Machines the provider manages that no record knows: a lost state dir.
     // The records are read after the listing: an environment's record is
     // made before its machine, so a machine a prepare made while this sweep

@@ -5,7 +5,8 @@
 //! workspace on one of a list of SSH hosts), `ec2` (one instance per environment,
 //! behind the default-on `ec2` cargo feature), `qemu` (one VM per environment
 //! on the runner host). `cloud_init` is the user-data both VM providers send.
-//! `volume` is the companion trait of volume mode (`storage = "volume"`).
+//! `volume` is the companion trait of volume mode (`storage = "volume"`),
+//! `warm` the one of warm machines (booted ahead of any job).
 //! Tests inject fakes.
 
 pub mod cloud_init;
@@ -15,6 +16,7 @@ pub mod local;
 pub mod qemu;
 pub mod ssh_hosts;
 pub mod volume;
+pub mod warm;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -99,6 +101,12 @@ pub trait Provider: Send + Sync {
     /// `storage` says: environments made in volume mode stay resumable after
     /// the setting goes back to `machine`.
     fn volumes(&self) -> Option<&dyn Volumes> {
+        None
+    }
+
+    /// Warm machines' operations, if this provider keeps them (or still has
+    /// some to retire after `warm` went back to 0).
+    fn warm(&self) -> Option<&dyn warm::WarmMachines> {
         None
     }
 

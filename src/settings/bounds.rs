@@ -49,6 +49,9 @@ const fn bound(key: &'static str, zero_ok: bool, max: HumanDuration) -> Duration
 ///   guest that has not powered off by then will not.
 /// - `qemu.boot_timeout`: 24 h, like every prepare bound (the runner's
 ///   `prepare_exec_timeout` ends a prepare first).
+/// - `qemu.warm_max_age`: 7 d; a warm VM is retired at this age so that a
+///   handed-out machine is never much older than its image (at least 10 min,
+///   checked with the qemu settings: younger would retire VMs as they boot).
 /// - `ec2.image_cache_ttl`: 30 d; an image pattern's newest match changes when
 ///   images (with security fixes) are published. Pin an AMI id to keep one.
 pub const DURATION_BOUNDS: &[DurationBound] = &[
@@ -71,6 +74,7 @@ pub const DURATION_BOUNDS: &[DurationBound] = &[
     bound("ec2.prepare_timeout", false, hours(24)),
     bound("qemu.shutdown_timeout", false, hours(1)),
     bound("qemu.boot_timeout", false, hours(24)),
+    bound("qemu.warm_max_age", false, days(7)),
 ];
 
 impl Settings {
@@ -98,6 +102,7 @@ impl Settings {
             ("ec2.prepare_timeout", self.ec2.prepare_timeout),
             ("qemu.shutdown_timeout", Some(self.qemu.shutdown_timeout)),
             ("qemu.boot_timeout", Some(self.qemu.boot_timeout)),
+            ("qemu.warm_max_age", Some(self.qemu.warm_max_age)),
         ]
     }
 

@@ -12,6 +12,10 @@ use super::HumanDuration;
 use crate::model::{Dirs, EnvPaths, StorageMode};
 use uuid::Uuid;
 
+/// At most this many warm VMs (each holds its memory while it waits).
+pub const MAX_WARM: u32 = 16;
+const MIN_WARM_AGE: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// The kernel command line when `kernel` is set and `kernel_args` is not: root
 /// on the whole first virtio disk, console on the serial port (the console
 /// log), `quiet` because printing to an emulated UART costs seconds under TCG.
@@ -66,6 +70,12 @@ pub struct QemuSettings {
     /// cache dirs are `builds` and `cache` in it (or builds_dir / cache_dir,
     /// which must then be inside it).
     pub volume_mount: String,
+    /// Warm machines: VMs booted ahead of any job from the default image,
+    /// which a new environment or a volume-mode resume takes instead of
+    /// booting one (docs/qemu.md, "Warm machines"). 0: none.
+    pub warm: u32,
+    /// A warm VM older than this is retired and replaced.
+    pub warm_max_age: HumanDuration,
 }
 
 impl Default for QemuSettings {
@@ -91,6 +101,8 @@ impl Default for QemuSettings {
             storage: StorageMode::Machine,
             volume_size: DEFAULT_VOLUME_SIZE.into(),
             volume_mount: DEFAULT_VOLUME_MOUNT.into(),
+            warm: 0,
+            warm_max_age: HumanDuration::from_secs(6 * 3600),
         }
     }
 }
@@ -298,6 +310,30 @@ impl QemuSettings {
             if cpu.trim().is_empty() || cpu.contains(char::is_whitespace) {
                 p("cpu", format!("{cpu:?} is not a QEMU CPU model"));
             }
+        }
+        if self.warm > MAX_WARM {
+            p(
+                "warm",
+                format!("{} is more than {MAX_WARM} warm VMs", self.warm),
+            );
+        } else if self.max_environments > 0 && self.warm >= self.max_environments {
+            p(
+                "warm",
+                format!(
+                    "{} warm VMs leave no room for a job's own VM under max_environments = {}: \
+                     set warm below max_environments",
+                    self.warm, self.max_environments
+                ),
+            );
+        }
+        if self.warm_max_age.get() < MIN_WARM_AGE {
+            p(
+                "warm_max_age",
+                format!(
+                    "{} is less than 10m: a warm VM must live long enough to boot and be taken",
+                    self.warm_max_age
+                ),
+            );
         }
         if self.cpus == 0 {
             p("cpus", "must be at least 1".into());

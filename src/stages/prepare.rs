@@ -136,11 +136,22 @@ async fn prepare_new(
         volume_key = Some(volume_environment_key(s, &system_id, env_id, &volume));
         spec.volume = Some(volume::begin_attach(&paths, &holder, ctx).await?);
     }
-    let made = s
-        .provider
-        .create_or_reclaim(&spec, ctx)
-        .await
-        .with_context(|| format!("creating {} environment {env_id}", s.provider.name()));
+    let taken = match take_warm(s, &spec, &paths, ctx).await {
+        Ok(t) => t,
+        Err(e) => {
+            record_failure(s, &paths, Step::Create, &e, ctx).await;
+            return Err(refused_or_system(e));
+        }
+    };
+    let warm_id = taken.as_ref().map(|t| t.warm_id);
+    let made = match taken {
+        Some(t) => Ok(t.machine),
+        None => s
+            .provider
+            .create_or_reclaim(&spec, ctx)
+            .await
+            .with_context(|| format!("creating {} environment {env_id}", s.provider.name())),
+    };
     let machine = match made {
         Ok(m) => m,
         Err(e) => {
@@ -173,9 +184,10 @@ async fn prepare_new(
     let (rec, ()) = registry::update(&paths, ctx, |r| r.activate(&holder))
         .await
         .map_err(update_error)?;
-    let created = Event::about(Kind::Created, "job", &rec)
+    let mut created = Event::about(Kind::Created, "job", &rec)
         .by(&holder)
         .duration(started.elapsed());
+    created.warm = warm_id;
     s.events.record(created, ctx).await;
     crate::failpoint!("prepare:activated");
     state.phase = Phase::Ready;
@@ -183,6 +195,39 @@ async fn prepare_new(
     crate::failpoint!("prepare:ready");
     announce(s, &key, env_id, false);
     Ok(())
+}
+
+/// A ready warm machine for this new environment, if the provider keeps
+/// them and one fits (docs/architecture.md, "Warm machines"); then the pool
+/// is refilled in the background. An error is the hand-over's (the retried
+/// prepare finishes it).
+async fn take_warm(
+    s: &Session,
+    spec: &MachineSpec,
+    paths: &EnvPaths,
+    ctx: &Ctx,
+) -> anyhow::Result<Option<crate::lifecycle::warm::Taken>> {
+    let Some(warm) = s.provider.warm() else {
+        return Ok(None);
+    };
+    let taken = crate::lifecycle::warm::take(s.world(), warm, spec, paths, ctx).await?;
+    if let Some(t) = &taken {
+        s.log.info(format!(
+            "took warm machine {} (booted {} s before this job asked): no boot to wait for",
+            t.warm_id, t.age_secs
+        ));
+    }
+    if warm.wanted() > 0 {
+        match crate::lifecycle::warm::start_refill(&s.store) {
+            Ok(pid) => s.log.info(format!(
+                "refilling the warm pool in the background (dormant warm, pid {pid})"
+            )),
+            Err(e) => s.log.warn(format!(
+                "could not start a refill of the warm pool ({e:#}); the timer's `dormant warm` will"
+            )),
+        }
+    }
+    Ok(taken)
 }
 
 /// The host key the first connection pinned, kept with the machine for a

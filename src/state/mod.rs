@@ -10,10 +10,12 @@
 //!   entry of one environment ([`record::EnvironmentRecord`]), beside its SSH key,
 //!   known_hosts and, for the `local` provider, its work directory.
 //! - `environments/.new-*`: a record being created (renamed into place).
+//! - `warm/<id>/`: a warm machine booted ahead of any job ([`pool`]).
 //! - `trash/`: directories being deleted (renamed here first).
 
 pub mod job;
 pub mod lock;
+pub mod pool;
 pub mod record;
 pub mod registry;
 pub mod store;

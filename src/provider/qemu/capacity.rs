@@ -37,7 +37,6 @@ where
     let dir = state_root.join("qemu");
     ensure_private_dir(&dir)?;
     let lock_path = dir.join("capacity.lock");
-    let environments = state_root.join("environments");
     // One look: a slot (then QEMU is started under the lock, so two prepares
     // cannot both take the last one), or how many run.
     let mut wait = Wait::new(ctx, "a free VM slot", Schedule::fixed(SLOT_POLL));
@@ -46,7 +45,7 @@ where
             let lock = FileLock::acquire(&lock_path, ctx, "waiting for the VM capacity lock")
                 .await?
                 .with_context(|| format!("{} vanished", lock_path.display()))?;
-            let running = process::scan(&environments).len();
+            let running = running(state_root);
             if running < max as usize {
                 // Kept until the new QEMU runs.
                 return Ok(Poll::Ready(lock));
@@ -63,6 +62,14 @@ where
             )
         })?;
     start().await
+}
+
+/// The VMs of this state dir that run now: environments' and warm ones
+/// (a warm VM counts toward `max_environments`; one handed to an
+/// environment still runs under the pool's name, and is counted once).
+pub fn running(state_root: &Path) -> usize {
+    process::scan(&state_root.join("environments")).len()
+        + process::scan(&state_root.join("warm")).len()
 }
 
 #[cfg(test)]
@@ -127,3 +134,4 @@ mod tests {
         );
     }
 }
+

@@ -10,7 +10,7 @@
 //! (starting QEMU detached, recognising its process, tools), `qmp` (the QMP
 //! client), `guest` (sshd readiness, the clock after a restore), `capacity`
 //! (`max_environments`), `power` (start, stop, hibernate, restore), `volume`
-//! (volume mode's data disk).
+//! (volume mode's data disk), `warm` (VMs booted ahead of jobs).
 
 pub mod capacity;
 pub mod guest;
@@ -19,6 +19,7 @@ pub mod process;
 pub mod qmp;
 pub mod vm;
 pub mod volume;
+pub mod warm;
 
 use std::time::Duration;
 
@@ -208,6 +209,10 @@ impl Provider for QemuProvider {
 
     fn volumes(&self) -> Option<&dyn Volumes> {
         Some(self)
+    }
+
+    fn warm(&self) -> Option<&dyn super::warm::WarmMachines> {
+        (self.settings.warm > 0 || self.store.root().join("warm").exists()).then_some(self)
     }
 
     async fn create_or_reclaim(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine> {

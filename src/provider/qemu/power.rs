@@ -58,6 +58,20 @@ pub async fn boot(
     incoming: Option<&Launch>,
     ctx: &Ctx,
 ) -> Result<(Pid, u16)> {
+    boot_within(p, vm, image, incoming, p.settings.max_environments, ctx).await
+}
+
+/// [`boot`] once fewer than `limit` VMs run (0: no limit): a warm VM is
+/// booted within one slot less than `max_environments`, so a refill never
+/// takes the last slot a job could need.
+pub async fn boot_within(
+    p: &QemuProvider,
+    vm: &VmDir,
+    image: &BootImage,
+    incoming: Option<&Launch>,
+    limit: u32,
+    ctx: &Ctx,
+) -> Result<(Pid, u16)> {
     let recorded = vm.read_launch()?;
     let mut last_error = None;
     for attempt in 0..PORT_TRIES {
@@ -74,16 +88,15 @@ pub async fn boot(
             version: crate::state::store::FORMAT_VERSION,
             argv: argv.clone(),
             port,
+            running_as: None,
         })?;
         if incoming.is_some() {
             argv.push("-incoming".into());
             argv.push(format!("file:{}", vm.state().display()));
         }
         let started =
-            capacity::start_when_free(p.store.root(), p.settings.max_environments, ctx, || {
-                process::spawn(&argv, vm)
-            })
-            .await;
+            capacity::start_when_free(p.store.root(), limit, ctx, || process::spawn(&argv, vm))
+                .await;
         match started {
             Ok(pid) => {
                 ctx.log.info(format!(

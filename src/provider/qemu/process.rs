@@ -58,24 +58,35 @@ fn is_vm(args: &[String], env_id: Uuid, vm_dir: &Path) -> bool {
 }
 
 /// The live QEMU of this VM, found through its pidfile and confirmed by its
-/// command line; else by scanning processes (a pidfile lost or not yet written).
+/// command line; else by scanning processes (a pidfile lost or not yet
+/// written). A warm VM handed to an environment runs under the identity it
+/// was started with (`Launch::running_as`): that one is accepted too.
 pub fn find(vm: &VmDir) -> Option<Pid> {
+    let mut identities = vec![(vm.env_id, vm.dir.clone())];
+    if let Some(r) = vm.read_launch().ok().flatten().and_then(|l| l.running_as) {
+        identities.push((r.id, r.dir));
+    }
+    let matches = |args: &[String]| identities.iter().any(|(id, dir)| is_vm(args, *id, dir));
     if let Ok(text) = std::fs::read_to_string(vm.pidfile()) {
         if let Ok(pid) = text.trim().parse::<i32>() {
-            if alive(pid) && cmdline(pid).is_some_and(|a| is_vm(&a, vm.env_id, &vm.dir)) {
+            if alive(pid) && cmdline(pid).is_some_and(|a| matches(&a)) {
                 return Some(Pid(pid));
             }
         }
     }
-    scan(vm.dir.parent().and_then(Path::parent).unwrap_or(&vm.dir))
-        .into_iter()
-        .find(|(id, _)| *id == vm.env_id)
-        .map(|(_, pid)| pid)
-        .filter(|pid| cmdline(pid.0).is_some_and(|a| is_vm(&a, vm.env_id, &vm.dir)))
+    identities.iter().find_map(|(id, dir)| {
+        let root = dir.parent().and_then(Path::parent).unwrap_or(dir);
+        scan(root)
+            .into_iter()
+            .find(|(found, _)| found == id)
+            .map(|(_, pid)| pid)
+            .filter(|pid| cmdline(pid.0).is_some_and(|a| matches(&a)))
+    })
 }
 
 /// Every live dormant QEMU whose files are under `environments` (a state
-/// dir's `environments/`), with its environment id.
+/// dir's `environments/`, or its warm pool `warm/`: the same shape), with
+/// its id (the environment's, or the warm machine's it was started as).
 pub fn scan(environments: &Path) -> Vec<(Uuid, Pid)> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();

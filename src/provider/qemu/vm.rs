@@ -44,6 +44,20 @@ pub struct Launch {
     pub argv: Vec<String>,
     /// The host port forwarded to the guest's port 22.
     pub port: u16,
+    /// A warm VM handed to an environment: the QEMU that runs now was started
+    /// in the pool, under the pool's name and pidfile path (its command line
+    /// cannot change); `argv` already names the environment's, for the next
+    /// start. Cleared by every start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_as: Option<RunningAs>,
+}
+
+/// The identity of a running QEMU started under another VM directory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunningAs {
+    pub id: Uuid,
+    /// The VM directory it was started in (its `-pidfile` is inside it).
+    pub dir: PathBuf,
 }
 
 impl VmDir {
@@ -304,6 +318,7 @@ mod tests {
             version: crate::state::store::FORMAT_VERSION,
             argv: vec!["qemu-system-x86_64".into(), "-name".into(), vm.name()],
             port: 2222,
+            running_as: None,
         };
         vm.write_launch(&launch).unwrap();
         assert_eq!(vm.read_launch().unwrap(), Some(launch));

@@ -1,0 +1,88 @@
+//! Warm machines, the provider's half: a provider that can keep machines
+//! booted ahead of any job implements [`WarmMachines`]. The pool's books are
+//! `state::pool`; taking, refilling and retiring are `lifecycle::warm`.
+//! See docs/architecture.md, "Warm machines".
+
+use std::time::Duration;
+
+use anyhow::Result;
+use async_trait::async_trait;
+
+use super::{Machine, MachineSpec};
+use crate::context::Ctx;
+use crate::model::EnvPaths;
+use crate::state::pool::WarmPaths;
+
+/// What today's settings make a warm machine from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WarmKind {
+    /// Changes whenever anything a machine is made from changes (the image
+    /// file, its size, user-data, network): a warm machine with another
+    /// fingerprint is retired, never handed out.
+    pub fingerprint: String,
+    /// For people: what it is (e.g. the image's name and file).
+    pub made_from: String,
+}
+
+#[async_trait]
+pub trait WarmMachines: Send + Sync {
+    /// How many warm machines the settings ask for (per zone).
+    fn wanted(&self) -> u32;
+
+    /// A warm machine older than this is retired.
+    fn max_age(&self) -> Duration;
+
+    /// What a warm machine is made from today.
+    fn kind(&self) -> Result<WarmKind>;
+
+    /// Whether a new environment's machine may be a warm one: it asks for
+    /// what warm machines are made from (e.g. the default image).
+    fn fits(&self, spec: &MachineSpec) -> bool;
+
+    /// The zones the pool keeps `wanted` machines in (`[None]` on one host).
+    fn zones(&self) -> Vec<Option<String>> {
+        vec![None]
+    }
+
+    /// Why no warm machine may be booted now (no free slot under the
+    /// machine limit, leaving one for a job), or `None`.
+    fn no_room(&self) -> Option<String> {
+        None
+    }
+
+    /// Boots a warm machine in `warm`'s directory, for `ssh_public_key`, and
+    /// returns once it answers SSH. Bounded by `ctx`.
+    async fn launch(
+        &self,
+        warm: &WarmPaths,
+        zone: Option<&str>,
+        ssh_public_key: &str,
+        ctx: &Ctx,
+    ) -> Result<Machine>;
+
+    /// The machine of a `launching` entry whose launcher died, if it got as
+    /// far as making one (found by its files or tags).
+    async fn find_launched(&self, warm: &WarmPaths, ctx: &Ctx) -> Result<Option<Machine>>;
+
+    /// Makes a running warm machine the machine of environment `env`: moves
+    /// what the provider keeps of it, relabels it; returns the machine as
+    /// the environment records it. Idempotent: a retried hand-over finishes
+    /// what a killed one began.
+    async fn hand_over(
+        &self,
+        warm: &WarmPaths,
+        machine: &Machine,
+        env: &EnvPaths,
+        ctx: &Ctx,
+    ) -> Result<Machine>;
+
+    /// Whether a hand-over to `env` already moved the machine (then it is the
+    /// environment's to delete, not the pool's).
+    fn handed_over(&self, warm: &WarmPaths, env: &EnvPaths) -> bool;
+
+    /// Deletes a warm machine that was never handed over. Already gone is success.
+    async fn retire(&self, warm: &WarmPaths, machine: Option<&Machine>, ctx: &Ctx) -> Result<()>;
+
+    /// Whether a ready warm machine still runs (a machine that died while idle is retired).
+    async fn alive(&self, warm: &WarmPaths, machine: &Machine, ctx: &Ctx) -> bool;
+}
