@@ -10,6 +10,8 @@
 #                       dormant: prepare of the resuming job (restore, clock, login)
 #   suspend             machine: ACPI power-off to QEMU's exit / stop+save+quit
 #                       dormant: cleanup of the suspending job
+#   new environment,    dormant: prepare of a new job that takes a warm VM
+#   warm (warm = 1)     (`dormant warm` booted it before the job; not timed)
 #   volume mode         resume  machine: a new overlay, boot with the data disk to the banner
 #   (storage="volume")          dormant: prepare of the resuming job (new VM, attach, mount)
 #                       suspend machine: QMP quit to QEMU's exit, the overlay deleted
@@ -173,6 +175,25 @@ EOF
     D["suspend-$mode"]+="$c1 "
     rm -rf "${work:?}/${mode:0:1}$run"
   done
+
+  # A new environment on a warm VM: `dormant warm` boots it first (not
+  # timed); job 1's prepare takes it. Its detached refill boots the next one
+  # while the job runs; the pool is emptied (warm = 0, sweep) before the next run.
+  st="$work/w$run"
+  sed -e 's/^storage = .*/storage = "machine"/' -e 's/^suspend_mode = .*/suspend_mode = "shutdown"/' \
+    "$work/dormant.toml" >"$work/warm.toml"
+  printf 'max_environments = 2\nwarm = 1\n' >>"$work/warm.toml"
+  DORMANT_STATE_DIR=$st "$BIN" --config "$work/warm.toml" warm >/dev/null 2>&1 || {
+    echo "bench-qemu: dormant warm failed" >&2; exit 1; }
+  out=$(DORMANT_STATE_DIR=$st "$BIN" --config "$work/warm.toml" try 2>&1) || {
+    echo "$out" >&2; echo "bench-qemu: dormant try failed (warm)" >&2; exit 1; }
+  echo "$out" | grep -q "took warm machine" || { echo "$out" >&2; echo "bench-qemu: job 1 took no warm VM" >&2; exit 1; }
+  D[new-warm]+="$(echo "$out" | awk '/^  prepare#/ {print $4; exit}') "
+  # The detached refill may still be booting: let it finish, then retire all.
+  while ! flock -n "$st/warm/refill.lock" true 2>/dev/null; do sleep 1; done
+  sed -i 's/^warm = 1/warm = 0/' "$work/warm.toml"
+  DORMANT_STATE_DIR=$st "$BIN" --config "$work/warm.toml" sweep >/dev/null 2>&1
+  rm -rf "$st"
 done
 
 med() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{a[NR]=$1} END {if (NR==0) print "-"; else if (NR%2) print a[(NR+1)/2]; else printf "%.1f\n", (a[NR/2]+a[NR/2+1])/2}'; }
@@ -185,6 +206,7 @@ echo "qemu provider, accel $ACCEL, 2 vCPUs, 1 GiB, $RUNS run(s) each (median sec
 printf '| %-28s | %10s | %10s | %10s |\n' "" "machine s" "dormant s" "added s"
 echo "|------------------------------|-----------:|-----------:|-----------:|"
 row "new environment (to SSH)" "${M[new]}" "${D[new]}"
+row "new environment, warm VM" "${M[new]}" "${D[new-warm]}"
 row "resume after shutdown" "${M[boot]}" "${D[resume-shutdown]}"
 row "resume after hibernate" "${M[restore]}" "${D[resume-hibernate]}"
 row "suspend: shutdown" "${M[shutdown]}" "${D[suspend-shutdown]}"

@@ -18,7 +18,6 @@ use crate::events::{Event, Kind};
 use crate::model::{EnvPaths, Machine, Target};
 use crate::provider::warm::WarmMachines;
 use crate::provider::MachineSpec;
-use crate::settings::Settings;
 use crate::state::pool::{self, Pool, WarmEntry, WarmPaths, WarmStatus};
 use crate::state::{now_unix, FileLock};
 use crate::transport::Transport;
@@ -55,9 +54,9 @@ pub async fn take(
         let Ok(Some(entry)) = entry else { continue };
         if entry.status == (WarmStatus::Taken { env: env.id }) {
             if let Some(lock) = pool.try_lock(id)? {
-                return finish(w, warm, &pool, lock, entry, env, ctx)
-                    .await
-                    .map(Some);
+                if let Some(t) = finish(w, warm, &pool, lock, entry, env, ctx).await? {
+                    return Ok(Some(t));
+                }
             }
         }
     }
@@ -73,6 +72,7 @@ pub async fn take(
     };
     let now = now_unix();
     let max_age = warm.max_age().as_secs();
+    let zone = warm.zone_for(spec);
     let mut ready: Vec<WarmEntry> = pool
         .entries()?
         .into_iter()
@@ -82,6 +82,7 @@ pub async fn take(
                 && e.fingerprint == kind.fingerprint
                 && e.age_secs(now) < max_age
                 && e.machine.is_some()
+                && (zone.is_none() || e.zone == zone)
         })
         .collect();
     // The oldest first: it is the next to be retired otherwise.
@@ -111,9 +112,7 @@ pub async fn take(
         entry.status = WarmStatus::Taken { env: env.id };
         pool.set(&lock, &entry)?;
         crate::failpoint!("warm:taken");
-        return finish(w, warm, &pool, lock, entry, env, ctx)
-            .await
-            .map(Some);
+        return finish(w, warm, &pool, lock, entry, env, ctx).await;
     }
     if warm.wanted() > 0 {
         w.events
@@ -126,8 +125,9 @@ pub async fn take(
     Ok(None)
 }
 
-/// Moves a taken machine into the environment: its key pair and pinned host
-/// key, then the provider's part; then the entry goes.
+/// Gives a taken machine to the environment: its key pair and pinned host
+/// key, then the provider's part; then the entry goes. `None`: a killed
+/// attempt had moved it into this environment, which was released since.
 async fn finish(
     w: World<'_>,
     warm: &dyn WarmMachines,
@@ -136,14 +136,28 @@ async fn finish(
     entry: WarmEntry,
     env: &EnvPaths,
     ctx: &Ctx,
-) -> Result<Taken> {
+) -> Result<Option<Taken>> {
     let wp = pool.paths(entry.id);
     let machine = entry
         .machine
         .clone()
         .context("a taken warm machine without its machine")?;
-    pool::move_identity(&wp.paths, env)?;
-    crate::failpoint!("warm:identity-moved");
+    if !warm.handed_over(&wp, env, ctx).await? && warm.find_launched(&wp, ctx).await?.is_none() {
+        // It was moved into this environment by a killed attempt, and the
+        // runner's cleanup released the environment (and the machine with
+        // it) before this retry: nothing is left to take.
+        let why = format!(
+            "it was handed to environment {} and deleted with it before the hand-over finished",
+            env.id
+        );
+        w.events
+            .record(event(w, "retired", Some(&entry)).reason(&why), ctx)
+            .await;
+        pool.remove(w.store, lock, entry.id)?;
+        return Ok(None);
+    }
+    pool::give_identity(&wp.paths, env)?;
+    crate::failpoint!("warm:identity-given");
     let machine = warm.hand_over(&wp, &machine, env, ctx).await?;
     crate::failpoint!("warm:handed-over");
     let age_secs = entry.age_secs(now_unix());
@@ -156,11 +170,11 @@ async fn finish(
         )
         .await;
     pool.remove(w.store, lock, entry.id)?;
-    Ok(Taken {
+    Ok(Some(Taken {
         machine,
         warm_id: entry.id,
         age_secs,
-    })
+    }))
 }
 
 /// What a refill or tidy-up did.
@@ -179,7 +193,7 @@ pub struct RefillReport {
 pub async fn refill(
     w: World<'_>,
     warm: &dyn WarmMachines,
-    settings: &Settings,
+    open: &dyn OpenTransport,
     launch: bool,
     ctx: &Ctx,
 ) -> Result<RefillReport> {
@@ -219,7 +233,7 @@ pub async fn refill(
             WarmStatus::Retiring { why } => Some(why.clone()),
             WarmStatus::Taken { env } => {
                 let env_paths = w.store.env_paths(*env);
-                if warm.handed_over(&wp, &env_paths) {
+                if warm.handed_over(&wp, &env_paths, ctx).await? {
                     // The machine is the environment's now: only the entry goes.
                     pool.remove(w.store, lock, id)?;
                     continue;
@@ -301,7 +315,7 @@ pub async fn refill(
                 report.skipped = Some(why);
                 return Ok(report);
             }
-            match launch_one(w, warm, settings, &pool, &kind, zone.clone(), ctx).await {
+            match launch_one(w, warm, open, &pool, &kind, zone.clone(), ctx).await {
                 Ok(id) => report.launched.push(id),
                 Err(e) => {
                     report.errors.push(format!("{e:#}"));
@@ -318,7 +332,7 @@ pub async fn refill(
 async fn launch_one(
     w: World<'_>,
     warm: &dyn WarmMachines,
-    settings: &Settings,
+    open: &dyn OpenTransport,
     pool: &Pool,
     kind: &crate::provider::warm::WarmKind,
     zone: Option<String>,
@@ -340,7 +354,7 @@ async fn launch_one(
         entry.machine = Some(machine.clone());
         pool.set(&lock, &entry)?;
         crate::failpoint!("warm:launched");
-        pin_host_key(w, settings, &wp, &machine, ctx).await?;
+        pin_host_key(w, open, &wp, &machine, ctx).await?;
         Ok::<_, anyhow::Error>(())
     }
     .await;
@@ -372,22 +386,40 @@ async fn launch_one(
     }
 }
 
+/// Opens a transport to a warm machine (the stages' transports are theirs;
+/// a refill runs outside any job).
+pub trait OpenTransport: Send + Sync {
+    fn open(&self, target: &Target, paths: &EnvPaths) -> Result<Box<dyn Transport>>;
+}
+
+/// The SSH transport with the operator's `[ssh]` settings: how every warm
+/// machine (a VM, an instance) is reached.
+pub struct OverSsh(pub crate::settings::ssh::SshSettings);
+
+impl OpenTransport for OverSsh {
+    fn open(&self, target: &Target, paths: &EnvPaths) -> Result<Box<dyn Transport>> {
+        match target {
+            Target::Ssh(t) => Ok(Box::new(crate::transport::ssh::SshTransport::new(
+                t.clone(),
+                paths.clone(),
+                self.0.clone(),
+            ))),
+            Target::Local { .. } => anyhow::bail!("warm machines are reached over SSH"),
+        }
+    }
+}
+
 /// The first connection to a new warm machine pins its host key in the
 /// entry's known_hosts (it moves to the environment that takes it: no host
 /// key is ever taken on trust later).
 async fn pin_host_key(
-    _w: World<'_>,
-    settings: &Settings,
+    w: World<'_>,
+    open: &dyn OpenTransport,
     wp: &WarmPaths,
     machine: &Machine,
     ctx: &Ctx,
 ) -> Result<()> {
-    let target = _w.provider.target(machine)?;
-    let Target::Ssh(t) = target else {
-        anyhow::bail!("warm machines are reached over SSH");
-    };
-    let transport =
-        crate::transport::ssh::SshTransport::new(t, wp.paths.clone(), settings.ssh.clone());
+    let transport = open.open(&w.provider.target(machine)?, &wp.paths)?;
     transport.connect(ctx).await?;
     let _ = transport.close(ctx).await;
     Ok(())

@@ -48,7 +48,15 @@ pub async fn sweep(
     // Warm machines: too old, settings changed, dead, or not wanted (warm =
     // 0 removes them all). Booting is `dormant warm`'s, not the sweep's.
     if let Some(pool) = provider.warm() {
-        match crate::lifecycle::warm::refill(w, pool, settings, false, &ctx).await {
+        match crate::lifecycle::warm::refill(
+            w,
+            pool,
+            &crate::lifecycle::warm::OverSsh(settings.ssh.clone()),
+            false,
+            &ctx,
+        )
+        .await
+        {
             Ok(r) => super::warm::print(&log, &r),
             Err(e) => log.warn(format!("warm pool: {e:#}")),
         }

@@ -37,7 +37,7 @@ pub async fn warm(
         return Ok(());
     };
     let ctx = Ctx::new(log.clone(), cancel, OPERATOR_BUDGET);
-    let report = warm::refill(w, pool, settings, true, &ctx).await?;
+    let report = warm::refill(w, pool, &warm::OverSsh(settings.ssh.clone()), true, &ctx).await?;
     print(&log, &report);
     if !report.errors.is_empty() {
         bail!(

@@ -76,9 +76,15 @@ pub trait WarmMachines: Send + Sync {
         ctx: &Ctx,
     ) -> Result<Machine>;
 
-    /// Whether a hand-over to `env` already moved the machine (then it is the
-    /// environment's to delete, not the pool's).
-    fn handed_over(&self, warm: &WarmPaths, env: &EnvPaths) -> bool;
+    /// Whether a hand-over to `env` already made the machine the
+    /// environment's (then it is the environment's to delete, not the pool's).
+    async fn handed_over(&self, warm: &WarmPaths, env: &EnvPaths, ctx: &Ctx) -> Result<bool>;
+
+    /// The zone a machine for `spec` must be in (volume mode: its volume's),
+    /// or `None` for any.
+    fn zone_for(&self, _spec: &MachineSpec) -> Option<String> {
+        None
+    }
 
     /// Deletes a warm machine that was never handed over. Already gone is success.
     async fn retire(&self, warm: &WarmPaths, machine: Option<&Machine>, ctx: &Ctx) -> Result<()>;

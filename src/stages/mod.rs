@@ -117,6 +117,8 @@ impl Session {
 pub(crate) mod fakes;
 #[cfg(test)]
 mod volume_tests;
+#[cfg(test)]
+mod warm_tests;
 
 #[cfg(test)]
 #[path = "events_tests.rs"]

@@ -194,6 +194,7 @@ async fn prepare_new(
     locked.save(&state)?;
     crate::failpoint!("prepare:ready");
     announce(s, &key, env_id, false);
+    refill_in_background(s);
     Ok(())
 }
 
@@ -217,17 +218,23 @@ async fn take_warm(
             t.warm_id, t.age_secs
         ));
     }
-    if warm.wanted() > 0 {
-        match crate::lifecycle::warm::start_refill(&s.store) {
-            Ok(pid) => s.log.info(format!(
-                "refilling the warm pool in the background (dormant warm, pid {pid})"
-            )),
-            Err(e) => s.log.warn(format!(
-                "could not start a refill of the warm pool ({e:#}); the timer's `dormant warm` will"
-            )),
-        }
-    }
     Ok(taken)
+}
+
+/// Once the job's environment is ready: a refill of the warm pool, detached
+/// (it boots while the job runs, never before its prepare is done).
+fn refill_in_background(s: &Session) {
+    if !s.provider.warm().is_some_and(|w| w.wanted() > 0) {
+        return;
+    }
+    match crate::lifecycle::warm::start_refill(&s.store) {
+        Ok(pid) => s.log.info(format!(
+            "refilling the warm pool in the background (dormant warm, pid {pid})"
+        )),
+        Err(e) => s.log.warn(format!(
+            "could not start a refill of the warm pool ({e:#}); the timer's `dormant warm` will"
+        )),
+    }
 }
 
 /// The host key the first connection pinned, kept with the machine for a

@@ -250,29 +250,30 @@ impl Pool {
     }
 }
 
-/// Moves a warm machine's key pair and known_hosts into an environment's
-/// directory (renames: each is atomic, and a retried move finds it done).
-/// The environment's own key, if a killed attempt made one, is replaced: the
-/// machine trusts only the warm one.
-pub fn move_identity(from: &EnvPaths, to: &EnvPaths) -> Result<()> {
-    let pairs = [
+/// Gives an environment a warm machine's key pair and known_hosts: copied
+/// (each to a temporary name, synced, renamed over whatever the environment
+/// had), the pool keeping its own until the entry is removed. A copy, not a
+/// move: if the environment is released before the hand-over finishes (the
+/// runner's cleanup between two attempts of a prepare), the retry copies
+/// them again into the new directory; nothing is lost with the old one.
+pub fn give_identity(from: &EnvPaths, to: &EnvPaths) -> Result<()> {
+    let files = [
+        (from.ssh_key.clone(), to.ssh_key.clone()),
         (
             from.ssh_key.with_extension("pub"),
             to.ssh_key.with_extension("pub"),
         ),
         (from.known_hosts.clone(), to.known_hosts.clone()),
-        // The private key last: while it is still in the pool the move is
-        // not done, whatever else was moved.
-        (from.ssh_key.clone(), to.ssh_key.clone()),
     ];
-    for (a, b) in pairs {
-        match fs::rename(&a, &b) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && b.exists() => {}
-            Err(e) => {
-                return Err(e).with_context(|| format!("moving {} to {}", a.display(), b.display()))
-            }
-        }
+    for (a, b) in files {
+        let bytes = fs::read(&a).with_context(|| format!("reading {}", a.display()))?;
+        let tmp = b.with_extension("warm-tmp");
+        let write = || -> std::io::Result<()> {
+            store::write_private(&tmp, &bytes)?;
+            fs::File::open(&tmp)?.sync_all()?;
+            fs::rename(&tmp, &b)
+        };
+        write().with_context(|| format!("writing {}", b.display()))?;
     }
     store::sync_dir(&to.dir).with_context(|| format!("syncing {}", to.dir.display()))?;
     Ok(())
@@ -331,8 +332,8 @@ mod tests {
     }
 
     #[test]
-    fn the_identity_moves_into_the_environment_and_a_retry_finds_it_moved() {
-        let (tmp, store, pool) = pool();
+    fn the_identity_is_given_to_the_environment_and_a_retry_gives_it_again() {
+        let (_tmp, store, pool) = pool();
         let (wp, _entry, _lock) = pool.begin_launch("qemu", "fp", "default", None).unwrap();
         fs::write(&wp.paths.ssh_key, "private").unwrap();
         fs::write(wp.paths.ssh_key.with_extension("pub"), "public").unwrap();
@@ -340,13 +341,21 @@ mod tests {
         let env = store.env_paths(Uuid::new_v4());
         fs::create_dir_all(&env.dir).unwrap();
         fs::write(&env.ssh_key, "a key of a killed attempt").unwrap();
-        move_identity(&wp.paths, &env).unwrap();
+        give_identity(&wp.paths, &env).unwrap();
+        assert_eq!(fs::read_to_string(&env.ssh_key).unwrap(), "private");
+        assert_eq!(
+            fs::read_to_string(env.ssh_key.with_extension("pub")).unwrap(),
+            "public"
+        );
+        assert_eq!(fs::read_to_string(&env.known_hosts).unwrap(), "pinned");
+        // The environment released (its directory gone) and made again by
+        // the retried prepare, with a key of its own: given again.
+        fs::remove_dir_all(&env.dir).unwrap();
+        fs::create_dir_all(&env.dir).unwrap();
+        fs::write(&env.ssh_key, "another attempt's key").unwrap();
+        give_identity(&wp.paths, &env).unwrap();
         assert_eq!(fs::read_to_string(&env.ssh_key).unwrap(), "private");
         assert_eq!(fs::read_to_string(&env.known_hosts).unwrap(), "pinned");
-        assert!(!wp.paths.ssh_key.exists());
-        move_identity(&wp.paths, &env).unwrap();
-        assert_eq!(fs::read_to_string(&env.ssh_key).unwrap(), "private");
-        drop(tmp);
     }
 
     #[test]

@@ -54,6 +54,8 @@ mod qemu;
 mod qemu_reattach;
 #[cfg(feature = "testing")]
 mod qemu_volume;
+#[cfg(feature = "testing")]
+mod qemu_warm;
 mod reattach;
 mod shell;
 mod signals;

@@ -75,10 +75,13 @@ impl WarmMachines for QemuProvider {
     fn kind(&self) -> Result<WarmKind> {
         let image = self.default_image()?;
         let s = &self.settings;
+        let stamp = |p: Option<&std::path::Path>| p.map(file_stamp).unwrap_or_default();
         let fingerprint = format!(
-            "image={image:?} disk={} size={:?} cpus={} memory={} cpu={:?} accel={:?} user={} \
+            "image={image:?} disk={} kernel={} initrd={} size={:?} cpus={} memory={} cpu={:?} accel={:?} user={} \
              restrict={} qemu={}",
             file_stamp(image.disk()),
+            stamp(image.kernel()),
+            stamp(image.initrd()),
             s.disk_size,
             s.cpus,
             s.memory_mib,
@@ -214,14 +217,14 @@ impl WarmMachines for QemuProvider {
         Ok(self.machine(env.id, port, "default"))
     }
 
-    fn handed_over(&self, warm: &WarmPaths, env: &EnvPaths) -> bool {
-        !self.warm_vm(warm).dir.exists()
+    async fn handed_over(&self, warm: &WarmPaths, env: &EnvPaths, _ctx: &Ctx) -> Result<bool> {
+        Ok(!self.warm_vm(warm).dir.exists()
             && VmDir::new(env)
                 .read_launch()
                 .ok()
                 .flatten()
                 .and_then(|l| l.running_as)
-                .is_some_and(|r| r.id == warm.id)
+                .is_some_and(|r| r.id == warm.id))
     }
 
     async fn retire(&self, warm: &WarmPaths, _machine: Option<&Machine>, ctx: &Ctx) -> Result<()> {
@@ -232,5 +235,147 @@ impl WarmMachines for QemuProvider {
 
     async fn alive(&self, warm: &WarmPaths, _machine: &Machine, _ctx: &Ctx) -> bool {
         process::find(&self.warm_vm(warm)).is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::qemu::process::fake::FakeQemu;
+    use crate::provider::qemu::vm::Launch;
+    use crate::settings::Settings;
+    use crate::state::pool::Pool;
+    use crate::state::StateStore;
+
+    fn provider(dir: &std::path::Path) -> (StateStore, QemuProvider) {
+        let store = StateStore::open(&dir.join("state")).unwrap();
+        let mut settings = Settings::default();
+        let disk = dir.join("base.qcow2");
+        std::fs::write(&disk, b"an image").unwrap();
+        settings.qemu.image = Some(BootImage::Path(disk));
+        settings.qemu.warm = 1;
+        (store.clone(), QemuProvider::new(&settings, &store))
+    }
+
+    #[tokio::test]
+    async fn a_handed_over_vm_is_the_environments_and_its_qemu_is_still_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, p) = provider(dir.path());
+        let pool = Pool::new(&store);
+        let (wp, _entry, _lock) = pool.begin_launch("qemu", "fp", "default", None).unwrap();
+        let from = p.warm_vm(&wp);
+        from.ensure().unwrap();
+        let qemu = FakeQemu::start(dir.path(), &from);
+        std::fs::write(from.pidfile(), qemu.0.id().to_string()).unwrap();
+        let argv = vec![
+            "qemu".to_string(),
+            "-name".into(),
+            from.name(),
+            "-drive".into(),
+            format!("file={}/overlay.qcow2", from.dir.display()),
+            "-pidfile".into(),
+            from.pidfile().display().to_string(),
+        ];
+        from.write_launch(&Launch {
+            version: 2,
+            argv,
+            port: 2222,
+            running_as: None,
+        })
+        .unwrap();
+        assert_eq!(super::super::capacity::running(store.root()), 1);
+
+        let env = store.env_paths(uuid::Uuid::new_v4());
+        std::fs::create_dir_all(&env.dir).unwrap();
+        let ctx = Ctx::new(
+            crate::context::JobLog::stderr(),
+            Default::default(),
+            Duration::from_secs(30),
+        );
+        assert!(!p.handed_over(&wp, &env, &ctx).await.unwrap());
+        let warm_machine = p.machine(wp.id, 2222, "default");
+        let m = p.hand_over(&wp, &warm_machine, &env, &ctx).await.unwrap();
+        assert_eq!(m.field(field::ENV), Some(env.id.to_string().as_str()));
+        assert_eq!(m.field(field::PORT), Some("2222"));
+        assert!(p.handed_over(&wp, &env, &ctx).await.unwrap());
+        // Retried (a killed hand-over): the same answer, nothing moved twice.
+        let again = p.hand_over(&wp, &warm_machine, &env, &ctx).await.unwrap();
+        assert_eq!(again, m);
+
+        let to = VmDir::new(&env);
+        assert_eq!(
+            process::find(&to).map(|pid| pid.0 as u32),
+            Some(qemu.0.id()),
+            "the running QEMU is found as the environment's"
+        );
+        assert_eq!(
+            super::super::capacity::running(store.root()),
+            1,
+            "counted once"
+        );
+        let launch = to.read_launch().unwrap().unwrap();
+        let joined = launch.argv.join(" ");
+        assert!(
+            joined.contains(&to.name()) && !joined.contains(&from.name()),
+            "{joined}"
+        );
+        assert!(joined.contains(&to.dir.display().to_string()), "{joined}");
+        assert!(
+            !joined.contains(&from.dir.display().to_string()),
+            "{joined}"
+        );
+
+        // A QEMU started under another name is not taken for it.
+        let other = VmDir::new(&store.env_paths(uuid::Uuid::new_v4()));
+        other.ensure().unwrap();
+        std::fs::write(other.pidfile(), qemu.0.id().to_string()).unwrap();
+        assert_eq!(process::find(&other), None);
+    }
+
+    #[test]
+    fn a_replaced_base_image_or_other_settings_make_another_kind() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, p) = provider(dir.path());
+        let before = p.kind().unwrap();
+        assert_eq!(p.kind().unwrap(), before, "stable");
+        std::thread::sleep(Duration::from_millis(20));
+        std::fs::write(dir.path().join("base.qcow2"), b"a new build").unwrap();
+        assert_ne!(p.kind().unwrap().fingerprint, before.fingerprint);
+        let mut settings = Settings::default();
+        settings.qemu = p.settings.clone();
+        settings.qemu.memory_mib += 512;
+        let bigger = QemuProvider::new(&settings, &store);
+        assert_ne!(
+            bigger.kind().unwrap().fingerprint,
+            p.kind().unwrap().fingerprint
+        );
+    }
+
+    #[test]
+    fn only_a_default_image_machine_mode_spec_fits() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, p) = provider(dir.path());
+        let id = uuid::Uuid::new_v4();
+        let mut spec = MachineSpec {
+            env_id: id,
+            name: MachineSpec::machine_name(id),
+            runner_id: "1".into(),
+            system_id: "s".into(),
+            project_id: 1,
+            job_id: 1,
+            image: None,
+            variables: Default::default(),
+            ssh_public_key: None,
+            paths: store.env_paths(id),
+            volume: None,
+        };
+        assert!(p.fits(&spec));
+        spec.image = Some("default".into());
+        assert!(p.fits(&spec));
+        spec.image = Some("ubuntu".into());
+        assert!(!p.fits(&spec));
+        spec.image = None;
+        spec.volume = Some(crate::model::Volume::new("v"));
+        assert!(!p.fits(&spec));
     }
 }
