@@ -12,8 +12,10 @@
 //!    from the old one instead of handing it out;
 //! 5. `warm = 0` and `dormant sweep`: no warm VM, no QEMU of the state dir left.
 //!
-//! The warm VMs count toward `max_environments = 2` (the test's job VM and
-//! one warm VM; VMs one at a time on the machine otherwise, `one_vm`).
+//! The warm VMs count toward `max_environments = 3`: a refill boots only
+//! while two slots are free, so with a job's VM and one warm VM running the
+//! pool can still be refilled (at most two VMs at once: the job's and the
+//! one booting; otherwise one VM at a time on the machine, `one_vm`).
 
 use std::path::Path;
 use std::process::Command;
@@ -28,7 +30,7 @@ fn settings(base: &Path, warm: u32) -> String {
         "provider = \"qemu\"\nprepare_timeout = \"10m\"\n\
          [ssh]\nready_timeout = \"2m\"\n\
          [qemu]\naccel = \"tcg\"\ncpus = 2\nmemory_mib = 1024\nrestrict_network = true\n\
-         boot_timeout = \"400s\"\nshutdown_timeout = \"600s\"\nmax_environments = 2\n\
+         boot_timeout = \"400s\"\nshutdown_timeout = \"600s\"\nmax_environments = 3\n\
          warm = {warm}\n\
          image = {{ disk = \"{base}\", kernel = \"{d}/vmlinuz\", initrd = \"{d}/initrd.img\" }}\n",
         base = base.display(),
