@@ -157,22 +157,51 @@ pub async fn relaunch(
     holder: &Holder,
     relaunch: &Relaunch,
     ctx: &Ctx,
-) -> Result<Machine> {
+) -> Result<Relaunched> {
     settle_detached(w, paths, holder, None, ctx).await?;
     let volume = begin_attach(paths, holder, ctx).await?;
     let rec = load(paths)?;
     let spec = relaunch_spec(w, paths, &rec, volume.clone(), relaunch)?;
-    ctx.log.info(format!(
-        "making a new machine for environment {} (volume mode: its data volume {} is attached to it)",
-        paths.id, volume.id
-    ));
-    let machine = w.provider.create_or_reclaim(&spec, ctx).await?;
+    let taken = match w.provider.warm() {
+        Some(warm) => {
+            // The replaced machine's pin goes aside before a warm machine's
+            // (pinned at its own boot) is written in its place.
+            crate::transport::ssh::repin::set_aside(paths)?;
+            super::warm::take(w, warm, &spec, paths, ctx).await?
+        }
+        None => None,
+    };
+    let (machine, warm) = match taken {
+        Some(t) => {
+            crate::transport::ssh::repin::pinned_at_launch(paths)?;
+            ctx.log.info(format!(
+                "took warm machine {} (booted {} s before this job asked) for environment {}: its \
+                 data volume {} is attached to it",
+                t.warm_id, t.age_secs, paths.id, volume.id
+            ));
+            (t.machine, Some(t.warm_id))
+        }
+        None => {
+            ctx.log.info(format!(
+                "making a new machine for environment {} (volume mode: its data volume {} is attached to it)",
+                paths.id, volume.id
+            ));
+            (w.provider.create_or_reclaim(&spec, ctx).await?, None)
+        }
+    };
     crate::failpoint!("resume:started");
     registry::update(paths, ctx, |r| r.machine_started(holder, machine.clone()))
         .await
         .map_err(update_error)?;
     attach(w, paths, holder, &volume, &machine, ctx).await?;
-    Ok(machine)
+    Ok(Relaunched { machine, warm })
+}
+
+/// A volume-mode resume's new machine; `warm`: the warm machine it was.
+#[derive(Debug, Clone)]
+pub struct Relaunched {
+    pub machine: Machine,
+    pub warm: Option<uuid::Uuid>,
 }
 
 /// Takes the environment from whatever step it is at back to "volume

@@ -199,7 +199,7 @@ async fn enter(
             s = signals.any(true) => bail!("{s} while starting environment {id}"),
         },
         None => tokio::select! {
-            m = volume::relaunch(w, paths, me, &relaunch, ctx) => m.map(|m| (m, true)),
+            m = volume::relaunch(w, paths, me, &relaunch, ctx) => m.map(|m| (m.machine, true)),
             s = signals.any(true) => bail!("{s} while starting environment {id}"),
         },
     };

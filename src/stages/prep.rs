@@ -99,3 +99,19 @@ pub(super) fn announce(s: &Session, key: &str, env_id: uuid::Uuid, resumed: bool
         (None, _) => {}
     }
 }
+
+/// Once the job's environment is ready: a refill of the warm pool, detached
+/// (it boots while the job runs, never before its prepare is done).
+pub(super) fn refill_in_background(s: &Session) {
+    if !s.provider.warm().is_some_and(|w| w.wanted() > 0) {
+        return;
+    }
+    match crate::lifecycle::warm::start_refill(&s.store) {
+        Ok(pid) => s.log.info(format!(
+            "refilling the warm pool in the background (dormant warm, pid {pid})"
+        )),
+        Err(e) => s.log.warn(format!(
+            "could not start a refill of the warm pool ({e:#}); the timer's `dormant warm` will"
+        )),
+    }
+}

@@ -25,7 +25,7 @@ use crate::state::job::{hold_job_alive, LockedJob};
 use crate::state::registry::{self, UpdateError};
 use crate::state::{EnvPaths, EnvironmentRecord, Holder, Mode, NewEnvironment, Phase};
 
-use super::prep::{announce, connect, job_state, record_failure};
+use super::prep::{announce, connect, job_state, record_failure, refill_in_background};
 use super::Session;
 
 pub async fn prepare(s: &Session) -> Result<(), Failure> {
@@ -219,22 +219,6 @@ async fn take_warm(
         ));
     }
     Ok(taken)
-}
-
-/// Once the job's environment is ready: a refill of the warm pool, detached
-/// (it boots while the job runs, never before its prepare is done).
-fn refill_in_background(s: &Session) {
-    if !s.provider.warm().is_some_and(|w| w.wanted() > 0) {
-        return;
-    }
-    match crate::lifecycle::warm::start_refill(&s.store) {
-        Ok(pid) => s.log.info(format!(
-            "refilling the warm pool in the background (dormant warm, pid {pid})"
-        )),
-        Err(e) => s.log.warn(format!(
-            "could not start a refill of the warm pool ({e:#}); the timer's `dormant warm` will"
-        )),
-    }
 }
 
 /// The host key the first connection pinned, kept with the machine for a

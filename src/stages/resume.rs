@@ -220,6 +220,7 @@ async fn resume(
             Failure::System(e.context(format!("resuming environment {env_id}; it stays suspended")))
         }
     };
+    let mut warm_id = None;
     let machine = match machine {
         Some(machine) => {
             let started_machine = s.provider.start(&machine, ctx).await;
@@ -242,7 +243,9 @@ async fn resume(
             if let Err(e) = &relaunched {
                 record_failure(s, &paths, Step::Start, e, ctx).await;
             }
-            relaunched.map_err(gone)?
+            let relaunched = relaunched.map_err(gone)?;
+            warm_id = relaunched.warm;
+            relaunched.machine
         }
     };
 
@@ -256,10 +259,11 @@ async fn resume(
     let (rec, ()) = registry::update(&paths, ctx, |r| r.activate(&holder))
         .await
         .map_err(update_error)?;
-    let resumed = Event::about(Kind::Resumed, "job", &rec)
+    let mut resumed = Event::about(Kind::Resumed, "job", &rec)
         .by(&holder)
         .duration(started.elapsed())
         .suspended_for(rec.suspended_at.map_or(0, |t| now_unix().saturating_sub(t)));
+    resumed.warm = warm_id;
     s.events.record(resumed, ctx).await;
     crate::failpoint!("resume:activated");
     state.phase = Phase::Ready;
@@ -283,6 +287,9 @@ async fn resume(
         }
     ));
     announce(s, &key, env_id, true);
+    if warm_id.is_some() {
+        super::prep::refill_in_background(s);
+    }
     // Its failure is one short line here: prepare's output is the job log.
     let n = Notification::for_record(notify::Event::Resume, &rec)
         .job(&s.input)

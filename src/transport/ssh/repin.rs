@@ -5,7 +5,10 @@
 //! kept until the change is recorded, then forgotten. Only the lifecycle
 //! calls this, and only for a machine dormant launched in this very prepare
 //! (see docs/ssh.md, "Host keys across machines"); every other connection
-//! refuses a changed key.
+//! refuses a changed key. A warm machine's key was pinned when it booted
+//! (before any job): taking one writes that pin and marks it
+//! ([`pinned_at_launch`]), and the first connection checks the machine
+//! against it instead of pinning anew.
 
 use std::path::PathBuf;
 
@@ -19,9 +22,24 @@ pub fn replaced(paths: &EnvPaths) -> PathBuf {
     paths.known_hosts.with_extension("replaced")
 }
 
+/// Marks the current pin as the new machine's own, taken when it booted
+/// (a warm machine): [`set_aside`] keeps it.
+pub fn pinned_at_launch(paths: &EnvPaths) -> Result<()> {
+    crate::state::store::write_private(&launch_pin(paths), b"")
+        .with_context(|| format!("writing {}", launch_pin(paths).display()))
+}
+
+fn launch_pin(paths: &EnvPaths) -> PathBuf {
+    paths.known_hosts.with_extension("launch-pin")
+}
+
 /// Sets the current pin aside (once: a retried prepare keeps the first one
-/// set aside, and drops whatever an earlier attempt pinned since).
+/// set aside, and drops whatever an earlier attempt pinned since) — unless
+/// it is the new machine's own pin from its launch ([`pinned_at_launch`]).
 pub fn set_aside(paths: &EnvPaths) -> Result<()> {
+    if launch_pin(paths).exists() {
+        return Ok(());
+    }
     let old = replaced(paths);
     if old.exists() {
         return match std::fs::remove_file(&paths.known_hosts) {
@@ -55,6 +73,7 @@ pub fn finish(paths: &EnvPaths) -> (Vec<String>, Vec<String>) {
 
 /// Forgets the replaced machine's pin once the change is recorded.
 pub fn forget_old(paths: &EnvPaths) -> Result<()> {
+    crate::state::store::remove_file(&launch_pin(paths))?;
     match std::fs::remove_file(replaced(paths)) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
