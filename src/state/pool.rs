@@ -104,8 +104,13 @@ pub struct WarmPaths {
 
 impl Pool {
     pub fn new(store: &StateStore) -> Pool {
+        Pool::at(store.root())
+    }
+
+    /// The pool of the state dir at `state_root`.
+    pub fn at(state_root: &Path) -> Pool {
         Pool {
-            dir: store.root().join("warm"),
+            dir: state_root.join("warm"),
         }
     }
 

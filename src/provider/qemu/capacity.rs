@@ -2,7 +2,8 @@
 //! suspended environment holds disk only and does not count). The count is
 //! the live QEMU processes, taken under a lock that is held until the new
 //! QEMU runs, so two prepares cannot both take the last slot; a prepare that
-//! finds no slot waits with progress lines (the one wait helper), within its deadline.
+//! finds no slot waits with progress lines (the one wait helper), within its deadline;
+//! a ready warm VM gives its slot up to a waiting job (`warm::yield_slot`).
 
 use std::future::Future;
 use std::path::Path;
@@ -20,10 +21,19 @@ use crate::wait::{Poll, Schedule, Wait};
 /// that exits frees its slot for a waiter within this much.
 const SLOT_POLL: Duration = Duration::from_millis(250);
 
+/// Who waits for a slot: a job's VM, which a ready warm VM makes room for
+/// (warm VMs must never starve a job), or a warm VM, which does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waiter {
+    Job,
+    Warm,
+}
+
 /// Runs `start` once fewer than `max` VMs run (0: no limit); returns its pid.
 pub async fn start_when_free<F, Fut>(
     state_root: &Path,
     max: u32,
+    waiter: Waiter,
     ctx: &Ctx,
     mut start: F,
 ) -> Result<Pid>
@@ -49,6 +59,13 @@ where
             if running < max as usize {
                 // Kept until the new QEMU runs.
                 return Ok(Poll::Ready(lock));
+            }
+            if waiter == Waiter::Job {
+                if let Some(id) = super::warm::yield_slot(state_root) {
+                    ctx.log.info(format!(
+                        "warm VM {id} gives up its slot for this job (it is retired)"
+                    ));
+                }
             }
             Ok(Poll::Pending(format!(
                 "{running} of qemu.max_environments = {max} running"
@@ -92,7 +109,7 @@ mod tests {
             drop(running);
         });
         let started = std::sync::atomic::AtomicUsize::new(0);
-        let pid = start_when_free(dir.path(), 1, &ctx, || async {
+        let pid = start_when_free(dir.path(), 1, Waiter::Job, &ctx, || async {
             started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             Ok(Pid(42))
         })
@@ -118,7 +135,7 @@ mod tests {
             Default::default(),
             Duration::from_secs(1),
         );
-        let err = start_when_free(dir.path(), 1, &ctx, || async { Ok(Pid(1)) })
+        let err = start_when_free(dir.path(), 1, Waiter::Job, &ctx, || async { Ok(Pid(1)) })
             .await
             .unwrap_err();
         assert!(
@@ -127,10 +144,47 @@ mod tests {
         );
         // No limit: starts at once whatever runs.
         assert_eq!(
-            start_when_free(dir.path(), 0, &ctx, || async { Ok(Pid(7)) })
+            start_when_free(dir.path(), 0, Waiter::Job, &ctx, || async { Ok(Pid(7)) })
                 .await
                 .unwrap(),
             Pid(7)
         );
+    }
+
+    #[tokio::test]
+    async fn a_ready_warm_vm_gives_its_slot_to_a_waiting_job_and_not_to_a_warm_one() {
+        use crate::state::pool::{Pool, WarmStatus};
+        let dir = tempfile::tempdir().unwrap();
+        let pool = Pool::at(dir.path());
+        let (wp, mut entry, lock) = pool.begin_launch("qemu", "fp", "default", None).unwrap();
+        entry.status = WarmStatus::Ready;
+        pool.set(&lock, &entry).unwrap();
+        drop(lock);
+        let warm = FakeQemu::start(dir.path(), &VmDir::new(&wp.paths));
+        assert_eq!(running(dir.path()), 1, "a warm VM counts");
+        let (log, captured) = JobLog::capture();
+        let ctx = Ctx::new(log, Default::default(), Duration::from_secs(2));
+        // A warm VM waiting for a slot does not take another warm VM's.
+        let err = start_when_free(dir.path(), 1, Waiter::Warm, &ctx, || async { Ok(Pid(1)) })
+            .await
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("no free VM slot"), "{err:#}");
+        assert_eq!(pool.peek(wp.id).unwrap().unwrap().status, WarmStatus::Ready);
+        // A job's does.
+        let ctx = Ctx::new(ctx.log.clone(), Default::default(), Duration::from_secs(30));
+        let pid = start_when_free(dir.path(), 1, Waiter::Job, &ctx, || async { Ok(Pid(9)) })
+            .await
+            .unwrap();
+        assert_eq!(pid, Pid(9));
+        assert!(matches!(
+            pool.peek(wp.id).unwrap().unwrap().status,
+            WarmStatus::Retiring { .. }
+        ));
+        let text = String::from_utf8(captured.lock().unwrap().clone()).unwrap();
+        assert!(
+            text.contains(&format!("warm VM {} gives up its slot", wp.id)),
+            "{text}"
+        );
+        drop(warm);
     }
 }

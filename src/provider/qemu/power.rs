@@ -58,7 +58,8 @@ pub async fn boot(
     incoming: Option<&Launch>,
     ctx: &Ctx,
 ) -> Result<(Pid, u16)> {
-    boot_within(p, vm, image, incoming, p.settings.max_environments, ctx).await
+    let max = p.settings.max_environments;
+    boot_within(p, vm, image, incoming, max, capacity::Waiter::Job, ctx).await
 }
 
 /// [`boot`] once fewer than `limit` VMs run (0: no limit): a warm VM is
@@ -70,6 +71,7 @@ pub async fn boot_within(
     image: &BootImage,
     incoming: Option<&Launch>,
     limit: u32,
+    waiter: capacity::Waiter,
     ctx: &Ctx,
 ) -> Result<(Pid, u16)> {
     let recorded = vm.read_launch()?;
@@ -94,9 +96,10 @@ pub async fn boot_within(
             argv.push("-incoming".into());
             argv.push(format!("file:{}", vm.state().display()));
         }
-        let started =
-            capacity::start_when_free(p.store.root(), limit, ctx, || process::spawn(&argv, vm))
-                .await;
+        let started = capacity::start_when_free(p.store.root(), limit, waiter, ctx, || {
+            process::spawn(&argv, vm)
+        })
+        .await;
         match started {
             Ok(pid) => {
                 ctx.log.info(format!(
