@@ -103,7 +103,7 @@ pub(super) fn announce(s: &Session, key: &str, env_id: uuid::Uuid, resumed: bool
 /// Once the job's environment is ready: a refill of the warm pool, detached
 /// (it boots while the job runs, never before its prepare is done).
 pub(super) fn refill_in_background(s: &Session) {
-    if !s.provider.warm().is_some_and(|w| w.wanted() > 0) {
+    if s.provider.warm().is_none_or(|w| w.wanted() == 0) {
         return;
     }
     match crate::lifecycle::warm::start_refill(&s.store) {
