@@ -7,16 +7,19 @@
 //! See docs/qemu.md.
 //!
 //! One concern per file: `vm` (the VM's files and command line), `process`
-//! (starting QEMU detached, recognising its process, tools), `qmp` (the QMP
-//! client), `guest` (sshd readiness, the clock after a restore), `capacity`
-//! (`max_environments`), `power` (start, stop, hibernate, restore), `volume`
+//! (starting QEMU detached, recognising its process), `tools` (overlay,
+//! seed ISO, a free port), `qmp` (the QMP client), `guest` (sshd readiness,
+//! the clock after a restore), `capacity` (`max_environments`), `power`
+//! (boot, restore), `power_off` (power-off, hibernate, quit), `volume`
 //! (volume mode's data disk), `warm` (VMs booted ahead of jobs).
 
 pub mod capacity;
 pub mod guest;
 pub mod power;
+pub mod power_off;
 pub mod process;
 pub mod qmp;
+pub mod tools;
 pub mod vm;
 pub mod volume;
 pub mod warm;
@@ -136,9 +139,9 @@ impl QemuProvider {
             &self.settings.ssh_user,
             mount.as_ref(),
         )?;
-        process::create_seed(vm, &user_data, &vm::meta_data(spec.env_id))?;
+        tools::create_seed(vm, &user_data, &vm::meta_data(spec.env_id))?;
         if !vm.overlay().exists() {
-            process::create_overlay(
+            tools::create_overlay(
                 &self.settings.qemu_img,
                 image.disk(),
                 self.settings.disk_size.as_deref(),
@@ -184,7 +187,7 @@ impl QemuProvider {
     /// new, nothing to keep running); cleanup deletes the files.
     async fn abandon(&self, vm: &VmDir, ctx: &Ctx) {
         let ctx = Ctx::new(ctx.log.clone(), Default::default(), ABANDON_BUDGET);
-        if let Err(e) = power::quit(vm, &ctx).await {
+        if let Err(e) = power_off::quit(vm, &ctx).await {
             ctx.log.warn(format!(
                 "could not stop QEMU of {} after the failed prepare: {e:#}; `dormant sweep` finds it",
                 vm.name()
@@ -251,12 +254,12 @@ impl Provider for QemuProvider {
 
     async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
         let vm = self.vm(self.env_of(machine)?);
-        power::suspend(self, &vm, ctx).await
+        power_off::suspend(self, &vm, ctx).await
     }
 
     async fn delete(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
         let vm = self.vm(self.env_of(machine)?);
-        power::quit(&vm, ctx).await?;
+        power_off::quit(&vm, ctx).await?;
         if vm.dir.exists() {
             ctx.log
                 .info(format!("deleting VM {} ({})", vm.name(), vm.dir.display()));

@@ -20,7 +20,7 @@ use async_trait::async_trait;
 use uuid::Uuid;
 
 use super::vm::{self, VmDir};
-use super::{power, process, QemuProvider};
+use super::{power_off, process, QemuProvider};
 use crate::context::Ctx;
 use crate::model::{GuestMount, Machine, ManagedVolume, StorageMode, Volume};
 use crate::provider::{VolumeGone, VolumeSpec, Volumes};
@@ -153,9 +153,9 @@ impl Volumes for QemuProvider {
                 "the guest unmounted its data disk: stopping QEMU of VM {}",
                 machine.id
             ));
-            power::quit(&vm, ctx).await
+            power_off::quit(&vm, ctx).await
         } else {
-            power::powerdown(self, &vm, ctx).await
+            power_off::powerdown(self, &vm, ctx).await
         }
     }
 

@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use async_trait::async_trait;
 
 use super::vm::{RunningAs, VmDir};
-use super::{field, power, process, QemuProvider};
+use super::{field, power, power_off, process, tools, QemuProvider};
 use crate::context::Ctx;
 use crate::model::{EnvPaths, Machine};
 use crate::provider::warm::{WarmKind, WarmMachines};
@@ -160,9 +160,9 @@ impl WarmMachines for QemuProvider {
             &self.settings.ssh_user,
             None,
         )?;
-        process::create_seed(&vm, &user_data, &super::vm::meta_data(warm.id))?;
+        tools::create_seed(&vm, &user_data, &super::vm::meta_data(warm.id))?;
         if !vm.overlay().exists() {
-            process::create_overlay(
+            tools::create_overlay(
                 &self.settings.qemu_img,
                 image.disk(),
                 self.settings.disk_size.as_deref(),
@@ -188,12 +188,12 @@ impl WarmMachines for QemuProvider {
         let (pid, port) = match booted {
             Ok(b) => b,
             Err(e) => {
-                let _ = power::quit(&vm, ctx).await;
+                let _ = power_off::quit(&vm, ctx).await;
                 return Err(e);
             }
         };
         if let Err(e) = self.wait_ready(&vm, pid, port, ctx).await {
-            let _ = power::quit(&vm, ctx).await;
+            let _ = power_off::quit(&vm, ctx).await;
             return Err(e);
         }
         Ok(self.machine(warm.id, port, "default"))
@@ -274,7 +274,7 @@ impl WarmMachines for QemuProvider {
 
     async fn retire(&self, warm: &WarmPaths, _machine: Option<&Machine>, ctx: &Ctx) -> Result<()> {
         let vm = self.warm_vm(warm);
-        power::quit(&vm, ctx).await?;
+        power_off::quit(&vm, ctx).await?;
         vm.remove()
     }
 
