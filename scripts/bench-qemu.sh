@@ -22,11 +22,13 @@
 # 127.0.0.1 (the guest's own network is restricted). Under TCG the absolute
 # numbers are slow; dormant's added time is the figure that counts.
 #
-# Usage: scripts/bench-qemu.sh [runs]   (DORMANT_BIN=target/release/dormant for a release build;
+# Usage: [ROWS=new] scripts/bench-qemu.sh [runs]   (DORMANT_BIN=target/release/dormant for a release build;
 #        QEMU_ACCEL=kvm where KVM works)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-1}
+# ROWS=new: only the new-environment rows (cold and warm; a shorter run).
+ROWS=${ROWS:-all}
 ACCEL=${QEMU_ACCEL:-tcg}
 BIN=${DORMANT_BIN:-target/debug/dormant}
 [ -x "$BIN" ] || cargo build --quiet
@@ -108,6 +110,9 @@ for run in $(seq 1 "$RUNS"); do
   t0=$(now); start_vm "$port"; wait_banner "$port"; t1=$(now)
   M[new]+="$(secs "$t0" "$t1") "
   pid=$(cat "$work/qemu.pid")
+  if [ "$ROWS" = new ]; then
+    qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"
+  else
   t0=$(now); qmp "$work/qmp.sock" system_powerdown >/dev/null; wait_exit "$pid"; t1=$(now)
   M[shutdown]+="$(secs "$t0" "$t1") "
   t0=$(now); start_vm "$port"; wait_banner "$port"; t1=$(now)
@@ -143,9 +148,12 @@ for run in $(seq 1 "$RUNS"); do
     [ "$boot" = resume ] && M[suspend-volume]+="$(secs "$t0" "$t1") "
   done
   rm -f "$work/data.qcow2"
+  fi
 
   # --- dormant, in the same run (so both sides see the same machine load) ----
-  for mode in shutdown hibernate volume; do
+  modes="shutdown hibernate volume"
+  [ "$ROWS" = new ] && modes=shutdown
+  for mode in $modes; do
     storage=machine suspend_mode=$mode
     [ "$mode" = volume ] && { storage=volume; suspend_mode=shutdown; }
     cat >"$work/dormant.toml" <<EOF
