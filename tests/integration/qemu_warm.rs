@@ -162,6 +162,11 @@ fn a_new_job_takes_the_warm_vm_booted_before_it_and_the_pool_is_refilled() {
     assert_eq!(status, "ready");
     let w1_pids = qemu_named(&w1);
     assert_eq!(w1_pids.len(), 1, "one QEMU for warm VM {w1}");
+    // Its host key, pinned when it booted (under its own name).
+    let warm_pin = std::fs::read_to_string(rig.state_dir.join(format!("warm/{w1}/known_hosts")))
+        .unwrap()
+        .replace(&format!("dormant-{w1}"), "OWNER");
+    assert_eq!(warm_pin.lines().count(), 1, "{warm_pin}");
 
     // 2. A new job takes it.
     let job1 = job(97)
@@ -209,6 +214,12 @@ fn a_new_job_takes_the_warm_vm_booted_before_it_and_the_pool_is_refilled() {
         "{}",
         r.cleanup_output()
     );
+    // The job's connections checked the VM against the pin from its boot:
+    // the environment holds that one pin, under its own name, and no other.
+    let env_pin = std::fs::read_to_string(&env.known_hosts)
+        .unwrap()
+        .replace(&format!("dormant-{}", env.id), "OWNER");
+    assert_eq!(env_pin, warm_pin, "no host key was taken on trust after the boot");
 
     // The refill boots another; the machine of the job is not in the pool.
     let w2 = wait_for_ready(&rig, &w1);
