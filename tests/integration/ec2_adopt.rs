@@ -2,14 +2,16 @@
 //! empty state dir) takes over the suspended environments of the host it
 //! replaces, and the keys printed before the loss resume them there. Through
 //! the built binary against moto behind the test proxy, SSH to the loopback
-//! sshd (the `CloudInit` stand-in plays the boot hook: it authorizes the key
-//! of a running instance's `dormant:authorized-key` tag).
+//! sshd (the `CloudInit` stand-in plays the boot hook: at every boot after the
+//! first it makes the key of the `dormant:authorized-key` tag the one authorized).
 //!
 //! Network rule: the instance addresses moto hands out are never contacted.
 
 use std::process::Output;
 
-use crate::ec2_rig::{instance_state, instance_tags, key_field, volume, Ec2Env};
+use crate::ec2_rig::{
+    instance_state, instance_tags, instances, is_live, key_field, volume, Ec2Env,
+};
 use crate::harness::{self, assert_result, JobResult, Rig};
 
 pub(crate) const SYSTEM: &str = "s_0123456789ab";
@@ -27,6 +29,39 @@ pub(crate) fn adopt(rig: &Rig) -> String {
     let t = text(&out);
     assert!(out.status.success(), "dormant adopt failed: {t}");
     t
+}
+
+/// Whether the loopback sshd (every instance) lets `private_key` log in as
+/// root, as the old host's own `ssh` would try it.
+pub(crate) fn ssh_logs_in(port: u16, private_key: &std::path::Path) -> bool {
+    let out = std::process::Command::new("ssh")
+        .args([
+            "-F",
+            "/dev/null",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "IdentityAgent=none",
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "ConnectTimeout=20",
+            "-i",
+        ])
+        .arg(private_key)
+        .args(["-p", &port.to_string(), "root@127.0.0.1", "true"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    match out.status.code() {
+        Some(0) => true,
+        Some(255) if String::from_utf8_lossy(&out.stderr).contains("Permission denied") => false,
+        _ => panic!("ssh neither logged in nor was refused: {out:?}"),
+    }
 }
 
 pub(crate) fn suspend_one(rig: &Rig) -> String {
@@ -65,6 +100,11 @@ fn a_new_host_adopts_a_machine_mode_environment_and_the_old_key_resumes_it() {
     let other = env.rig("7", "s_other", &settings);
     let other_key = suspend_one(&other);
     let other_id = key_field(&other_key, "instance").unwrap();
+    let old_key_file = old.env_dir(&key).join("id_ed25519");
+    assert!(
+        ssh_logs_in(env.sshd.port, &old_key_file),
+        "before the take-over the old host's key logs in"
+    );
 
     // The host is replaced: same settings, same system id, empty state dir.
     let new = env.rig("7", SYSTEM, &settings);
@@ -136,6 +176,16 @@ fn a_new_host_adopts_a_machine_mode_environment_and_the_old_key_resumes_it() {
 
     // The key the orchestrator held resumes it on the new host.
     resume_finds_the_file(&new, &key);
+    // That boot replaced the old host's key: sshd itself refuses it now, the
+    // new host's logs in.
+    assert!(
+        !ssh_logs_in(env.sshd.port, &old_key_file),
+        "the old host's key is revoked by the boot after the take-over"
+    );
+    assert!(ssh_logs_in(
+        env.sshd.port,
+        &new.env_dir(&key).join("id_ed25519")
+    ));
 
     // The old host comes back with its stale record: refused before any start.
     let stale = old.run(&harness::job(5).resume(&key).script("true"));

@@ -309,6 +309,11 @@ impl Proxy {
     pub fn clear_calls(&self) {
         self.state.lock().unwrap().calls.clear();
     }
+
+    /// Forgets every error [`Self::fail`] injected (the calls pass again).
+    pub fn clear_faults(&self) {
+        self.state.lock().unwrap().faults.clear();
+    }
 }
 
 impl Drop for Proxy {
@@ -592,15 +597,35 @@ fn replace_elements(xml: &str, tag: &str, value: Option<&str>) -> String {
     out
 }
 
-/// Plays cloud-init for a loopback test sshd: reads the user-data of the
-/// emulator's instances and writes their `ssh_authorized_keys` into an
-/// `authorized_keys` file, so an end-to-end job (EC2 from moto, SSH through
-/// `ec2.connect_address` to the test sshd) logs in with the environment's own
-/// key delivered exactly the way it reaches a real instance. Stops on drop.
+/// Plays cloud-init for a loopback test sshd, one instance at a time, as a
+/// real instance's boot goes: at an instance's first boot cloud-init
+/// installs the `ssh_authorized_keys` of its user-data; at every later boot
+/// of an instance whose user-data carries dormant's boot hook
+/// (`provider/ec2/handover.rs`), the hook makes the key in its
+/// `dormant:authorized-key` tag (as the tag is at that boot) its one
+/// authorized key, dropping the ones before. The sshd's `authorized_keys` is
+/// every instance's keys together (one sshd stands in for every instance;
+/// each environment has a key of its own), so a key a boot hook replaced no
+/// longer logs in. A boot is the stand-in seeing an instance running that it
+/// last saw not running (it polls every 200 ms; a stop and a start are
+/// seconds apart in every test). Stops on drop.
 pub struct CloudInit {
     stop: Arc<AtomicBool>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
+
+/// What the stand-in knows of one instance.
+struct Booted {
+    /// Its authorized keys now.
+    keys: Vec<String>,
+    /// Running when last seen.
+    running: bool,
+    /// Its user-data carries dormant's boot hook.
+    hooked: bool,
+}
+
+/// The function name of dormant's boot hook, as its user-data carries it.
+const BOOT_HOOK: &str = "dormant_authorized_key";
 
 impl CloudInit {
     pub fn start(moto_url: String, authorized_keys: PathBuf) -> CloudInit {
@@ -613,34 +638,31 @@ impl CloudInit {
                 .unwrap();
             rt.block_on(async move {
                 let client = direct_client(&moto_url);
-                let mut seen = std::collections::BTreeSet::new();
-                let mut keys = std::collections::BTreeSet::new();
+                let mut seen: std::collections::BTreeMap<String, Booted> = Default::default();
                 while !flag.load(Ordering::SeqCst) {
                     if let Ok(out) = client.describe_instances().send().await {
-                        // The boot hook of a machine-mode instance (provider/ec2/handover.rs):
-                        // the key in its dormant:authorized-key tag is authorized while it
-                        // runs (here: added, since one sshd stands in for every instance).
                         for i in out.reservations().iter().flat_map(|r| r.instances()) {
+                            let Some(id) = i.instance_id() else { continue };
                             let running = i.state().and_then(|s| s.name())
                                 == Some(&aws_sdk_ec2::types::InstanceStateName::Running);
-                            let tagged = i
-                                .tags()
-                                .iter()
-                                .find(|t| t.key() == Some("dormant:authorized-key"))
-                                .and_then(|t| t.value());
-                            if let (true, Some(k)) = (running, tagged) {
-                                keys.insert(k.trim().to_string());
-                            }
-                        }
-                        for id in out
-                            .reservations()
-                            .iter()
-                            .flat_map(|r| r.instances())
-                            .filter_map(|i| i.instance_id())
-                        {
-                            if seen.contains(id) {
+                            if let Some(b) = seen.get_mut(id) {
+                                let tagged = i
+                                    .tags()
+                                    .iter()
+                                    .find(|t| t.key() == Some("dormant:authorized-key"))
+                                    .and_then(|t| t.value())
+                                    .map(str::trim)
+                                    .filter(|k| k.starts_with("ssh-ed25519 ") && !k.contains('\n'));
+                                if running && !b.running && b.hooked {
+                                    // A later boot: the hook replaces the keys (no tag: unchanged).
+                                    if let Some(k) = tagged {
+                                        b.keys = vec![k.to_string()];
+                                    }
+                                }
+                                b.running = running;
                                 continue;
                             }
+                            // The first boot: the keys of its user-data.
                             let Ok(attr) = client
                                 .describe_instance_attribute()
                                 .instance_id(id)
@@ -650,15 +672,23 @@ impl CloudInit {
                             else {
                                 continue;
                             };
-                            seen.insert(id.to_string());
                             let data = attr
                                 .user_data()
                                 .and_then(|u| u.value())
                                 .and_then(|v| aws_smithy_types::base64::decode(v).ok())
                                 .map(|b| String::from_utf8_lossy(&b).to_string())
                                 .unwrap_or_default();
-                            keys.extend(authorized_keys_of(&data));
+                            seen.insert(
+                                id.to_string(),
+                                Booted {
+                                    keys: authorized_keys_of(&data),
+                                    running,
+                                    hooked: data.contains(BOOT_HOOK),
+                                },
+                            );
                         }
+                        let keys: std::collections::BTreeSet<&String> =
+                            seen.values().flat_map(|b| &b.keys).collect();
                         let text: String = keys.iter().map(|k| format!("{k}\n")).collect();
                         let tmp = authorized_keys.with_extension("tmp");
                         if std::fs::write(&tmp, text).is_ok() {
