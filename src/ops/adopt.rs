@@ -275,11 +275,14 @@ mod imp {
                 lines.next().and_then(|l| l.trim().parse::<u64>().ok()),
                 lines.next().unwrap_or("?").trim().to_string(),
             ) else {
+                // Cut short by a power loss (markers are not fsynced): what
+                // is lost is at most this one event.
                 ctx.log.warn(format!(
-                    "{} is not an epoch and a resource: left as it is; the adopted event of environment \
-                     {id} may be missing from the event log",
+                    "{} is not an epoch and a resource: removed; the adopted event of environment {id} \
+                     may be missing from the event log",
                     marker.display()
                 ));
+                let _ = store::remove_file(&marker);
                 continue;
             };
             let reason = adopted_reason(&resource, epoch);
