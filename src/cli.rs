@@ -90,7 +90,8 @@ pub enum Command {
     },
     /// Take over the suspended EC2 environments of this runner manager (its
     /// system id) that no record here knows: after replacing the host, with the
-    /// old one gone. Prints what it adopted, and what it left alone and why.
+    /// old one gone. Prints what it adopted, and what it left alone and why;
+    /// fails when it cannot list the region or a take-over failed.
     Adopt,
     /// Print Prometheus text: the registry (environments by status, oldest
     /// suspension) and the event log's counters and histograms.
