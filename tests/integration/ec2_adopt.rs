@@ -317,6 +317,26 @@ fn an_unreadable_record_is_moved_aside_and_rebuilt_from_the_cloud() {
         }
         let damaged = b"{\"v\": 2, \"id\": \"trunc";
         std::fs::write(dir.join("record.json"), damaged).unwrap();
+        if !volume_mode {
+            // A process holds its record lock: nothing is moved, the take-over fails.
+            let held = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(dir.join("record.lock"))
+                .unwrap();
+            held.lock().unwrap();
+            let out = new.dormant(&["adopt"]);
+            let t = text(&out);
+            assert_eq!(out.status.code(), Some(2), "{mode}: {t}");
+            assert!(
+                t.contains("holds its lock") && t.contains("not adopted"),
+                "{mode}: {t}"
+            );
+            assert_eq!(std::fs::read(dir.join("record.json")).unwrap(), damaged);
+            assert!(!new.state_dir.join("quarantine").exists(), "{mode}: {t}");
+            drop(held);
+        }
 
         let out = adopt(&new);
         assert!(
