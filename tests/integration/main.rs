@@ -21,6 +21,8 @@ mod ec2_calls;
 #[cfg(feature = "ec2")]
 mod ec2_handover;
 #[cfg(feature = "ec2")]
+mod ec2_holds;
+#[cfg(feature = "ec2")]
 mod ec2_job;
 #[cfg(feature = "ec2")]
 mod ec2_placement;
