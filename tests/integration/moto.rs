@@ -9,7 +9,12 @@
 //! (moto attaches it anyway), and slow state transitions (a `running`
 //! instance shown as `pending` for a while; `hold_transitions` holds every
 //! start and stop for a fixed time from its call, for the resume benchmark
-//! and the tests that count polls during a transition).
+//! and the tests that count polls during a transition; `hold_launches`
+//! holds every new instance `pending` after RunInstances and
+//! `hold_attaches` every volume `attaching` after AttachVolume, as EC2
+//! takes seconds for each: for the EC2 benchmark, `scripts/bench-ec2.sh`).
+//! Every hold is off until a test turns it on; `shown_held` counts the
+//! describes that showed one, so a test can tell a hold was really seen.
 //!
 //! Network rule: only loopback. moto hands out 10.x / 54.x addresses for its
 //! instances; nothing here connects to them.
@@ -103,6 +108,11 @@ pub struct Call {
     pub at: Instant,
     pub action: String,
     pub body: String,
+    /// The held state its answer showed (`pending`, `attaching`, ...), if
+    /// a hold rewrote it.
+    pub held: Option<&'static str>,
+    /// Numbers the calls in arrival order (never reused).
+    seq: u64,
 }
 
 /// An injected error: the next `times` calls of `action`, after `skip` of them pass.
@@ -125,7 +135,8 @@ struct Slow {
 }
 
 /// An instance's transition as the proxy shows it: after StartInstances
-/// (StopInstances) DescribeInstances says `pending` (`stopping`) until `until`.
+/// (StopInstances, RunInstances) DescribeInstances says `pending`
+/// (`stopping`, `pending`) until `until`.
 #[derive(Debug, Clone)]
 struct Transition {
     id: String,
@@ -141,11 +152,31 @@ struct State {
     slow: Vec<Slow>,
     /// `hold_transitions`: how long every start and stop is held.
     hold: Option<(Duration, Duration)>,
+    /// `hold_launches`: how long every new instance is held `pending`.
+    launch_hold: Option<Duration>,
+    /// `hold_attaches`: how long every attachment is held `attaching`.
+    attach_hold: Option<Duration>,
     transitions: Vec<Transition>,
+    /// (volume id, until): DescribeVolumes shows its attachment `attaching`.
+    attaching: Vec<(String, Instant)>,
+    /// Describes that showed a held state, by that state (`pending`, `attaching`, ...).
+    shown_held: std::collections::BTreeMap<&'static str, usize>,
+    /// The `seq` of the next call.
+    next_seq: u64,
     /// `public_ip`: the address DescribeInstances reports as every instance's public IP.
     public_ip: Option<String>,
     /// `public_ip_once_running`: no public IP while a start is held `pending`.
     ip_once_running: bool,
+}
+
+impl State {
+    /// Call `seq`'s answer showed something in the held state `state`.
+    fn shown(&mut self, seq: u64, state: &'static str) {
+        *self.shown_held.entry(state).or_default() += 1;
+        if let Some(c) = self.calls.iter_mut().rev().find(|c| c.seq == seq) {
+            c.held = Some(state);
+        }
+    }
 }
 
 /// The recording, fault-injecting proxy. Stops on drop.
@@ -253,6 +284,32 @@ impl Proxy {
     /// `pending` (`stopping`), as a real instance is for seconds to minutes.
     pub fn hold_transitions(&self, start: Duration, stop: Duration) {
         self.state.lock().unwrap().hold = Some((start, stop));
+    }
+
+    /// From now on, every instance RunInstances makes is shown `pending`
+    /// for `d` from the call (EC2: ≈ 20 s to `running` for a small Linux
+    /// instance), whatever moto says.
+    pub fn hold_launches(&self, d: Duration) {
+        self.state.lock().unwrap().launch_hold = Some(d);
+    }
+
+    /// From now on, every volume AttachVolume attaches is shown with its
+    /// attachment `attaching` for `d` from the call (EC2: seconds).
+    pub fn hold_attaches(&self, d: Duration) {
+        self.state.lock().unwrap().attach_hold = Some(d);
+    }
+
+    /// How many describe answers showed something in the held state `state`
+    /// (`pending`, `stopping`: an instance; `attaching`: a volume): that a
+    /// hold was not only set but seen by whoever asked.
+    pub fn shown_held(&self, state: &str) -> usize {
+        self.state
+            .lock()
+            .unwrap()
+            .shown_held
+            .get(state)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// DescribeInstances reports `ip` as every instance's public IP (e.g.
@@ -404,13 +461,19 @@ fn serve(
     let (head, body) = read_message(&mut conn, false)?;
     let text = String::from_utf8_lossy(&body).to_string();
     let action = form_value(&text, "Action").unwrap_or_else(|| "?".into());
+    let called = Instant::now();
+    let seq;
     let fault = {
         let mut st = state.lock().unwrap();
-        let now = Instant::now();
+        let now = called;
+        seq = st.next_seq;
+        st.next_seq += 1;
         st.calls.push(Call {
             at: now,
             action: action.clone(),
             body: text.clone(),
+            held: None,
+            seq,
         });
         let kind = match (action.as_str(), st.hold) {
             ("StartInstances", Some((h, _))) => Some(((16, "running"), (0, "pending"), h)),
@@ -465,6 +528,22 @@ fn serve(
     up.write_all(new_head.as_bytes())?;
     up.write_all(&body)?;
     let (resp_head, mut resp_body) = read_message(&mut up, true)?;
+    if resp_head.starts_with("HTTP/1.1 200") {
+        hold_after(&action, &text, &resp_body, called, state);
+    }
+    if action == "DescribeVolumes" {
+        let xml = String::from_utf8_lossy(&resp_body).to_string();
+        let mut st = state.lock().unwrap();
+        let now = Instant::now();
+        let mut shown = xml.clone();
+        for (id, _) in st.attaching.iter().filter(|(_, u)| now < *u) {
+            shown = show_attaching(&shown, id);
+        }
+        if shown != xml {
+            st.shown(seq, "attaching");
+            resp_body = shown.into_bytes();
+        }
+    }
     if action == "DescribeInstances" {
         let mut xml = String::from_utf8_lossy(&resp_body).to_string();
         let now = Instant::now();
@@ -483,9 +562,17 @@ fn serve(
             }
         }
         xml = show_stranded(&xml, refusals);
-        let st = state.lock().unwrap();
+        let mut st = state.lock().unwrap();
+        let mut held = Vec::new();
         for t in st.transitions.iter().filter(|t| now < t.until) {
+            let before = xml.clone();
             xml = show_state(&xml, &t.id, t.real, t.shown);
+            if xml != before && !held.contains(&t.shown.1) {
+                held.push(t.shown.1);
+            }
+        }
+        for h in held {
+            st.shown(seq, h);
         }
         if let Some(ip) = &st.public_ip {
             let starting = st
@@ -511,6 +598,68 @@ fn serve(
     conn.flush()?;
     let _ = conn.shutdown(Shutdown::Both);
     Ok(())
+}
+
+/// The holds a successful call starts: each instance RunInstances made is
+/// held `pending` (`hold_launches`), the volume AttachVolume attached is
+/// held `attaching` (`hold_attaches`), from `called` on.
+fn hold_after(action: &str, request: &str, response: &[u8], called: Instant, state: &Mutex<State>) {
+    let mut st = state.lock().unwrap();
+    match (action, st.launch_hold, st.attach_hold) {
+        ("RunInstances", Some(hold), _) => {
+            let xml = String::from_utf8_lossy(response);
+            let ids: Vec<String> = xml
+                .split("<instanceId>")
+                .skip(1)
+                .filter_map(|rest| {
+                    rest.split_once("</instanceId>")
+                        .map(|(id, _)| id.to_string())
+                })
+                .collect();
+            for id in ids {
+                st.transitions.push(Transition {
+                    id,
+                    real: (16, "running"),
+                    shown: (0, "pending"),
+                    until: called + hold,
+                });
+            }
+        }
+        ("AttachVolume", _, Some(hold)) => {
+            if let Some(id) = form_value(request, "VolumeId") {
+                st.attaching.push((id, called + hold));
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Shows every attachment of volume `id` that moto says is `attached` as
+/// `attaching` (the volume stays `in-use`, as on EC2 during an attach).
+pub fn show_attaching(xml: &str, id: &str) -> String {
+    let mut out = String::new();
+    let mut rest = xml;
+    while let Some(i) = rest.find("<attachmentSet>") {
+        let Some(j) = rest[i..].find("</attachmentSet>") else {
+            break;
+        };
+        let set = &rest[i..i + j];
+        let shown: Vec<String> = set
+            .split_inclusive("</item>")
+            .map(|item| {
+                if item.contains(&format!("<volumeId>{id}</volumeId>")) {
+                    item.replace("<status>attached</status>", "<status>attaching</status>")
+                } else {
+                    item.to_string()
+                }
+            })
+            .collect();
+        out.push_str(&rest[..i]);
+        out.push_str(&shown.concat());
+        rest = &rest[i + j..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Shows instance `id` in state `shown` where moto says `real`: the
