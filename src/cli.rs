@@ -90,7 +90,8 @@ pub enum Command {
     },
     /// Take over the suspended EC2 environments of this runner manager (its
     /// system id) that no record here knows: after replacing the host, with the
-    /// old one gone. Prints what it adopted, and what it left alone and why.
+    /// old one gone. Prints what it adopted, and what it left alone and why;
+    /// fails when it cannot list the region or a take-over failed.
     Adopt,
     /// Top up the warm pool: retire warm machines that are too old, made from
     /// settings that changed, dead or not wanted, and boot what `warm` asks for

@@ -105,10 +105,15 @@ pub struct ManagedVolume {
 /// Where the guest finds the data volume and mounts it (volume mode).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GuestMount {
-    /// The block device as the guest names it, stable across machines
-    /// (`/dev/disk/by-id/...`); `None` when there is nothing to mount (the
-    /// `local` provider's volume is a directory the attach links in).
-    pub device: Option<String>,
+    /// The names the guest may give the block device, most specific first,
+    /// each stable across machines (`/dev/disk/by-id/...`, or the name the
+    /// volume was attached as). The mount waits for whichever appears first
+    /// and uses no other device. Several because one attach shows under
+    /// different names on different machines (EC2: an NVMe disk named by
+    /// its volume id on Nitro, `/dev/xvdf` on Xen). Empty when there is
+    /// nothing to mount (the `local` provider's volume is a directory the
+    /// attach links in).
+    pub devices: Vec<String>,
     /// Where it is mounted.
     pub mountpoint: String,
     /// Directories on it the login user must own: the builds and cache dirs.

@@ -22,10 +22,13 @@ use crate::model::GuestMount;
 use crate::transport::ssh::shell_quote;
 use crate::transport::{ExecOutput, Transport};
 
-/// The mount waits up to 60 s for the device to show (an EBS attach is
-/// reported before the guest's kernel has the disk); formatting a fresh
-/// volume takes seconds. Past this the command is given up.
+/// The mount waits up to [`DEVICE_WAIT`] for the device to show; formatting
+/// a fresh volume takes seconds. Past this the command is given up.
 const MOUNT_LIMIT: Duration = Duration::from_secs(180);
+/// How long the mount waits for the data volume's device to show: an EBS
+/// attach is reported before the guest's kernel has the disk, and udev makes
+/// the `/dev/disk/by-id` link after that.
+const DEVICE_WAIT: Duration = Duration::from_secs(60);
 /// Sync and unmount: writing back what the job left in the page cache may
 /// take a while on a slow disk.
 pub const UNMOUNT_LIMIT: Duration = Duration::from_secs(300);
@@ -36,23 +39,61 @@ pub const MARK: &str = ".dormant-volume";
 /// Lines of the commands' output meant for the log start with this.
 const SAY: &str = "dormant-volume: ";
 
+/// The first lines of both commands: how they speak, and `sudo` when not root.
+fn preamble() -> String {
+    format!(
+        r#"say() {{ echo "{SAY}$*"; }}
+fail() {{ say "error: $*"; exit 1; }}
+if [ "$(id -u)" = 0 ]; then S=; else S="sudo -n"; fi
+"#
+    )
+}
+
+/// The mount command's device part: sets `D` to the first of `devices`
+/// that exists, waiting up to `wait` for one to appear, and fails if none
+/// does or the one found is not a block device. Never any other device: a
+/// disk that shows under a name not in the list is not taken for the
+/// volume, however it looks. No devices: `D` is empty (nothing to mount).
+fn find_device(devices: &[String], wait: Duration) -> String {
+    if devices.is_empty() {
+        return "D=\n".into();
+    }
+    let names: Vec<String> = devices.iter().map(|d| shell_quote(d)).collect();
+    format!(
+        r#"D=
+set -- {names}
+pick() {{ for c in "$@"; do [ -e "$c" ] && {{ D=$c; return 0; }}; done; return 1; }}
+i=0
+until pick "$@"; do
+  [ "$i" -ge {tenths} ] && fail "the data volume's device did not appear in the machine within {secs} s as any of: $* (no other device is taken for it)"
+  sleep 0.1; i=$((i+1))
+done
+[ -b "$D" ] || fail "$D is not a block device: refusing to take it for the data volume"
+"#,
+        names = names.join(" "),
+        tenths = wait.as_millis() / 100,
+        secs = wait.as_secs(),
+    )
+}
+
 /// The mount command: waits for the device, formats it on the first mount
 /// only, mounts it, checks the mark (writes it on the first mount), and
 /// makes the builds and cache dirs the login user's.
 pub fn mount_script(m: &GuestMount, env_id: Uuid, first: bool) -> String {
-    let device = m.device.as_deref().unwrap_or("");
+    mount_script_waiting(m, env_id, first, DEVICE_WAIT)
+}
+
+/// [`mount_script`], waiting `device_wait` for the device.
+fn mount_script_waiting(
+    m: &GuestMount,
+    env_id: Uuid,
+    first: bool,
+    device_wait: Duration,
+) -> String {
     let dirs: Vec<String> = m.user_dirs.iter().map(|d| shell_quote(d)).collect();
     format!(
-        r#"D={d}; M={m}; ID={id}; FIRST={first}
-say() {{ echo "{SAY}$*"; }}
-fail() {{ say "error: $*"; exit 1; }}
-if [ "$(id -u)" = 0 ]; then S=; else S="sudo -n"; fi
-if [ -n "$D" ]; then
-  i=0
-  while [ ! -e "$D" ]; do
-    [ "$i" -ge 600 ] && fail "the data volume's device $D did not appear in the machine within 60 s"
-    sleep 0.1; i=$((i+1))
-  done
+        r#"M={m}; ID={id}; FIRST={first}
+{preamble}{find}if [ -n "$D" ]; then
   if ! mountpoint -q "$M" 2>/dev/null; then
     $S blkid -p "$D" >/dev/null 2>&1; rc=$?
     if [ "$rc" = 2 ]; then
@@ -81,10 +122,11 @@ for dir in {dirs}; do
 done
 say "mounted $M ($(df -h --output=size,avail "$M" 2>/dev/null | tail -1 | awk '{{print $1 " size, " $2 " free"}}'))"
 "#,
-        d = shell_quote(device),
         m = shell_quote(&m.mountpoint),
         id = env_id,
         first = u8::from(first),
+        preamble = preamble(),
+        find = find_device(&m.devices, device_wait),
         dirs = dirs.join(" "),
     )
 }
@@ -93,14 +135,11 @@ say "mounted $M ($(df -h --output=size,avail "$M" 2>/dev/null | tail -1 | awk '{
 /// unmounted. Processes the job left running on it are ended (the machine is
 /// deleted right after, which would end them anyway). Says `unmounted`.
 pub fn unmount_script(m: &GuestMount) -> String {
-    let device = m.device.as_deref().unwrap_or("");
     format!(
-        r#"D={d}; M={m}
-say() {{ echo "{SAY}$*"; }}
-cd / || exit 1
+        r#"BLOCK={block}; M={m}
+{preamble}cd / || exit 1
 sync
-[ -n "$D" ] || {{ say unmounted; exit 0; }}
-if [ "$(id -u)" = 0 ]; then S=; else S="sudo -n"; fi
+[ "$BLOCK" = 1 ] || {{ say unmounted; exit 0; }}
 mountpoint -q "$M" 2>/dev/null || {{ say unmounted; exit 0; }}
 $S umount "$M" 2>/dev/null && {{ say unmounted; exit 0; }}
 $S sh -c 'for p in /proc/[0-9]*; do n=${{p#/proc/}}; [ "$n" = "$$" ] && continue;
@@ -110,8 +149,9 @@ sleep 0.5
 $S umount "$M" && {{ say unmounted; exit 0; }}
 say "error: $M is still in use"; exit 1
 "#,
-        d = shell_quote(device),
+        block = u8::from(!m.devices.is_empty()),
         m = shell_quote(&m.mountpoint),
+        preamble = preamble(),
     )
 }
 

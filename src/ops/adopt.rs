@@ -15,12 +15,26 @@
 //! 3. the record — suspended, its original suspension time, the new epoch —
 //!    written into the staging directory and renamed into place with the
 //!    key files (`adopt:tagged` before it, `adopt:recorded` after);
-//! 4. an `adopted` event.
+//!    With the record comes a marker, `adopted.pending`, that says its
+//!    `adopted` event is still to be written;
+//! 4. the `adopted` event, then the marker removed (`adopt:announced`
+//!    between them).
 //!
 //! Killed before 3, the environment is still unknown here: the next run
 //! adopts it again (one more epoch, a new key in the tag: the record it then
 //! writes matches both), and the staging directory left behind is removed by
-//! `dormant sweep`. One adopt runs at a time (`adopt.lock` in the state dir).
+//! `dormant sweep`. Killed between 3 and 4, the record stands with its
+//! marker: the next run writes the event first thing (unless the log shows
+//! it was written, with that epoch, just before the kill). One adopt runs at
+//! a time (`adopt.lock` in the state dir).
+//!
+//! A record here that cannot be read (damaged, or written by a newer dormant)
+//! is never overwritten nor deleted: once the environment is taken over in
+//! the cloud, its directory is moved into `quarantine/<id>-<unix seconds>` in
+//! the state dir, for the operator to look at, and the record is rebuilt in
+//! its place. An environment whose take-over fails is listed and makes the
+//! run fail (the operator's exit code for a system failure), after every
+//! other environment was dealt with.
 
 use anyhow::{bail, Result};
 use tokio_util::sync::CancellationToken;
@@ -36,7 +50,16 @@ pub struct Report {
     pub adopted: Vec<(uuid::Uuid, String)>,
     /// One line each: the resources, the environment, why.
     pub left: Vec<String>,
+    /// How many of `left` were adoptable but their take-over failed.
+    pub failed: usize,
 }
+
+/// Beside a record `dormant adopt` wrote until its `adopted` event is in the
+/// log: the epoch it wrote, then the instance or volume, one per line.
+pub const PENDING_EVENT: &str = "adopted.pending";
+
+/// Where a record that cannot be read is moved by `dormant adopt`.
+pub const QUARANTINE_DIR: &str = "quarantine";
 
 pub async fn adopt(
     settings: &Settings,
@@ -66,12 +89,12 @@ mod imp {
 
 #[cfg(feature = "ec2")]
 mod imp {
-    use std::path::Path;
+    use std::path::{Path, PathBuf};
 
     use anyhow::{bail, Context, Result};
     use tokio_util::sync::CancellationToken;
 
-    use super::Report;
+    use super::{Report, PENDING_EVENT, QUARANTINE_DIR};
     use crate::context::{Ctx, JobLog};
     use crate::envkey::EnvironmentKey;
     use crate::events::{Event, EventLog, Kind};
@@ -104,6 +127,7 @@ mod imp {
         else {
             bail!("could not take {}", lock_path.display());
         };
+        record_pending_events(&store, &events, &ctx).await;
         let runner = settings.runner_id.as_deref().map(str::trim);
         log.info(format!(
             "looking for environments of system {system_id}{} to adopt",
@@ -126,6 +150,7 @@ mod imp {
         for a in &found.adoptable {
             let paths = store.env_paths(a.env_id);
             let resource = a.what.resource().to_string();
+            let mut unreadable = None;
             let known = match registry::peek(&paths) {
                 Ok(Some(rec)) => Some(format!(
                     "a record on this host knows it ({}): nothing to adopt",
@@ -137,11 +162,10 @@ mod imp {
                     paths.dir.display()
                 )),
                 Ok(None) => None,
-                Err(e) => Some(format!(
-                    "its record on this host cannot be read ({e:#}): move {} aside and run `dormant adopt` \
-                     again to rebuild it from the cloud",
-                    paths.dir.display()
-                )),
+                Err(e) => {
+                    unreadable = Some(format!("{e:#}"));
+                    None
+                }
             };
             if let Some(why) = known {
                 report
@@ -149,18 +173,52 @@ mod imp {
                     .push(format!("{resource} (environment {}): {why}", a.env_id));
                 continue;
             }
-            match adopt_one(&store, &ec2, &system_id, a, &paths, &ctx).await {
-                Ok(rec) => {
-                    let line = describe(&rec, a);
-                    let event = Event::about(Kind::Adopted, "operator", &rec)
-                        .reason(&format!("taken over from the cloud: {resource}"));
-                    events.record(event, &ctx).await;
+            match adopt_one(
+                &store,
+                &ec2,
+                &system_id,
+                a,
+                &paths,
+                unreadable.is_some(),
+                &ctx,
+            )
+            .await
+            {
+                Ok((rec, epoch, quarantined)) => {
+                    let mut line = describe(&rec, a);
+                    let mut reason = adopted_reason(&resource, epoch);
+                    if let (Some(q), Some(why)) = (&quarantined, &unreadable) {
+                        line.push_str(&format!(
+                            "; its record here could not be read ({why}) and was moved to {} (kept for you \
+                             to look at; delete it when done), and rebuilt from the cloud",
+                            q.display()
+                        ));
+                        reason.push_str(&format!(
+                            "; the unreadable record here was moved to {}",
+                            q.display()
+                        ));
+                    }
+                    let event = Event::about(Kind::Adopted, "operator", &rec).reason(&reason);
+                    match events.append(&event, &ctx).await {
+                        Ok(()) => {
+                            crate::failpoint!("adopt:announced");
+                            let _ = store::remove_file(&paths.dir.join(PENDING_EVENT));
+                        }
+                        Err(e) => log.warn(format!(
+                            "the adopted event of environment {} was not recorded in the event log ({e:#}); \
+                             the next `dormant adopt` records it",
+                            a.env_id
+                        )),
+                    }
                     report.adopted.push((a.env_id, line));
                 }
-                Err(e) => report.left.push(format!(
-                    "{resource} (environment {}): not adopted: {e:#}",
-                    a.env_id
-                )),
+                Err(e) => {
+                    report.failed += 1;
+                    report.left.push(format!(
+                        "{resource} (environment {}): not adopted: {e:#}",
+                        a.env_id
+                    ))
+                }
             }
         }
         for (_, line) in &report.adopted {
@@ -174,7 +232,109 @@ mod imp {
             report.adopted.len(),
             report.left.len()
         ));
+        if report.failed > 0 {
+            bail!(
+                "{} environment(s) could be adopted but their take-over failed (the lines above say why): \
+                 they are not adopted, and no record of them was written; fix what they say and run \
+                 `dormant adopt` again",
+                report.failed
+            );
+        }
         Ok(report)
+    }
+
+    /// The reason of an `adopted` event; the epoch makes it that take-over's
+    /// (a later adopt looks for it before writing one it finds pending).
+    fn adopted_reason(resource: &str, epoch: u64) -> String {
+        format!("taken over from the cloud: {resource} (ownership epoch {epoch})")
+    }
+
+    /// Writes the `adopted` events an earlier run was killed before writing:
+    /// every environment here with an `adopted.pending` marker gets its
+    /// event, unless the log already has it (that run was killed between the
+    /// event and the marker's removal); then the marker goes. A failure is a
+    /// warning: the marker stays for the next run.
+    async fn record_pending_events(store: &StateStore, events: &EventLog, ctx: &Ctx) {
+        let ids = match store.environment_ids() {
+            Ok(ids) => ids,
+            Err(e) => {
+                ctx.log.warn(format!(
+                    "looking for adopted events still to be recorded: {e:#}"
+                ));
+                return;
+            }
+        };
+        for id in ids {
+            let paths = store.env_paths(id);
+            let marker = paths.dir.join(PENDING_EVENT);
+            let Ok(text) = std::fs::read_to_string(&marker) else {
+                continue;
+            };
+            let mut lines = text.lines();
+            let (Some(epoch), resource) = (
+                lines.next().and_then(|l| l.trim().parse::<u64>().ok()),
+                lines.next().unwrap_or("?").trim().to_string(),
+            ) else {
+                // Cut short by a power loss (markers are not fsynced): what
+                // is lost is at most this one event.
+                ctx.log.warn(format!(
+                    "{} is not an epoch and a resource: removed; the adopted event of environment {id} \
+                     may be missing from the event log",
+                    marker.display()
+                ));
+                let _ = store::remove_file(&marker);
+                continue;
+            };
+            let reason = adopted_reason(&resource, epoch);
+            let written = match already_recorded(events, id, &reason) {
+                Ok(w) => w,
+                Err(e) => {
+                    ctx.log.warn(format!(
+                        "reading the event log for environment {id}'s adopted event: {e:#}"
+                    ));
+                    continue;
+                }
+            };
+            if !written {
+                let rec = match registry::peek(&paths) {
+                    Ok(Some(rec)) => rec,
+                    _ => continue, // released meanwhile, or unreadable: nothing to say it of
+                };
+                let event = Event::about(Kind::Adopted, "operator", &rec).reason(&format!(
+                    "{reason}; recorded by a later `dormant adopt` (the one that took it over was killed \
+                     before it could)"
+                ));
+                if let Err(e) = events.append(&event, ctx).await {
+                    ctx.log.warn(format!(
+                        "the adopted event of environment {id} is still not recorded ({e:#}): the next \
+                         `dormant adopt` tries again"
+                    ));
+                    continue;
+                }
+                ctx.log.info(format!(
+                    "recorded the adopted event of environment {id} that an earlier `dormant adopt` was \
+                     killed before writing"
+                ));
+            }
+            let _ = store::remove_file(&marker);
+        }
+    }
+
+    /// Whether the log holds environment `id`'s `adopted` event with `reason`
+    /// (a later note may follow it).
+    fn already_recorded(events: &EventLog, id: uuid::Uuid, reason: &str) -> Result<bool> {
+        let mut found = false;
+        crate::events::read::read_from(events.dir(), None, &mut |line| {
+            if let crate::events::read::Line::Event(e, _) = line {
+                if e.env == Some(id)
+                    && e.event == Kind::Adopted.as_str()
+                    && e.reason.as_deref().is_some_and(|r| r.starts_with(reason))
+                {
+                    found = true;
+                }
+            }
+        })?;
+        Ok(found)
     }
 
     fn describe(rec: &EnvironmentRecord, a: &Adoptable) -> String {
@@ -193,31 +353,37 @@ mod imp {
         )
     }
 
+    /// Takes `a` over: its record, the epoch written, and where an
+    /// unreadable record it replaced went (`unreadable`: one is there).
     async fn adopt_one(
         store: &StateStore,
         ec2: &Ec2Provider,
         system_id: &str,
         a: &Adoptable,
         paths: &EnvPaths,
+        unreadable: bool,
         ctx: &Ctx,
-    ) -> Result<EnvironmentRecord> {
+    ) -> Result<(EnvironmentRecord, u64, Option<PathBuf>)> {
         let staging = store.staging_dir(a.env_id)?;
-        let result = stage_and_record(store, ec2, system_id, a, paths, &staging, ctx).await;
+        let result =
+            stage_and_record(store, ec2, system_id, a, paths, unreadable, &staging, ctx).await;
         if result.is_err() {
             let _ = store::remove_tree(&staging);
         }
         result
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn stage_and_record(
         store: &StateStore,
         ec2: &Ec2Provider,
         system_id: &str,
         a: &Adoptable,
         paths: &EnvPaths,
+        unreadable: bool,
         staging: &Path,
         ctx: &Ctx,
-    ) -> Result<EnvironmentRecord> {
+    ) -> Result<(EnvironmentRecord, u64, Option<PathBuf>)> {
         let in_staging = |p: &Path| staging.join(p.file_name().unwrap_or_default());
         let mut public_key = None;
         if let Held::Machine { entry, .. } = &a.what {
@@ -277,6 +443,18 @@ mod imp {
             // so the TTL never deletes it early.
             suspended_at: a.suspended_at.unwrap_or(now),
         });
+        store::write_private(
+            &staging.join(PENDING_EVENT),
+            format!("{epoch}\n{}\n", a.what.resource()).as_bytes(),
+        )
+        .with_context(|| format!("writing {PENDING_EVENT} into {}", staging.display()))?;
+        // Taken over in the cloud: the unreadable record can go aside now
+        // (earlier, a failed tag write would have moved it for nothing).
+        let quarantined = if unreadable {
+            Some(quarantine(store, paths)?)
+        } else {
+            None
+        };
         if !registry::create_staged(store, &rec, staging.to_path_buf())? {
             bail!(
                 "environment {} appeared in {} meanwhile: left to the process that made it",
@@ -285,6 +463,32 @@ mod imp {
             );
         }
         crate::failpoint!("adopt:recorded");
-        Ok(rec)
+        Ok((rec, epoch, quarantined))
+    }
+
+    /// Moves an environment directory whose record cannot be read into
+    /// `quarantine/<id>-<unix seconds>` in the state dir (never deleted),
+    /// under its record lock: a process that holds the lock is left to finish.
+    fn quarantine(store: &StateStore, paths: &EnvPaths) -> Result<PathBuf> {
+        let Some(_lock) = registry::try_lock(paths)? else {
+            bail!(
+                "its record here cannot be read, and a dormant process holds its lock ({}): left as it is; \
+                 run `dormant adopt` again once no job uses this host",
+                paths.lock.display()
+            );
+        };
+        let dir = store.root().join(QUARANTINE_DIR);
+        store::ensure_private_dir(&dir)?;
+        let to = dir.join(format!("{}-{}", paths.id, crate::state::now_unix()));
+        std::fs::rename(&paths.dir, &to).with_context(|| {
+            format!(
+                "moving {} (its record cannot be read) to {}",
+                paths.dir.display(),
+                to.display()
+            )
+        })?;
+        store::sync_dir(store.environments_dir().as_path())
+            .with_context(|| format!("syncing {}", store.environments_dir().display()))?;
+        Ok(to)
     }
 }

@@ -46,8 +46,13 @@ pub fn user_data_with(
         text.push_str("disable_root: false\n");
     }
     if let Some(v) = volume {
-        let Some(device) = v.device.as_deref() else {
-            bail!("environment {env_id}: a data volume without a device cannot be mounted by cloud-init");
+        // fstab and fs_setup take one name: a provider whose guests name the
+        // device in more than one way mounts it with the core's mount command.
+        let [device] = v.devices.as_slice() else {
+            bail!(
+                "environment {env_id}: cloud-init mounts a data volume only by one device name, not {:?}",
+                v.devices
+            );
         };
         let plain = |s: &str| {
             !s.is_empty()
@@ -98,7 +103,7 @@ mod tests {
     #[test]
     fn a_data_volume_is_formatted_only_when_blank_and_mounted() {
         let m = GuestMount {
-            device: Some("/dev/disk/by-id/virtio-dormant-data".into()),
+            devices: vec!["/dev/disk/by-id/virtio-dormant-data".into()],
             mountpoint: "/dormant".into(),
             user_dirs: Vec::new(),
         };
@@ -126,7 +131,15 @@ mod tests {
             ..m.clone()
         };
         assert!(user_data_with(Uuid::nil(), Some("ssh-ed25519 A"), "debian", Some(&bad)).is_err());
-        let none = GuestMount { device: None, ..m };
+        let two = GuestMount {
+            devices: vec!["/dev/xvdf".into(), "/dev/sdf".into()],
+            ..m.clone()
+        };
+        assert!(user_data_with(Uuid::nil(), Some("ssh-ed25519 A"), "debian", Some(&two)).is_err());
+        let none = GuestMount {
+            devices: Vec::new(),
+            ..m
+        };
         assert!(user_data_with(Uuid::nil(), Some("ssh-ed25519 A"), "debian", Some(&none)).is_err());
     }
 }

@@ -295,7 +295,7 @@ impl Volumes for LocalProvider {
             .unwrap_or_else(|| PathBuf::from(&volume.id));
         let dirs = paths.map(|p| dirs(&p, StorageMode::Volume));
         GuestMount {
-            device: None,
+            devices: Vec::new(),
             mountpoint: mountpoint.display().to_string(),
             user_dirs: dirs.map(|d| vec![d.builds, d.cache]).unwrap_or_default(),
         }

@@ -229,7 +229,7 @@ impl Volumes for FakeProvider {
     }
     fn guest_mount(&self, _v: &Volume) -> GuestMount {
         GuestMount {
-            device: Some("/dev/fake".into()),
+            devices: vec!["/dev/fake".into()],
             mountpoint: "/dormant".into(),
             user_dirs: vec!["/dormant/builds".into()],
         }

@@ -17,9 +17,13 @@ mod ec2;
 #[cfg(feature = "ec2")]
 mod ec2_adopt;
 #[cfg(feature = "ec2")]
+mod ec2_bench;
+#[cfg(feature = "ec2")]
 mod ec2_calls;
 #[cfg(feature = "ec2")]
 mod ec2_handover;
+#[cfg(feature = "ec2")]
+mod ec2_holds;
 #[cfg(feature = "ec2")]
 mod ec2_job;
 #[cfg(feature = "ec2")]

@@ -9,7 +9,12 @@
 //! (moto attaches it anyway), and slow state transitions (a `running`
 //! instance shown as `pending` for a while; `hold_transitions` holds every
 //! start and stop for a fixed time from its call, for the resume benchmark
-//! and the tests that count polls during a transition).
+//! and the tests that count polls during a transition; `hold_launches`
+//! holds every new instance `pending` after RunInstances and
+//! `hold_attaches` every volume `attaching` after AttachVolume, as EC2
+//! takes seconds for each: for the EC2 benchmark, `scripts/bench-ec2.sh`).
+//! Every hold is off until a test turns it on; `shown_held` counts the
+//! describes that showed one, so a test can tell a hold was really seen.
 //!
 //! Network rule: only loopback. moto hands out 10.x / 54.x addresses for its
 //! instances; nothing here connects to them.
@@ -103,6 +108,11 @@ pub struct Call {
     pub at: Instant,
     pub action: String,
     pub body: String,
+    /// The held state its answer showed (`pending`, `attaching`, ...), if
+    /// a hold rewrote it.
+    pub held: Option<&'static str>,
+    /// Numbers the calls in arrival order (never reused).
+    seq: u64,
 }
 
 /// An injected error: the next `times` calls of `action`, after `skip` of them pass.
@@ -125,7 +135,8 @@ struct Slow {
 }
 
 /// An instance's transition as the proxy shows it: after StartInstances
-/// (StopInstances) DescribeInstances says `pending` (`stopping`) until `until`.
+/// (StopInstances, RunInstances) DescribeInstances says `pending`
+/// (`stopping`, `pending`) until `until`.
 #[derive(Debug, Clone)]
 struct Transition {
     id: String,
@@ -141,11 +152,31 @@ struct State {
     slow: Vec<Slow>,
     /// `hold_transitions`: how long every start and stop is held.
     hold: Option<(Duration, Duration)>,
+    /// `hold_launches`: how long every new instance is held `pending`.
+    launch_hold: Option<Duration>,
+    /// `hold_attaches`: how long every attachment is held `attaching`.
+    attach_hold: Option<Duration>,
     transitions: Vec<Transition>,
+    /// (volume id, until): DescribeVolumes shows its attachment `attaching`.
+    attaching: Vec<(String, Instant)>,
+    /// Describes that showed a held state, by that state (`pending`, `attaching`, ...).
+    shown_held: std::collections::BTreeMap<&'static str, usize>,
+    /// The `seq` of the next call.
+    next_seq: u64,
     /// `public_ip`: the address DescribeInstances reports as every instance's public IP.
     public_ip: Option<String>,
     /// `public_ip_once_running`: no public IP while a start is held `pending`.
     ip_once_running: bool,
+}
+
+impl State {
+    /// Call `seq`'s answer showed something in the held state `state`.
+    fn shown(&mut self, seq: u64, state: &'static str) {
+        *self.shown_held.entry(state).or_default() += 1;
+        if let Some(c) = self.calls.iter_mut().rev().find(|c| c.seq == seq) {
+            c.held = Some(state);
+        }
+    }
 }
 
 /// The recording, fault-injecting proxy. Stops on drop.
@@ -255,6 +286,32 @@ impl Proxy {
         self.state.lock().unwrap().hold = Some((start, stop));
     }
 
+    /// From now on, every instance RunInstances makes is shown `pending`
+    /// for `d` from the call (EC2: ≈ 20 s to `running` for a small Linux
+    /// instance), whatever moto says.
+    pub fn hold_launches(&self, d: Duration) {
+        self.state.lock().unwrap().launch_hold = Some(d);
+    }
+
+    /// From now on, every volume AttachVolume attaches is shown with its
+    /// attachment `attaching` for `d` from the call (EC2: seconds).
+    pub fn hold_attaches(&self, d: Duration) {
+        self.state.lock().unwrap().attach_hold = Some(d);
+    }
+
+    /// How many describe answers showed something in the held state `state`
+    /// (`pending`, `stopping`: an instance; `attaching`: a volume): that a
+    /// hold was not only set but seen by whoever asked.
+    pub fn shown_held(&self, state: &str) -> usize {
+        self.state
+            .lock()
+            .unwrap()
+            .shown_held
+            .get(state)
+            .copied()
+            .unwrap_or(0)
+    }
+
     /// DescribeInstances reports `ip` as every instance's public IP (e.g.
     /// 127.0.0.1, so `ec2.address = "public"` reaches a loopback sshd).
     pub fn public_ip(&self, ip: &str) {
@@ -308,6 +365,11 @@ impl Proxy {
 
     pub fn clear_calls(&self) {
         self.state.lock().unwrap().calls.clear();
+    }
+
+    /// Forgets every error [`Self::fail`] injected (the calls pass again).
+    pub fn clear_faults(&self) {
+        self.state.lock().unwrap().faults.clear();
     }
 }
 
@@ -399,13 +461,19 @@ fn serve(
     let (head, body) = read_message(&mut conn, false)?;
     let text = String::from_utf8_lossy(&body).to_string();
     let action = form_value(&text, "Action").unwrap_or_else(|| "?".into());
+    let called = Instant::now();
+    let seq;
     let fault = {
         let mut st = state.lock().unwrap();
-        let now = Instant::now();
+        let now = called;
+        seq = st.next_seq;
+        st.next_seq += 1;
         st.calls.push(Call {
             at: now,
             action: action.clone(),
             body: text.clone(),
+            held: None,
+            seq,
         });
         let kind = match (action.as_str(), st.hold) {
             ("StartInstances", Some((h, _))) => Some(((16, "running"), (0, "pending"), h)),
@@ -460,6 +528,22 @@ fn serve(
     up.write_all(new_head.as_bytes())?;
     up.write_all(&body)?;
     let (resp_head, mut resp_body) = read_message(&mut up, true)?;
+    if resp_head.starts_with("HTTP/1.1 200") {
+        hold_after(&action, &text, &resp_body, called, state);
+    }
+    if action == "DescribeVolumes" {
+        let xml = String::from_utf8_lossy(&resp_body).to_string();
+        let mut st = state.lock().unwrap();
+        let now = Instant::now();
+        let mut shown = xml.clone();
+        for (id, _) in st.attaching.iter().filter(|(_, u)| now < *u) {
+            shown = show_attaching(&shown, id);
+        }
+        if shown != xml {
+            st.shown(seq, "attaching");
+            resp_body = shown.into_bytes();
+        }
+    }
     if action == "DescribeInstances" {
         let mut xml = String::from_utf8_lossy(&resp_body).to_string();
         let now = Instant::now();
@@ -478,9 +562,17 @@ fn serve(
             }
         }
         xml = show_stranded(&xml, refusals);
-        let st = state.lock().unwrap();
+        let mut st = state.lock().unwrap();
+        let mut held = Vec::new();
         for t in st.transitions.iter().filter(|t| now < t.until) {
+            let before = xml.clone();
             xml = show_state(&xml, &t.id, t.real, t.shown);
+            if xml != before && !held.contains(&t.shown.1) {
+                held.push(t.shown.1);
+            }
+        }
+        for h in held {
+            st.shown(seq, h);
         }
         if let Some(ip) = &st.public_ip {
             let starting = st
@@ -506,6 +598,68 @@ fn serve(
     conn.flush()?;
     let _ = conn.shutdown(Shutdown::Both);
     Ok(())
+}
+
+/// The holds a successful call starts: each instance RunInstances made is
+/// held `pending` (`hold_launches`), the volume AttachVolume attached is
+/// held `attaching` (`hold_attaches`), from `called` on.
+fn hold_after(action: &str, request: &str, response: &[u8], called: Instant, state: &Mutex<State>) {
+    let mut st = state.lock().unwrap();
+    match (action, st.launch_hold, st.attach_hold) {
+        ("RunInstances", Some(hold), _) => {
+            let xml = String::from_utf8_lossy(response);
+            let ids: Vec<String> = xml
+                .split("<instanceId>")
+                .skip(1)
+                .filter_map(|rest| {
+                    rest.split_once("</instanceId>")
+                        .map(|(id, _)| id.to_string())
+                })
+                .collect();
+            for id in ids {
+                st.transitions.push(Transition {
+                    id,
+                    real: (16, "running"),
+                    shown: (0, "pending"),
+                    until: called + hold,
+                });
+            }
+        }
+        ("AttachVolume", _, Some(hold)) => {
+            if let Some(id) = form_value(request, "VolumeId") {
+                st.attaching.push((id, called + hold));
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Shows every attachment of volume `id` that moto says is `attached` as
+/// `attaching` (the volume stays `in-use`, as on EC2 during an attach).
+pub fn show_attaching(xml: &str, id: &str) -> String {
+    let mut out = String::new();
+    let mut rest = xml;
+    while let Some(i) = rest.find("<attachmentSet>") {
+        let Some(j) = rest[i..].find("</attachmentSet>") else {
+            break;
+        };
+        let set = &rest[i..i + j];
+        let shown: Vec<String> = set
+            .split_inclusive("</item>")
+            .map(|item| {
+                if item.contains(&format!("<volumeId>{id}</volumeId>")) {
+                    item.replace("<status>attached</status>", "<status>attaching</status>")
+                } else {
+                    item.to_string()
+                }
+            })
+            .collect();
+        out.push_str(&rest[..i]);
+        out.push_str(&shown.concat());
+        rest = &rest[i + j..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Shows instance `id` in state `shown` where moto says `real`: the
@@ -592,15 +746,35 @@ fn replace_elements(xml: &str, tag: &str, value: Option<&str>) -> String {
     out
 }
 
-/// Plays cloud-init for a loopback test sshd: reads the user-data of the
-/// emulator's instances and writes their `ssh_authorized_keys` into an
-/// `authorized_keys` file, so an end-to-end job (EC2 from moto, SSH through
-/// `ec2.connect_address` to the test sshd) logs in with the environment's own
-/// key delivered exactly the way it reaches a real instance. Stops on drop.
+/// Plays cloud-init for a loopback test sshd, one instance at a time, as a
+/// real instance's boot goes: at an instance's first boot cloud-init
+/// installs the `ssh_authorized_keys` of its user-data; at every later boot
+/// of an instance whose user-data carries dormant's boot hook
+/// (`provider/ec2/handover.rs`), the hook makes the key in its
+/// `dormant:authorized-key` tag (as the tag is at that boot) its one
+/// authorized key, dropping the ones before. The sshd's `authorized_keys` is
+/// every instance's keys together (one sshd stands in for every instance;
+/// each environment has a key of its own), so a key a boot hook replaced no
+/// longer logs in. A boot is the stand-in seeing an instance running that it
+/// last saw not running (it polls every 200 ms; a stop and a start are
+/// seconds apart in every test). Stops on drop.
 pub struct CloudInit {
     stop: Arc<AtomicBool>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
+
+/// What the stand-in knows of one instance.
+struct Booted {
+    /// Its authorized keys now.
+    keys: Vec<String>,
+    /// Running when last seen.
+    running: bool,
+    /// Its user-data carries dormant's boot hook.
+    hooked: bool,
+}
+
+/// The function name of dormant's boot hook, as its user-data carries it.
+const BOOT_HOOK: &str = "dormant_authorized_key";
 
 impl CloudInit {
     pub fn start(moto_url: String, authorized_keys: PathBuf) -> CloudInit {
@@ -613,34 +787,31 @@ impl CloudInit {
                 .unwrap();
             rt.block_on(async move {
                 let client = direct_client(&moto_url);
-                let mut seen = std::collections::BTreeSet::new();
-                let mut keys = std::collections::BTreeSet::new();
+                let mut seen: std::collections::BTreeMap<String, Booted> = Default::default();
                 while !flag.load(Ordering::SeqCst) {
                     if let Ok(out) = client.describe_instances().send().await {
-                        // The boot hook of a machine-mode instance (provider/ec2/handover.rs):
-                        // the key in its dormant:authorized-key tag is authorized while it
-                        // runs (here: added, since one sshd stands in for every instance).
                         for i in out.reservations().iter().flat_map(|r| r.instances()) {
+                            let Some(id) = i.instance_id() else { continue };
                             let running = i.state().and_then(|s| s.name())
                                 == Some(&aws_sdk_ec2::types::InstanceStateName::Running);
-                            let tagged = i
-                                .tags()
-                                .iter()
-                                .find(|t| t.key() == Some("dormant:authorized-key"))
-                                .and_then(|t| t.value());
-                            if let (true, Some(k)) = (running, tagged) {
-                                keys.insert(k.trim().to_string());
-                            }
-                        }
-                        for id in out
-                            .reservations()
-                            .iter()
-                            .flat_map(|r| r.instances())
-                            .filter_map(|i| i.instance_id())
-                        {
-                            if seen.contains(id) {
+                            if let Some(b) = seen.get_mut(id) {
+                                let tagged = i
+                                    .tags()
+                                    .iter()
+                                    .find(|t| t.key() == Some("dormant:authorized-key"))
+                                    .and_then(|t| t.value())
+                                    .map(str::trim)
+                                    .filter(|k| k.starts_with("ssh-ed25519 ") && !k.contains('\n'));
+                                if running && !b.running && b.hooked {
+                                    // A later boot: the hook replaces the keys (no tag: unchanged).
+                                    if let Some(k) = tagged {
+                                        b.keys = vec![k.to_string()];
+                                    }
+                                }
+                                b.running = running;
                                 continue;
                             }
+                            // The first boot: the keys of its user-data.
                             let Ok(attr) = client
                                 .describe_instance_attribute()
                                 .instance_id(id)
@@ -650,15 +821,23 @@ impl CloudInit {
                             else {
                                 continue;
                             };
-                            seen.insert(id.to_string());
                             let data = attr
                                 .user_data()
                                 .and_then(|u| u.value())
                                 .and_then(|v| aws_smithy_types::base64::decode(v).ok())
                                 .map(|b| String::from_utf8_lossy(&b).to_string())
                                 .unwrap_or_default();
-                            keys.extend(authorized_keys_of(&data));
+                            seen.insert(
+                                id.to_string(),
+                                Booted {
+                                    keys: authorized_keys_of(&data),
+                                    running,
+                                    hooked: data.contains(BOOT_HOOK),
+                                },
+                            );
                         }
+                        let keys: std::collections::BTreeSet<&String> =
+                            seen.values().flat_map(|b| &b.keys).collect();
                         let text: String = keys.iter().map(|k| format!("{k}\n")).collect();
                         let tmp = authorized_keys.with_extension("tmp");
                         if std::fs::write(&tmp, text).is_ok() {

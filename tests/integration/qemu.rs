@@ -198,7 +198,7 @@ fn the_user_data_every_provider_sends_is_valid_cloud_config() {
     }
     // Volume mode: the data disk's fs_setup and mounts too.
     let mount = dormant::model::GuestMount {
-        device: Some("/dev/disk/by-id/virtio-dormant-data".into()),
+        devices: vec!["/dev/disk/by-id/virtio-dormant-data".into()],
         mountpoint: "/dormant".into(),
         user_dirs: Vec::new(),
     };

@@ -22,15 +22,38 @@ use super::errors::{api_error, is_not_found};
 use crate::context::Ctx;
 use crate::wait::{Poll, Schedule, Wait};
 
-/// The device name a data volume is attached as. Nitro instances show it as
-/// an NVMe disk whatever the name (found by volume id in the guest); Xen
-/// instances as `/dev/xvdf`.
+/// The device name a data volume is attached as. The guest sees it under
+/// another name ([`guest_devices`]).
 pub const DEVICE: &str = "/dev/sdf";
 /// A volume's state is described once a second during a transition, like an
 /// instance's (`wait::POLL_EVERY`): EBS attaches and detaches in seconds.
 pub const POLL_EVERY: Duration = Duration::from_secs(1);
 /// How long a just-created volume may be invisible to DescribeVolumes.
 const NOT_VISIBLE_GRACE: Duration = Duration::from_secs(120);
+
+/// The names under which an instance's kernel shows data volume `volume`
+/// attached as [`DEVICE`], in the order the mount prefers them:
+///
+/// - Nitro (every current generation): an NVMe disk whatever the attach
+///   name said, its serial the volume id without the dash, which udev links
+///   as `/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_vol…`. It names
+///   this very volume, so it comes first.
+/// - Xen (t2, m4, c4, …): the attach name with `sd` turned into `xvd`
+///   (`/dev/xvdf`); some kernels keep `/dev/sdf`. Xen disks carry no
+///   serial: the name is all there is, and it is ours because EC2 refuses a
+///   second attach at a name in use. (RHEL 6's kernel shifts the letter by
+///   four, `/dev/xvdj`: not looked for.)
+///
+/// (Amazon Linux also links `/dev/sdf` and `/dev/xvdf` to the NVMe disk on
+/// Nitro: the same volume under a later name.)
+pub fn guest_devices(volume: &str) -> Vec<String> {
+    let nvme = format!(
+        "/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_{}",
+        volume.replace('-', "")
+    );
+    let xen = DEVICE.replacen("/dev/sd", "/dev/xvd", 1);
+    vec![nvme, xen, DEVICE.to_string()]
+}
 
 /// What a new data volume is.
 #[derive(Debug, Clone)]
@@ -379,6 +402,18 @@ mod tests {
 
     fn ready(p: Result<Poll<()>>) -> bool {
         matches!(p.unwrap(), Poll::Ready(()))
+    }
+
+    #[test]
+    fn the_guest_looks_for_the_nitro_serial_then_the_xen_names() {
+        assert_eq!(
+            guest_devices("vol-0123456789abcdef0"),
+            [
+                "/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_vol0123456789abcdef0",
+                "/dev/xvdf",
+                "/dev/sdf",
+            ]
+        );
     }
 
     #[test]

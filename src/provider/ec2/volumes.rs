@@ -398,14 +398,13 @@ impl Volumes for Ec2Provider {
             .map(|d| vec![d.builds, d.cache])
             .unwrap_or_default();
         GuestMount {
-            // Nitro instances show an EBS volume as an NVMe disk whose serial
-            // is the volume id without its dash; udev names it by that.
-            device: guest_seam::dir().is_none().then(|| {
-                format!(
-                    "/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_{}",
-                    v.id.replace('-', "")
-                )
-            }),
+            // Nitro and Xen instances name the device differently: the mount
+            // takes whichever of these appears (the guest seam: none).
+            devices: if guest_seam::dir().is_none() {
+                volume::guest_devices(&v.id)
+            } else {
+                Vec::new()
+            },
             mountpoint: self.settings.volume_mount.clone(),
             user_dirs: dirs,
         }

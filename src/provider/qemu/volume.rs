@@ -197,7 +197,7 @@ impl Volumes for QemuProvider {
             .ok()
             .map(|p| self.settings.dirs(&p, StorageMode::Volume));
         GuestMount {
-            device: Some(format!("/dev/disk/by-id/virtio-{}", vm::DATA_SERIAL)),
+            devices: vec![format!("/dev/disk/by-id/virtio-{}", vm::DATA_SERIAL)],
             mountpoint: self.settings.volume_mount.clone(),
             user_dirs: dirs.map(|d| vec![d.builds, d.cache]).unwrap_or_default(),
         }

@@ -1,0 +1,340 @@
+//! The EC2 prepare benchmark (`scripts/bench-ec2.sh`; an ignored test, not
+//! part of the suite): how long a job's prepare takes, and which EC2 calls
+//! it makes, when EC2 takes the time it takes. moto behind the test proxy,
+//! which holds every new or started instance `pending` for P seconds
+//! (`hold_launches`, `hold_transitions`) and every attached volume
+//! `attaching` for A seconds (`hold_attaches`); the loopback sshd standing
+//! in for the instance is down while a machine boots and answers when the
+//! `pending` hold ends (EC2 says `running`). Defaults: the public figures
+//! for small Linux instances, P = 20 s, A = 2 s.
+//!
+//! Each row is one [`Case`]: a setup run without holds (a resume row first
+//! makes and suspends its environment), then RUNS measured jobs with the
+//! holds on. Columns: `holds s`, the part of the holds the row's path must
+//! sit through (its floor: a booting machine waits P, an attach A);
+//! `prepare s`, the prepare call's wall time (the dormant process, as the
+//! runner sees it; median of the runs); `added s` = prepare − holds; the
+//! EC2 calls prepare made (counted by the proxy, of the median run).
+//!
+//! A new row is a new `Case`: its id (for `--rows`), its labels, its floor,
+//! whether a machine boots in it (the sshd gate), and its setup and job. A
+//! row taking an already-running machine (a warm one) boots nothing: its
+//! floor is the attach hold alone.
+//!
+//! Network rule: the instance addresses moto hands out are never contacted.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use dormant::runner_sim::SimJob;
+
+use crate::ec2_rig::Ec2Env;
+use crate::harness::{self, assert_result, JobReport, JobResult, Rig};
+use crate::moto::Call;
+
+/// One row of the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Case {
+    /// A job without a key: a new environment, machine mode.
+    NewMachine,
+    /// A job without a key: a new environment, volume mode (an instance, then its volume).
+    NewVolume,
+    /// A resume of a suspended (stopped) instance: StartInstances.
+    ResumeMachine,
+    /// A resume in volume mode: a new instance, AttachVolume, mount.
+    ResumeVolume,
+}
+
+impl Case {
+    const ALL: [Case; 4] = [
+        Case::NewMachine,
+        Case::NewVolume,
+        Case::ResumeMachine,
+        Case::ResumeVolume,
+    ];
+
+    /// The row's name on the command line (`--rows`).
+    fn id(self) -> &'static str {
+        match self {
+            Case::NewMachine => "new-machine",
+            Case::NewVolume => "new-volume",
+            Case::ResumeMachine => "resume-machine",
+            Case::ResumeVolume => "resume-volume",
+        }
+    }
+
+    /// (what, storage, the machine it gets)
+    fn labels(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            Case::NewMachine => ("new environment", "machine", "launched"),
+            Case::NewVolume => ("new environment", "volume", "launched"),
+            Case::ResumeMachine => ("resume", "machine", "started"),
+            Case::ResumeVolume => ("resume", "volume", "launched"),
+        }
+    }
+
+    /// Whether a machine boots during the row's prepare (sshd is down
+    /// until its `pending` hold ends).
+    fn boots(self) -> bool {
+        true
+    }
+
+    /// The holds the row's path must sit through.
+    fn floor(self, h: Holds) -> Duration {
+        match self {
+            Case::NewMachine | Case::ResumeMachine => h.pending,
+            Case::NewVolume | Case::ResumeVolume => h.pending + h.attaching,
+        }
+    }
+
+    fn volume_mode(self) -> bool {
+        matches!(self, Case::NewVolume | Case::ResumeVolume)
+    }
+
+    /// The runner for this row (no holds yet) and, for a resume, the job
+    /// that made and suspended the environment it resumes: its key.
+    fn setup(self, env: &Ec2Env) -> (Rig, Option<String>) {
+        let rig = if self.volume_mode() {
+            env.volume_rig("7", "s_0123456789ab", &env.volume_settings("", ""))
+        } else {
+            env.rig(
+                "7",
+                "s_0123456789ab",
+                &env.settings(&env.connect_address(), ""),
+            )
+        };
+        let key = match self {
+            Case::NewMachine | Case::NewVolume => None,
+            Case::ResumeMachine | Case::ResumeVolume => {
+                let r = rig.run(
+                    &harness::job(5)
+                        .suspend_on(true, false)
+                        .script("echo kept > kept.txt"),
+                );
+                assert_result(&r, JobResult::Success);
+                Some(r.key.clone().expect("a key"))
+            }
+        };
+        (rig, key)
+    }
+
+    /// The measured job: a resume suspends again (the next run resumes the
+    /// same environment); a new environment is released at its end.
+    fn job(self, key: Option<&str>) -> SimJob {
+        match key {
+            Some(k) => harness::job(5)
+                .resume(k)
+                .suspend_on(true, false)
+                .script("cat kept.txt"),
+            None => harness::job(5).script("true"),
+        }
+    }
+}
+
+/// The proxy's holds.
+#[derive(Debug, Clone, Copy)]
+pub struct Holds {
+    pub pending: Duration,
+    pub attaching: Duration,
+}
+
+/// One measured job: prepare's wall time and the EC2 calls it made.
+struct Measured {
+    prepare: Duration,
+    calls: Vec<Call>,
+    report: JobReport,
+}
+
+/// Runs `job` with the holds on; with `boots`, sshd is down until the
+/// `pending` hold of the first RunInstances or StartInstances has passed.
+fn measure(env: &mut Ec2Env, rig: &Rig, job: &SimJob, holds: Holds, boots: bool) -> Measured {
+    env.proxy.hold_launches(holds.pending);
+    env.proxy.hold_transitions(holds.pending, Duration::ZERO);
+    env.proxy.hold_attaches(holds.attaching);
+    env.proxy.clear_calls();
+    if boots {
+        env.sshd.stop();
+    }
+    let since = Instant::now();
+    let mut first_stage = None;
+    let report = std::thread::scope(|s| {
+        let proxy = &env.proxy;
+        let sshd = &mut env.sshd;
+        let gate = boots.then(|| {
+            s.spawn(move || {
+                // The machine boots: SSH answers once EC2 says running.
+                let end = Instant::now() + Duration::from_secs(300);
+                let booted = loop {
+                    let seen = proxy.calls().into_iter().find(|c| {
+                        c.at >= since
+                            && matches!(c.action.as_str(), "RunInstances" | "StartInstances")
+                    });
+                    if let Some(c) = seen {
+                        break Some(c.at);
+                    }
+                    if Instant::now() >= end {
+                        break None;
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                };
+                if let Some(at) = booted {
+                    std::thread::sleep(
+                        (at + holds.pending).saturating_duration_since(Instant::now()),
+                    );
+                }
+                sshd.restart();
+                booted.is_some()
+            })
+        });
+        let report = rig
+            .runner
+            .run_job_with(job, &mut |_| {
+                first_stage.get_or_insert_with(Instant::now);
+            })
+            .unwrap();
+        if let Some(g) = gate {
+            assert!(g.join().unwrap(), "the job launched or started no instance");
+        }
+        report
+    });
+    assert_result(&report, JobResult::Success);
+    let split = first_stage.expect("a stage ran");
+    let calls = env
+        .proxy
+        .calls()
+        .into_iter()
+        .filter(|c| c.at < split)
+        .collect();
+    let prepare = report
+        .calls
+        .iter()
+        .filter(|c| c.name.starts_with("prepare#"))
+        .map(|c| c.elapsed)
+        .sum();
+    Measured {
+        prepare,
+        calls,
+        report,
+    }
+}
+
+/// "9 | DescribeInstances 4, RunInstances 1, ..."
+fn show_calls(calls: &[Call]) -> (usize, String) {
+    let mut by: BTreeMap<&str, usize> = BTreeMap::new();
+    for c in calls {
+        *by.entry(c.action.as_str()).or_default() += 1;
+    }
+    let parts: Vec<String> = by.iter().map(|(a, n)| format!("{a} {n}")).collect();
+    (calls.len(), parts.join(", "))
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.1}", d.as_secs_f64())
+}
+
+fn env_secs(name: &str, default: f64) -> Duration {
+    let s = std::env::var(name)
+        .ok()
+        .map(|v| {
+            v.parse::<f64>()
+                .unwrap_or_else(|_| panic!("{name}={v:?} is not a number of seconds"))
+        })
+        .unwrap_or(default);
+    Duration::from_secs_f64(s)
+}
+
+/// The benchmark: `DORMANT_BENCH_ROWS` (ids, comma-separated; default all),
+/// `DORMANT_BENCH_PENDING` and `DORMANT_BENCH_ATTACHING` (seconds; default
+/// 20 and 2), `DORMANT_BENCH_RUNS` (default 1). Prints a table.
+#[test]
+#[ignore = "a benchmark: scripts/bench-ec2.sh runs it"]
+fn bench_ec2_prepare() {
+    let holds = Holds {
+        pending: env_secs("DORMANT_BENCH_PENDING", 20.0),
+        attaching: env_secs("DORMANT_BENCH_ATTACHING", 2.0),
+    };
+    let runs: usize = std::env::var("DORMANT_BENCH_RUNS")
+        .ok()
+        .map(|v| v.parse().expect("DORMANT_BENCH_RUNS is a number"))
+        .unwrap_or(1)
+        .max(1);
+    let cases: Vec<Case> = match std::env::var("DORMANT_BENCH_ROWS") {
+        Ok(ids) if !ids.trim().is_empty() => ids
+            .split(',')
+            .map(|id| {
+                Case::ALL
+                    .into_iter()
+                    .find(|c| c.id() == id.trim())
+                    .unwrap_or_else(|| {
+                        panic!(
+                            "no row {id:?}: the rows are {}",
+                            Case::ALL.map(Case::id).join(", ")
+                        )
+                    })
+            })
+            .collect(),
+        _ => Case::ALL.to_vec(),
+    };
+    let mut rows = Vec::new();
+    for case in cases {
+        let mut env = Ec2Env::start();
+        let (rig, key) = case.setup(&env);
+        let mut measured: Vec<Measured> = (0..runs)
+            .map(|run| {
+                let m = measure(
+                    &mut env,
+                    &rig,
+                    &case.job(key.as_deref()),
+                    holds,
+                    case.boots(),
+                );
+                eprintln!(
+                    "run {run}: {}: prepare {} s, {} EC2 calls",
+                    case.id(),
+                    secs(m.prepare),
+                    m.calls.len()
+                );
+                if run == 0 {
+                    // Where the time went: prepare's lines as they arrived.
+                    for c in m
+                        .report
+                        .calls
+                        .iter()
+                        .filter(|c| c.name.starts_with("prepare#"))
+                    {
+                        for (at, line) in &c.arrivals {
+                            eprintln!("  prepare +{:.3} s: {line}", at.as_secs_f64());
+                        }
+                    }
+                }
+                m
+            })
+            .collect();
+        measured.sort_by_key(|m| m.prepare);
+        let median = &measured[measured.len() / 2];
+        let floor = case.floor(holds);
+        let (n, by) = show_calls(&median.calls);
+        let (what, storage, machine) = case.labels();
+        rows.push(format!(
+            "| {:<15} | {what:<15} | {storage:<7} | {machine:<8} | {:>7} | {:>9} | {:>7} | {n:>9} | {by} |",
+            case.id(),
+            secs(floor),
+            secs(median.prepare),
+            secs(median.prepare.saturating_sub(floor)),
+        ));
+    }
+    println!();
+    println!(
+        "dormant EC2 prepare benchmark: moto behind the test proxy holding new and started instances pending {} s \
+         and attachments attaching {} s; sshd (the instance) answers when its pending hold ends. {runs} run(s) per row, \
+         the median shown.",
+        secs(holds.pending),
+        secs(holds.attaching)
+    );
+    println!();
+    println!("| row             | job             | storage | machine  | holds s | prepare s | added s | EC2 calls | calls by action |");
+    println!("|-----------------|-----------------|---------|----------|--------:|----------:|--------:|----------:|-----------------|");
+    for r in rows {
+        println!("{r}");
+    }
+}
