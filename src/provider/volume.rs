@@ -22,8 +22,8 @@ use crate::context::Ctx;
 use crate::model::{EnvPaths, GuestMount, Machine, ManagedVolume, Volume};
 use crate::provider::MachineSpec;
 
-/// The ext4 label of a data volume dormant formats (cloud-init's `fs_setup`
-/// and the guest's mount command agree on it).
+/// The ext4 label of a data volume dormant formats (the guest's mount
+/// command, `lifecycle::guest`, on the environment's first mount).
 pub const FS_LABEL: &str = "dormant-data";
 
 /// What a provider needs to create (or find again) an environment's volume.

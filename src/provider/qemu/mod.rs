@@ -128,12 +128,12 @@ impl QemuProvider {
     /// The seed and the disk of a new VM (kept if an earlier attempt made them).
     fn make_files(&self, spec: &MachineSpec, image: &BootImage, vm: &VmDir) -> Result<()> {
         vm.ensure()?;
-        let mount = spec.volume.as_ref().map(|v| self.guest_mount(v));
-        let user_data = super::cloud_init::user_data_with(
+        // The same in both storage modes: the guest's mount command, run
+        // once dormant has connected, formats and mounts a data disk.
+        let user_data = super::cloud_init::user_data(
             spec.env_id,
             spec.ssh_public_key.as_deref(),
             &self.settings.ssh_user,
-            mount.as_ref(),
         )?;
         process::create_seed(vm, &user_data, &vm::meta_data(spec.env_id))?;
         if !vm.overlay().exists() {

@@ -2,11 +2,12 @@
 //! file of its own, `environments/<id>/volume/data.qcow2` (allocated as it is
 //! written, up to `qemu.volume_size`), beside the VM's directory. Every VM of
 //! the environment is started with it as a virtio disk whose serial the guest
-//! finds under `/dev/disk/by-id/` (`vm::argv`); cloud-init formats it on the
-//! environment's first boot and mounts it (`cloud_init::user_data_with`).
+//! finds under `/dev/disk/by-id/` (`vm::argv`); the guest's mount command
+//! (`lifecycle::guest`) formats it on the environment's first mount and
+//! mounts it.
 //!
 //! QEMU attaches disks when it starts (hot-plug would need a PCIe port and
-//! the guest's cooperation, and would come too late for cloud-init), so
+//! the guest's cooperation), so
 //! `attach` checks that the running VM was started with the disk, and
 //! `detach` stops QEMU: at once when the guest said it unmounted the disk
 //! (QEMU flushes it on `quit`), else by an ACPI power-off so the guest's own
