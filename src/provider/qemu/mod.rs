@@ -10,10 +10,11 @@
 //! (starting QEMU detached, recognising its process, tools), `qmp` (the QMP
 //! client), `guest` (sshd readiness, the clock after a restore), `capacity`
 //! (`max_environments`), `power` (start, stop, hibernate, restore), `volume`
-//! (volume mode's data disk).
+//! (volume mode's data disk), `hotplug` (plugging that disk into a running VM).
 
 pub mod capacity;
 pub mod guest;
+pub mod hotplug;
 pub mod power;
 pub mod process;
 pub mod qmp;
