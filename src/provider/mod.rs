@@ -68,8 +68,8 @@ pub struct MachineSpec {
     pub ssh_public_key: Option<String>,
     pub paths: EnvPaths,
     /// Volume mode: the data volume the machine is for. A provider places
-    /// the machine where the volume can attach (its zone), and attaches it at
-    /// launch if that is the only way it can (QEMU).
+    /// the machine where the volume can attach (its zone); `Volumes::attach`
+    /// attaches it once the machine runs.
     pub volume: Option<Volume>,
 }
 

@@ -7,9 +7,9 @@
 //!
 //! The order the lifecycle calls them in:
 //! - new environment: `create_volume` → `Provider::create_or_reclaim` (with
-//!   `MachineSpec::volume`: a provider that can only attach at launch, like
-//!   QEMU, does it there; EC2 launches in the volume's zone) → `attach` →
-//!   the guest mount (`guest_mount`, run by the lifecycle over the transport);
+//!   `MachineSpec::volume`: EC2 launches in the volume's zone) → `attach`
+//!   (to the running machine: EC2's AttachVolume, QEMU's hot-plug) → the
+//!   guest mount (`guest_mount`, run by the lifecycle over the transport);
 //! - suspend: the guest unmount → `detach` → `Provider::delete` (the machine);
 //! - resume: as a new environment from `create_or_reclaim` on;
 //! - release: `Provider::delete` (if a machine exists) → `delete_volume`.
@@ -22,8 +22,8 @@ use crate::context::Ctx;
 use crate::model::{EnvPaths, GuestMount, Machine, ManagedVolume, Volume};
 use crate::provider::MachineSpec;
 
-/// The ext4 label of a data volume dormant formats (cloud-init's `fs_setup`
-/// and the guest's mount command agree on it).
+/// The ext4 label of a data volume dormant formats (the guest's mount
+/// command, `lifecycle::guest`, on the environment's first mount).
 pub const FS_LABEL: &str = "dormant-data";
 
 /// What a provider needs to create (or find again) an environment's volume.
@@ -65,9 +65,10 @@ pub trait Volumes: Send + Sync {
     /// never got its id (a create whose process was killed).
     async fn find_volume(&self, env_id: Uuid, ctx: &Ctx) -> Result<Option<Volume>>;
 
-    /// Attaches the volume to the machine (or checks that the launch did).
-    /// Returns once the guest can see it. A volume that no longer exists is
-    /// a [`VolumeGone`].
+    /// Attaches the volume to the running machine; attached already is
+    /// success. Returns once the provider has attached it (the guest's kernel
+    /// may see the device a moment later: the mount command waits for it). A
+    /// volume that no longer exists is a [`VolumeGone`].
     async fn attach(&self, volume: &Volume, machine: &Machine, ctx: &Ctx) -> Result<()>;
 
     /// Detaches the volume from the machine; returns once it is free. The

@@ -325,8 +325,7 @@ fn the_user_data_of_a_volume_mode_instance_is_valid_cloud_config() {
     let text = String::from_utf8(aws_smithy_types::base64::decode(&encoded).unwrap()).unwrap();
     assert_eq!(
         text,
-        dormant::provider::cloud_init::user_data_with(id, Some(public), &settings.ssh_user, None)
-            .unwrap()
+        dormant::provider::cloud_init::user_data(id, Some(public), &settings.ssh_user).unwrap()
     );
     crate::qemu::cloud_init_schema(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
 }

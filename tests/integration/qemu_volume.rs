@@ -18,6 +18,13 @@
 //!    launch); the next stage has the right pin again, and the job's suspend
 //!    unmounts the disk in the guest and stops QEMU;
 //! 4. `dormant release` leaves nothing: no QEMU, no disk, no directory.
+//!
+//! The data disk is hot-plugged into each VM (it boots without it), and the
+//! guest's mount command formats it on the first mount. The second test
+//! drives the provider itself on one VM: a hot-plug left half done (the block
+//! node added, the device not: a process killed between the two QMP commands)
+//! is finished by the next attach, a further attach adds nothing, and the
+//! guest finds the disk by its serial.
 
 use std::path::Path;
 use std::process::Command;
@@ -30,7 +37,7 @@ use crate::qemu::{
 
 /// A copy of the test image with `/etc/dormant-test-marker` holding
 /// `marker`: raw copy, one debugfs write, back to qcow2 (seconds, no debootstrap).
-fn marked_image(base: &Path, out: &Path, marker: &str) {
+pub(crate) fn marked_image(base: &Path, out: &Path, marker: &str) {
     let raw = out.with_extension("raw");
     let run = |cmd: &mut Command| {
         let o = cmd.output().unwrap();
@@ -142,11 +149,13 @@ fn volume_mode_keeps_the_project_on_its_disk_across_new_vms_and_crashes() {
     let env = env_paths(&rig, &first);
     let _no_vm_left = NoVmLeft(env.clone());
     let mut seed = String::new();
+    let mut launch = String::new();
     let r1 = rig
         .runner
         .run_job_with(&first, &mut |stage| {
             if stage == "build_script" {
                 seed = std::fs::read_to_string(env.dir.join("vm/user-data")).unwrap();
+                launch = std::fs::read_to_string(env.dir.join("vm/launch.json")).unwrap();
             }
         })
         .unwrap();
@@ -155,6 +164,8 @@ fn volume_mode_keeps_the_project_on_its_disk_across_new_vms_and_crashes() {
     assert!(key.contains("storage=volume"), "{key}");
     let log1 = r1.log();
     for line in [
+        "hot-plugged the data disk into VM",
+        "formatted the data volume",
         "marker none",
         "source /dev/vdc",
         &format!("mark {}", env.id),
@@ -162,9 +173,15 @@ fn volume_mode_keeps_the_project_on_its_disk_across_new_vms_and_crashes() {
     ] {
         assert!(log1.contains(line), "{line:?} not in job 1's log:\n{log1}");
     }
-    // The seed dormant built for the VM: valid cloud-config with the disk.
+    // The VM booted without the disk (it was hot-plugged into the empty
+    // root port), and cloud-init was not asked to format or mount it (the
+    // guest's mount command did, after the hot-plug).
     assert!(
-        seed.contains("fs_setup:") && seed.contains("virtio-dormant-data"),
+        launch.contains("pcie-root-port,id=dormant-data-port") && !launch.contains("data.qcow2"),
+        "{launch}"
+    );
+    assert!(
+        !seed.contains("fs_setup") && !seed.contains("mounts") && !seed.contains("dormant-data"),
         "{seed}"
     );
     cloud_init_schema(&seed).unwrap_or_else(|e| panic!("{e}\n{seed}"));
@@ -266,4 +283,127 @@ fn volume_mode_keeps_the_project_on_its_disk_across_new_vms_and_crashes() {
     assert!(rig.status(&key).is_none());
     assert!(qemu_pids(&env).is_empty());
     assert!(!env.dir.exists(), "release left {}", env.dir.display());
+}
+
+/// The test's own QMP command on the VM of `env`.
+fn qmp_execute(
+    env: &dormant::state::EnvPaths,
+    cmd: &str,
+    args: Option<serde_json::Value>,
+) -> serde_json::Value {
+    dormant::provider::qemu::qmp::Qmp::connect(&env.dir.join("vm/qmp.sock"))
+        .unwrap()
+        .execute(cmd, args)
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_half_done_hot_plug_is_finished_and_a_second_attach_adds_nothing() {
+    use dormant::provider::qemu::{hotplug, QemuProvider};
+    use dormant::provider::{MachineSpec, Provider, VolumeSpec, Volumes};
+
+    let _one = one_vm();
+    let dir = tempfile::tempdir().unwrap();
+    let state_dir = dir.path().join("state");
+    let toml = format!(
+        "state_dir = \"{}\"\n{}",
+        state_dir.display(),
+        settings(&image_dir().join("base.qcow2"))
+    );
+    let settings = dormant::settings::Settings::parse_str(&toml).unwrap();
+    let store = dormant::state::StateStore::open(&state_dir).unwrap();
+    let provider = QemuProvider::new(&settings, &store);
+    let (log, said) = dormant::context::JobLog::capture();
+    let ctx =
+        dormant::context::Ctx::new(log, Default::default(), std::time::Duration::from_secs(600));
+    let said = move || String::from_utf8_lossy(&said.lock().unwrap()).into_owned();
+
+    let id = uuid::Uuid::new_v4();
+    let env = store.env_paths(id);
+    let _no_vm_left = NoVmLeft(env.clone());
+    std::fs::create_dir_all(&env.dir).unwrap();
+    let public = dormant::transport::keys::ensure_keypair(&env).unwrap();
+    let mut spec = MachineSpec {
+        env_id: id,
+        name: MachineSpec::machine_name(id),
+        runner_id: RUNNER.into(),
+        system_id: SYSTEM.into(),
+        project_id: 1,
+        job_id: 1,
+        image: None,
+        variables: Default::default(),
+        ssh_public_key: Some(public),
+        paths: env.clone(),
+        volume: None,
+    };
+    let vspec = VolumeSpec {
+        env_id: id,
+        name: spec.name.clone(),
+        runner_id: spec.runner_id.clone(),
+        system_id: spec.system_id.clone(),
+        project_id: 1,
+        job_id: 1,
+        paths: env.clone(),
+        machine: Some(spec.clone()),
+    };
+    let volume = provider.create_volume(&vspec, &ctx).await.unwrap();
+    spec.volume = Some(volume.clone());
+    let machine = provider.create_or_reclaim(&spec, &ctx).await.unwrap();
+    let disk = env.dir.join("volume/data.qcow2");
+    let data_blocks = |blocks: &serde_json::Value| -> Vec<String> {
+        blocks
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["qdev"].as_str().unwrap_or("").contains(hotplug::DEVICE))
+            .map(|b| b["inserted"]["file"].as_str().unwrap_or("").to_string())
+            .collect()
+    };
+    assert!(
+        data_blocks(&qmp_execute(&env, "query-block", None)).is_empty(),
+        "the VM booted without its data disk"
+    );
+
+    // Killed between the two QMP commands: the block node is there, no device.
+    qmp_execute(&env, "blockdev-add", Some(hotplug::blockdev_args(&disk)));
+    provider.attach(&volume, &machine, &ctx).await.unwrap();
+    assert!(
+        said().contains("finished hot-plugging the data disk into VM"),
+        "{}",
+        said()
+    );
+    provider.attach(&volume, &machine, &ctx).await.unwrap();
+    assert!(said().contains("has its data disk already"), "{}", said());
+    assert_eq!(
+        data_blocks(&qmp_execute(&env, "query-block", None)),
+        [disk.display().to_string()],
+        "one data disk device, on the environment's disk"
+    );
+
+    // The guest finds it by its serial (it waits for the hot-plug to reach it).
+    let port = machine.field("port").unwrap();
+    let out = Command::new("ssh")
+        .args(["-F", "/dev/null", "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes"])
+        .args(["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"])
+        .arg("-i")
+        .arg(&env.ssh_key)
+        .args(["-p", port, "debian@127.0.0.1"])
+        .arg(
+            "for i in $(seq 600); do [ -e /dev/disk/by-id/virtio-dormant-data ] && break; sleep 0.1; done; \
+             echo \"dev $(readlink -f /dev/disk/by-id/virtio-dormant-data)\"; \
+             echo \"size $(cat /sys/class/block/$(basename $(readlink -f /dev/disk/by-id/virtio-dormant-data))/size)\"",
+        )
+        .output()
+        .unwrap();
+    let seen = text(&out);
+    assert!(out.status.success(), "{seen}");
+    // volume_size = "1G": 2097152 sectors of 512 bytes.
+    assert!(
+        seen.contains("dev /dev/vd") && seen.contains("size 2097152"),
+        "{seen}"
+    );
+
+    provider.delete(&machine, &ctx).await.unwrap();
+    provider.delete_volume(&volume, &ctx).await.unwrap();
+    assert!(qemu_pids(&env).is_empty());
 }

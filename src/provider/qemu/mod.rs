@@ -11,10 +11,12 @@
 //! seed ISO, a free port), `qmp` (the QMP client), `guest` (sshd readiness,
 //! the clock after a restore), `capacity` (`max_environments`), `power`
 //! (boot, restore), `power_off` (power-off, hibernate, quit), `volume`
-//! (volume mode's data disk), `warm` (VMs booted ahead of jobs).
+//! (volume mode's data disk), `hotplug` (plugging that disk into a running
+//! VM), `warm` (VMs booted ahead of jobs).
 
 pub mod capacity;
 pub mod guest;
+pub mod hotplug;
 pub mod power;
 pub mod power_off;
 pub mod process;
@@ -132,12 +134,12 @@ impl QemuProvider {
     /// The seed and the disk of a new VM (kept if an earlier attempt made them).
     fn make_files(&self, spec: &MachineSpec, image: &BootImage, vm: &VmDir) -> Result<()> {
         vm.ensure()?;
-        let mount = spec.volume.as_ref().map(|v| self.guest_mount(v));
-        let user_data = super::cloud_init::user_data_with(
+        // The same in both storage modes: the guest's mount command, run
+        // once dormant has connected, formats and mounts a data disk.
+        let user_data = super::cloud_init::user_data(
             spec.env_id,
             spec.ssh_public_key.as_deref(),
             &self.settings.ssh_user,
-            mount.as_ref(),
         )?;
         tools::create_seed(vm, &user_data, &vm::meta_data(spec.env_id))?;
         if !vm.overlay().exists() {

@@ -15,8 +15,10 @@
 //! at any line leaves either the old file or the new one.
 //!
 //! Volume mode keeps the environment's data disk beside `vm/`, in
-//! `volume/data.qcow2`: deleting the VM (its directory) leaves it. Every VM
-//! of the environment is started with it while it exists.
+//! `volume/data.qcow2`: deleting the VM (its directory) leaves it. No VM is
+//! started with it: every VM gets an empty PCIe root port, into which
+//! `Volumes::attach` hot-plugs the disk of the environment that takes the VM
+//! (`hotplug.rs`), so a VM can boot before it is known whose disk it gets.
 
 use std::fs;
 use std::io::Write;
@@ -162,9 +164,13 @@ pub fn data_disk(volume_dir: &Path) -> PathBuf {
 /// The serial of the data disk: the guest names it
 /// `/dev/disk/by-id/virtio-<serial>` (virtio-blk serials are at most 20 bytes).
 pub const DATA_SERIAL: &str = "dormant-data";
-/// The data disk's PCI slot on the q35 root bus: after the slots QEMU assigns
-/// to the other devices (from 0x1 up), well before the chipset's (0x1f).
+/// The PCI slot on the q35 root bus of the data disk's root port: after the
+/// slots QEMU assigns to the other devices (from 0x1 up), well before the
+/// chipset's (0x1f). VMs of older dormant versions had the disk itself there.
 const DATA_PCI_SLOT: &str = "0x10";
+/// The id of the PCIe root port every VM gets for the data disk (a q35 root
+/// bus takes no hot-plugged device; a root port does).
+pub const DATA_PORT: &str = "dormant-data-port";
 
 pub fn vm_name(env_id: Uuid) -> String {
     format!("dormant-{env_id}")
@@ -271,28 +277,32 @@ pub fn argv(settings: &QemuSettings, image: &BootImage, vm: &VmDir, port: u16) -
             opt_value(&vm.seed())
         ),
     ]);
-    // Volume mode: the data disk, found in the guest by its serial. Its PCI
-    // slot is fixed past the ones QEMU gives the `if=virtio` drives: a
-    // `-device` is placed before them otherwise, the guest probes it first,
-    // and it becomes /dev/vda, where the kernel looks for its root.
-    if vm.data_disk().exists() {
-        push(&[
-            "-drive",
-            &format!(
-                "file={},if=none,id=data,format=qcow2",
-                opt_value(&vm.data_disk())
-            ),
-            "-device",
-            &format!("virtio-blk-pci,drive=data,serial={DATA_SERIAL},addr={DATA_PCI_SLOT}"),
-        ]);
-    }
+    // The root port the data disk is hot-plugged into (volume mode), empty
+    // at boot. Its PCI slot is fixed past the ones QEMU gives the other
+    // devices: a `-device` without an address is placed before the `if=virtio`
+    // drives, which would move the root disk and the network card to other
+    // slots than VMs of earlier versions had (the guest names its network
+    // interface by slot). Every VM gets it, so any running VM can take a data
+    // disk; an empty port costs the guest nothing.
+    push(&[
+        "-device",
+        &format!("pcie-root-port,id={DATA_PORT},chassis=1,slot=1,bus=pcie.0,addr={DATA_PCI_SLOT}"),
+    ]);
     a
 }
 
-/// Whether a command line attaches the data disk.
+/// Whether a command line attaches the data disk: VMs started by a dormant
+/// from before the disk was hot-plugged had it on their command line.
 pub fn has_data_disk(argv: &[String], vm: &VmDir) -> bool {
     let drive = format!("file={},if=none,id=data", opt_value(&vm.data_disk()));
     argv.iter().any(|a| a.starts_with(&drive))
+}
+
+/// Whether a command line has the root port the data disk is hot-plugged
+/// into (VMs started by an older dormant have none).
+pub fn has_data_port(argv: &[String]) -> bool {
+    let port = format!("pcie-root-port,id={DATA_PORT},");
+    argv.iter().any(|a| a.starts_with(&port))
 }
 
 /// The same command line forwarding another host port (when the recorded one
@@ -367,10 +377,11 @@ mod tests {
         );
         assert!(meta_data(Uuid::nil()).starts_with("instance-id: dormant-00000000-"));
         assert!(!has_data_disk(&a, &vm), "machine mode: no data disk");
+        assert!(has_data_port(&a), "every VM can take a data disk");
     }
 
     #[test]
-    fn a_volume_mode_vm_gets_its_data_disk_last_with_its_serial() {
+    fn every_vm_gets_an_empty_root_port_last_and_no_data_disk() {
         let dir = tempfile::tempdir().unwrap();
         let paths = EnvPaths::new(dir.path(), Uuid::nil());
         let vm = VmDir::new(&paths);
@@ -380,15 +391,45 @@ mod tests {
         let settings = QemuSettings::default();
         let a = argv(&settings, &BootImage::Path("/b.qcow2".into()), &vm, 2222);
         let joined = a.join(" ");
+        assert!(
+            !joined.contains("data.qcow2") && !joined.contains("serial="),
+            "volume mode: the disk is hot-plugged, not on the command line: {joined}"
+        );
         let root = joined.find("overlay.qcow2").unwrap();
         let seed = joined.find("seed.iso").unwrap();
-        let data = joined.find("data.qcow2").unwrap();
-        assert!(root < seed && seed < data, "{joined}");
+        let net = joined.find("virtio-net-pci").unwrap();
+        let port = joined.find("pcie-root-port").unwrap();
+        assert!(root < seed && net < port && seed < port, "{joined}");
         assert!(
-            joined.ends_with("-device virtio-blk-pci,drive=data,serial=dormant-data,addr=0x10"),
+            joined.ends_with(
+                "-device pcie-root-port,id=dormant-data-port,chassis=1,slot=1,bus=pcie.0,addr=0x10"
+            ),
             "{joined}"
         );
-        assert!(has_data_disk(&a, &vm));
+        assert_eq!(a.iter().filter(|a| a.contains("pcie-root-port")).count(), 1);
+        assert!(has_data_port(&a));
+        assert!(!has_data_disk(&a, &vm));
         assert!(DATA_SERIAL.len() <= 20);
+    }
+
+    #[test]
+    fn a_command_line_of_an_older_dormant_is_recognised() {
+        let dir = tempfile::tempdir().unwrap();
+        let vm = VmDir::new(&EnvPaths::new(dir.path(), Uuid::nil()));
+        // What dormant put on the command line of a volume-mode VM before the
+        // data disk was hot-plugged: no root port, the disk itself.
+        let older = vec![
+            "qemu-system-x86_64".to_string(),
+            "-drive".into(),
+            format!(
+                "file={},if=none,id=data,format=qcow2",
+                vm.data_disk().display()
+            ),
+            "-device".into(),
+            "virtio-blk-pci,drive=data,serial=dormant-data,addr=0x10".into(),
+        ];
+        assert!(has_data_disk(&older, &vm));
+        assert!(!has_data_port(&older));
+        assert!(!has_data_port(&older[..1]));
     }
 }

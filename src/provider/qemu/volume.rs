@@ -1,16 +1,24 @@
 //! The qemu provider's volume mode: an environment's data disk is a qcow2
 //! file of its own, `environments/<id>/volume/data.qcow2` (allocated as it is
-//! written, up to `qemu.volume_size`), beside the VM's directory. Every VM of
-//! the environment is started with it as a virtio disk whose serial the guest
-//! finds under `/dev/disk/by-id/` (`vm::argv`); cloud-init formats it on the
-//! environment's first boot and mounts it (`cloud_init::user_data_with`).
+//! written, up to `qemu.volume_size`), beside the VM's directory.
 //!
-//! QEMU attaches disks when it starts (hot-plug would need a PCIe port and
-//! the guest's cooperation, and would come too late for cloud-init), so
-//! `attach` checks that the running VM was started with the disk, and
-//! `detach` stops QEMU: at once when the guest said it unmounted the disk
-//! (QEMU flushes it on `quit`), else by an ACPI power-off so the guest's own
-//! shutdown unmounts it. The VM is deleted right after either way.
+//! No VM is started with it. `attach` hot-plugs it into the running VM over
+//! QMP (`hotplug.rs`: a block node and a virtio disk whose serial the guest
+//! finds under `/dev/disk/by-id/`, on the empty PCIe root port every VM gets
+//! from `vm::argv`), so that any booted VM can take it. The guest's mount
+//! command (`lifecycle::guest`, run after `attach`) formats it on the
+//! environment's first mount and mounts it; cloud-init never sees it (it
+//! arrives after boot). A VM started by an older dormant with the disk on its
+//! command line has it attached already; one with neither the disk nor the
+//! root port cannot take it (the error says it is deleted and a new VM made).
+//!
+//! `detach` does not hot-unplug: the VM is deleted right after, and a VM that
+//! held an environment's disk never takes another (it ran that environment's
+//! job), so a QEMU that exits is the whole detach. It stops QEMU at once when
+//! the guest said it unmounted the disk (QEMU flushes it on `quit`), else by an
+//! ACPI power-off so the guest's own shutdown unmounts it. An unplug would
+//! also need the guest's consent (a virtio disk leaves only once the guest
+//! released it), which is slower than either.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -19,6 +27,8 @@ use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 use uuid::Uuid;
 
+use super::hotplug::{self, Plugged};
+use super::qmp::Qmp;
 use super::vm::{self, VmDir};
 use super::{power_off, process, QemuProvider};
 use crate::context::Ctx;
@@ -111,7 +121,7 @@ impl Volumes for QemuProvider {
             .then(|| Volume::new(disk.display().to_string())))
     }
 
-    async fn attach(&self, volume: &Volume, machine: &Machine, _ctx: &Ctx) -> Result<()> {
+    async fn attach(&self, volume: &Volume, machine: &Machine, ctx: &Ctx) -> Result<()> {
         let paths = self.volume_env(volume)?;
         let vm = VmDir::new(&paths);
         if !vm.data_disk().exists() {
@@ -126,14 +136,29 @@ impl Volumes for QemuProvider {
                 machine.id
             );
         }
-        if !vm::has_data_disk(&launch.argv, &vm) {
+        if vm::has_data_disk(&launch.argv, &vm) {
+            return Ok(()); // started with it, by an older dormant
+        }
+        if !vm::has_data_port(&launch.argv) {
             bail!(
-                "VM {} was started without its data disk {} (QEMU attaches disks when it starts): \
-                 it is deleted and a new one started on the next attempt",
+                "VM {} was started without the PCIe root port {} that its data disk {} is hot-plugged \
+                 into (an older dormant started it): it is deleted and a new one started on the next attempt",
                 machine.id,
+                vm::DATA_PORT,
                 volume.id
             );
         }
+        let plugged = Qmp::connect(&vm.qmp())
+            .and_then(|mut q| hotplug::plug(&mut q, &vm.data_disk()))
+            .with_context(|| format!("hot-plugging the data disk into VM {}", machine.id))?;
+        ctx.log.info(match plugged {
+            Plugged::Already => format!("VM {} has its data disk already", machine.id),
+            Plugged::Finished => format!(
+                "finished hot-plugging the data disk into VM {} (an earlier attempt added its block node)",
+                machine.id
+            ),
+            Plugged::New => format!("hot-plugged the data disk into VM {}", machine.id),
+        });
         Ok(())
     }
 
@@ -207,5 +232,146 @@ impl Volumes for QemuProvider {
         // The disk lives in the environment's directory: the key's `env=`
         // names it already; a host path has no place in a key.
         Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::hotplug::fake::{self, State};
+    use super::super::process::fake::FakeQemu;
+    use super::*;
+    use crate::context::JobLog;
+    use crate::settings::qemu::BootImage;
+    use crate::settings::Settings;
+    use crate::state::StateStore;
+
+    /// A provider on a temp state dir, an environment with its data disk,
+    /// and a fake QEMU running "its VM" with `argv` recorded as the launch.
+    struct Rig {
+        dir: tempfile::TempDir,
+        provider: QemuProvider,
+        vm: VmDir,
+        volume: Volume,
+        machine: Machine,
+        _qemu: FakeQemu,
+    }
+
+    fn rig(argv: impl FnOnce(&Settings, &VmDir) -> Vec<String>) -> Rig {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::open(dir.path()).unwrap();
+        let settings = Settings::default();
+        let provider = QemuProvider::new(&settings, &store);
+        let id = Uuid::new_v4();
+        let vm = VmDir::new(&store.env_paths(id));
+        vm.ensure().unwrap();
+        std::fs::create_dir_all(provider.volume_dir(id)).unwrap();
+        std::fs::write(vm.data_disk(), b"").unwrap();
+        let launch = vm::Launch {
+            version: crate::state::store::FORMAT_VERSION,
+            argv: argv(&settings, &vm),
+            port: 2222,
+            running_as: None,
+        };
+        vm.write_launch(&launch).unwrap();
+        let qemu = FakeQemu::start(dir.path(), &vm);
+        Rig {
+            volume: Volume::new(vm.data_disk().display().to_string()),
+            machine: Machine::new(vm.name()),
+            provider,
+            vm,
+            dir,
+            _qemu: qemu,
+        }
+    }
+
+    fn ctx() -> Ctx {
+        Ctx::new(
+            JobLog::discard(),
+            Default::default(),
+            std::time::Duration::from_secs(30),
+        )
+    }
+
+    fn todays(settings: &Settings, vm: &VmDir) -> Vec<String> {
+        vm::argv(
+            &settings.qemu,
+            &BootImage::Path("/b.qcow2".into()),
+            vm,
+            2222,
+        )
+    }
+
+    #[tokio::test]
+    async fn attach_hot_plugs_the_disk_into_a_vm_with_the_root_port_once() {
+        let r = rig(todays);
+        let state = fake::serve(&r.vm.qmp(), State::default());
+        r.provider
+            .attach(&r.volume, &r.machine, &ctx())
+            .await
+            .unwrap();
+        let disk = r.vm.data_disk().display().to_string();
+        assert_eq!(state.lock().unwrap().device.as_deref(), Some(disk.as_str()));
+        // Attached again (a retried prepare): the disk is found, nothing added.
+        r.provider
+            .attach(&r.volume, &r.machine, &ctx())
+            .await
+            .unwrap();
+        assert_eq!(
+            state.lock().unwrap().commands,
+            [
+                "query-block",
+                "query-named-block-nodes",
+                "blockdev-add",
+                "device_add",
+                "query-block"
+            ],
+            "the second attach found the disk and added nothing"
+        );
+        drop(r.dir);
+    }
+
+    #[tokio::test]
+    async fn a_vm_an_older_dormant_started_with_the_disk_counts_as_attached() {
+        let r = rig(|settings, vm| {
+            let mut a = todays(settings, vm);
+            a.truncate(a.len() - 2); // no root port
+            a.extend([
+                "-drive".to_string(),
+                format!(
+                    "file={},if=none,id=data,format=qcow2",
+                    vm.data_disk().display()
+                ),
+                "-device".into(),
+                "virtio-blk-pci,drive=data,serial=dormant-data,addr=0x10".into(),
+            ]);
+            a
+        });
+        // No QMP socket: attach must not need one.
+        r.provider
+            .attach(&r.volume, &r.machine, &ctx())
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_vm_without_the_root_port_is_refused_saying_it_is_replaced() {
+        let r = rig(|settings, vm| {
+            let mut a = todays(settings, vm);
+            a.truncate(a.len() - 2);
+            a
+        });
+        let state = fake::serve(&r.vm.qmp(), State::default());
+        let e = r
+            .provider
+            .attach(&r.volume, &r.machine, &ctx())
+            .await
+            .unwrap_err();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("without the PCIe root port dormant-data-port")
+                && e.contains("it is deleted and a new one started"),
+            "{e}"
+        );
+        assert!(state.lock().unwrap().commands.is_empty());
     }
 }

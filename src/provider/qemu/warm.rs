@@ -139,9 +139,9 @@ impl WarmMachines for QemuProvider {
             .as_deref()
             .map(str::trim)
             .is_none_or(|i| i.is_empty() || i == "default");
-        // A volume-mode VM needs its data disk on its command line until the
-        // disk can be hot-plugged.
-        default_image && spec.volume.is_none() && self.settings.image.is_some()
+        // A volume-mode environment's data disk is hot-plugged into the VM
+        // it takes (`hotplug.rs`): every VM has the port for it.
+        default_image && self.settings.image.is_some()
     }
 
     async fn launch(
@@ -154,11 +154,10 @@ impl WarmMachines for QemuProvider {
         let image = self.default_image()?;
         let vm = self.warm_vm(warm);
         vm.ensure()?;
-        let user_data = crate::provider::cloud_init::user_data_with(
+        let user_data = crate::provider::cloud_init::user_data(
             warm.id,
             Some(ssh_public_key),
             &self.settings.ssh_user,
-            None,
         )?;
         tools::create_seed(&vm, &user_data, &super::vm::meta_data(warm.id))?;
         if !vm.overlay().exists() {
@@ -397,7 +396,7 @@ mod tests {
     }
 
     #[test]
-    fn only_a_default_image_machine_mode_spec_fits() {
+    fn only_a_default_image_spec_fits() {
         let dir = tempfile::tempdir().unwrap();
         let (store, p) = provider(dir.path());
         let id = uuid::Uuid::new_v4();
@@ -421,6 +420,9 @@ mod tests {
         assert!(!p.fits(&spec));
         spec.image = None;
         spec.volume = Some(crate::model::Volume::new("v"));
-        assert!(!p.fits(&spec));
+        assert!(
+            p.fits(&spec),
+            "a volume-mode one too: its disk is hot-plugged"
+        );
     }
 }
