@@ -449,3 +449,33 @@ async fn a_failed_launch_is_retired_at_once_and_two_refills_never_run_together()
     assert!(r.skipped.is_some() && r.launched.is_empty(), "{r:?}");
     drop(held);
 }
+
+#[tokio::test]
+async fn a_hand_over_whose_environment_was_released_meanwhile_is_dropped_and_the_retry_boots() {
+    let rig = Rig::new();
+    let warm = FakeWarm::new(1);
+    rig.refill(&warm, true).await;
+    let id = rig.entries()[0].id;
+    let env = rig.env();
+    let pool = rig.pool();
+    // Killed after the machine moved into the environment; the runner's
+    // cleanup released the environment, and the machine with it.
+    let lock = pool.try_lock(id).unwrap().unwrap();
+    let mut e = pool.peek(id).unwrap().unwrap();
+    e.status = WarmStatus::Taken { env: env.id };
+    pool.set(&lock, &e).unwrap();
+    drop(lock);
+    warm.set(id, "deleted");
+    // The retried prepare (same environment id): nothing to take; the
+    // entry is dropped, and no other machine is harmed.
+    assert!(take(rig.w(), &warm, &spec(&env), &env, &ctx())
+        .await
+        .unwrap()
+        .is_none());
+    assert!(rig.entries().is_empty());
+    assert!(
+        rig.events().iter().any(|e| e == "warm/retired"),
+        "{:?}",
+        rig.events()
+    );
+}
