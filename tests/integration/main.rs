@@ -36,6 +36,8 @@ mod ec2_volume;
 mod ec2_volume_mode;
 #[cfg(feature = "ec2")]
 mod ec2_volume_spot;
+#[cfg(feature = "ec2")]
+mod ec2_warm;
 mod edge;
 mod events;
 mod harness;
