@@ -224,7 +224,7 @@ async fn take_warm(
 /// Once the job's environment is ready: a refill of the warm pool, detached
 /// (it boots while the job runs, never before its prepare is done).
 fn refill_in_background(s: &Session) {
-    if !s.provider.warm().is_some_and(|w| w.wanted() > 0) {
+    if s.provider.warm().is_none_or(|w| w.wanted() == 0) {
         return;
     }
     match crate::lifecycle::warm::start_refill(&s.store) {
