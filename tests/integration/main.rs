@@ -10,6 +10,8 @@ mod crash;
 mod crash_ec2_adopt;
 #[cfg(all(feature = "testing", feature = "ec2"))]
 mod crash_ec2_volume;
+#[cfg(all(feature = "testing", feature = "ec2"))]
+mod crash_ec2_warm;
 #[cfg(feature = "testing")]
 mod crash_volume;
 #[cfg(feature = "ec2")]
