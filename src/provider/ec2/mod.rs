@@ -19,7 +19,7 @@
 //! runner-manager host takes an environment over with, and the boot hook
 //! that lets it in), `takeover` (what `dormant adopt` finds in EC2 and the
 //! tag write that takes an environment over), `warm` (warm instances: the
-//! `WarmMachines` side).
+//! `WarmMachines` side), `warm_launch` (what a warm instance is launched as).
 
 pub mod call;
 pub mod capacity;
@@ -41,6 +41,7 @@ pub mod volume;
 mod volumes;
 pub mod wait;
 mod warm;
+mod warm_launch;
 
 use std::time::Duration;
 
