@@ -95,7 +95,7 @@ pub enum Command {
     Adopt,
     /// Top up the warm pool: retire warm machines that are too old, made from
     /// settings that changed, dead or not wanted, and boot what `warm` asks for
-    /// (qemu: `[qemu] warm`). Prepare starts it detached after taking a warm
+    /// (`[qemu] warm`, `[ec2] warm`). Prepare starts it detached after taking a warm
     /// machine; the Debian package's timer runs it every minute.
     Warm,
     /// Print Prometheus text: the registry (environments by status, oldest

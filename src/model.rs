@@ -154,6 +154,9 @@ pub struct ManagedMachine {
     pub state: MachineState,
     /// Unix seconds when it was launched, if known.
     pub launched_at: Option<u64>,
+    /// A warm machine's pool id (tagged so, not yet handed to an
+    /// environment): `sweep` looks for its pool entry, not a record.
+    pub warm: Option<Uuid>,
 }
 
 /// How to reach a machine to run scripts on it.

@@ -276,7 +276,13 @@ pub async fn refill(
     }
     // More than wanted (warm lowered, or 0): the newest go first.
     kept.sort_by_key(|e| std::cmp::Reverse(e.launched_at));
-    let zones = warm.zones();
+    let zones = match warm.zones(ctx).await {
+        Ok(z) => z,
+        Err(e) => {
+            report.errors.push(format!("{e:#}"));
+            return Ok(report);
+        }
+    };
     let wanted = warm.wanted() as usize;
     let mut per_zone: Vec<(Option<String>, usize)> = zones.iter().map(|z| (z.clone(), 0)).collect();
     for entry in kept {
@@ -311,7 +317,7 @@ pub async fn refill(
     };
     for (zone, have) in per_zone {
         for _ in have..wanted {
-            if let Some(why) = warm.no_room() {
+            if let Some(why) = warm.no_room(ctx).await {
                 report.skipped = Some(why);
                 return Ok(report);
             }

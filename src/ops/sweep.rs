@@ -14,6 +14,49 @@ use crate::settings::Settings;
 
 use super::{open_store, OPERATOR_BUDGET};
 
+/// A warm machine in no pool entry is an orphan only once it is this old.
+/// A pool entry is written before its machine is launched, so one without
+/// an entry was left by a lost state dir; the grace keeps the sweep off a
+/// machine whose listing raced its launch or hand-over (a cloud's listing
+/// is eventually consistent).
+const WARM_ORPHAN_GRACE_SECS: u64 = 15 * 60;
+
+/// `listed` without the warm machines the pool here knows or that are too
+/// young to call orphans; a warm machine that looks orphaned is looked up
+/// again (listed anew) so one handed to an environment since is not taken
+/// for one.
+async fn warm_orphans_only(
+    provider: &dyn crate::provider::Provider,
+    store: &crate::state::StateStore,
+    listed: Vec<crate::model::ManagedMachine>,
+    ctx: &Ctx,
+) -> Result<Vec<crate::model::ManagedMachine>> {
+    // Read after the listing: an entry is made before its machine.
+    let pooled: Vec<uuid::Uuid> = crate::state::pool::Pool::new(store)
+        .entries()?
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    let now = crate::state::now_unix();
+    let suspect = |m: &crate::model::ManagedMachine| {
+        m.warm.is_some_and(|w| !pooled.contains(&w))
+            && m.launched_at
+                .is_none_or(|at| now.saturating_sub(at) >= WARM_ORPHAN_GRACE_SECS)
+    };
+    let (warm, mut out): (Vec<_>, Vec<_>) = listed.into_iter().partition(|m| m.warm.is_some());
+    let suspects: Vec<_> = warm.into_iter().filter(|m| suspect(m)).collect();
+    if suspects.is_empty() {
+        return Ok(out);
+    }
+    let again = provider.list(ctx).await?;
+    out.extend(suspects.into_iter().filter(|m| {
+        again
+            .iter()
+            .any(|a| a.machine.id == m.machine.id && a.warm == m.warm && a.env_id.is_none())
+    }));
+    Ok(out)
+}
+
 pub async fn sweep(
     settings: &Settings,
     job: &Job,
@@ -67,16 +110,18 @@ pub async fn sweep(
     // listed has its record by then and is not taken for an orphan.
     let listed = provider.list(&ctx).await?;
     let known = store.environment_ids()?;
+    let listed = warm_orphans_only(provider.as_ref(), &store, listed, &ctx).await?;
     let mut orphans = 0;
     for m in listed {
         if m.env_id.is_some_and(|id| known.contains(&id)) {
             continue;
         }
         orphans += 1;
-        let env = m
-            .env_id
-            .map(|id| format!("environment {id}"))
-            .unwrap_or_else(|| "no environment tag".into());
+        let env = match (m.env_id, m.warm) {
+            (Some(id), _) => format!("environment {id}"),
+            (None, Some(w)) => format!("warm machine {w}, in no warm pool here"),
+            (None, None) => "no environment tag".into(),
+        };
         if delete_orphans {
             log.info(format!("deleting orphan machine {} ({env})", m.machine.id));
             let started = std::time::Instant::now();

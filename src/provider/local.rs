@@ -183,6 +183,7 @@ impl Provider for LocalProvider {
                     env_id: Some(id),
                     state: MachineState::Running,
                     launched_at: None,
+                    warm: None,
                 });
             }
         }

@@ -40,13 +40,15 @@ pub trait WarmMachines: Send + Sync {
     fn fits(&self, spec: &MachineSpec) -> bool;
 
     /// The zones the pool keeps `wanted` machines in (`[None]` on one host).
-    fn zones(&self) -> Vec<Option<String>> {
-        vec![None]
+    /// Async: a cloud may have to be asked (EC2: the zones of the subnets).
+    async fn zones(&self, _ctx: &Ctx) -> Result<Vec<Option<String>>> {
+        Ok(vec![None])
     }
 
     /// Why no warm machine may be booted now (no free slot under the
-    /// machine limit, leaving one for a job), or `None`.
-    fn no_room(&self) -> Option<String> {
+    /// machine limit, leaving one for a job), or `None`. Async: a cloud's
+    /// count of machines is a call.
+    async fn no_room(&self, _ctx: &Ctx) -> Option<String> {
         None
     }
 

@@ -52,6 +52,8 @@ const fn bound(key: &'static str, zero_ok: bool, max: HumanDuration) -> Duration
 /// - `qemu.warm_max_age`: 7 d; a warm VM is retired at this age so that a
 ///   handed-out machine is never much older than its image (at least 10 min,
 ///   checked with the qemu settings: younger would retire VMs as they boot).
+/// - `ec2.warm_max_age`: 7 d, like `qemu.warm_max_age` (at least 10 min,
+///   checked with the ec2 settings).
 /// - `ec2.image_cache_ttl`: 30 d; an image pattern's newest match changes when
 ///   images (with security fixes) are published. Pin an AMI id to keep one.
 pub const DURATION_BOUNDS: &[DurationBound] = &[
@@ -72,6 +74,7 @@ pub const DURATION_BOUNDS: &[DurationBound] = &[
     bound("ssh.slot_wait", true, hours(24)),
     bound("ec2.image_cache_ttl", true, days(30)),
     bound("ec2.prepare_timeout", false, hours(24)),
+    bound("ec2.warm_max_age", false, days(7)),
     bound("qemu.shutdown_timeout", false, hours(1)),
     bound("qemu.boot_timeout", false, hours(24)),
     bound("qemu.warm_max_age", false, days(7)),
@@ -100,6 +103,7 @@ impl Settings {
             ("ssh.slot_wait", Some(self.ssh.slot_wait)),
             ("ec2.image_cache_ttl", Some(self.ec2.image_cache_ttl)),
             ("ec2.prepare_timeout", self.ec2.prepare_timeout),
+            ("ec2.warm_max_age", Some(self.ec2.warm_max_age)),
             ("qemu.shutdown_timeout", Some(self.qemu.shutdown_timeout)),
             ("qemu.boot_timeout", Some(self.qemu.boot_timeout)),
             ("qemu.warm_max_age", Some(self.qemu.warm_max_age)),

@@ -11,6 +11,11 @@ use serde::Deserialize;
 use super::HumanDuration;
 use crate::model::{Dirs, EnvPaths, StorageMode};
 
+/// At most this many warm instances per zone (each is billed while it waits).
+pub const MAX_WARM: u32 = 16;
+/// A warm instance must live long enough to boot and be taken.
+pub const MIN_WARM_AGE: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// The job variable through which a job picks an instance type from `allowed_instance_types`.
 pub const INSTANCE_TYPE_VARIABLE: &str = "DORMANT_EC2_INSTANCE_TYPE";
 
@@ -72,6 +77,11 @@ pub struct Ec2Settings {
     /// Bound on the EC2 part of a prepare (capacity waits, launch, start);
     /// unset: the top-level `prepare_timeout`.
     pub prepare_timeout: Option<HumanDuration>,
+    /// Warm instances kept running in each zone of `subnet_ids`, ready for a
+    /// new environment (docs/ec2.md, "Warm instances"); 0: none.
+    pub warm: u32,
+    /// A warm instance older than this is retired and replaced.
+    pub warm_max_age: HumanDuration,
     /// builds_dir inside the instance; default `<home of ssh_user>/builds`.
     pub builds_dir: Option<String>,
     /// cache_dir inside the instance; default `<home of ssh_user>/cache`.
@@ -122,6 +132,8 @@ impl Default for Ec2Settings {
             suspend_mode: SuspendMode::Stop,
             max_environments: 0,
             prepare_timeout: None,
+            warm: 0,
+            warm_max_age: HumanDuration::from_secs(6 * 3600),
             builds_dir: None,
             cache_dir: None,
             storage: StorageMode::Machine,

@@ -54,6 +54,7 @@ impl Ec2Settings {
             );
         }
         self.validate_placement(&mut p);
+        self.validate_warm(&mut p);
         if let Some(e) = &self.endpoint_url {
             if !(e.starts_with("http://") || e.starts_with("https://")) {
                 p(
@@ -294,6 +295,40 @@ fn check_list(
             p(key, format!("{} is not {what}", quoted(v)));
         } else if list[..i].contains(v) {
             p(key, format!("{} is listed twice", quoted(v)));
+        }
+    }
+}
+
+impl Ec2Settings {
+    /// `warm` and `warm_max_age` (docs/ec2.md, "Warm instances").
+    fn validate_warm(&self, p: &mut impl FnMut(&str, String)) {
+        let zones = self.subnets().len().max(1) as u32;
+        if self.warm > MAX_WARM {
+            p(
+                "warm",
+                format!(
+                    "{} is more than {MAX_WARM} warm instances per zone",
+                    self.warm
+                ),
+            );
+        } else if self.max_environments > 0 && self.warm * zones >= self.max_environments {
+            p(
+                "warm",
+                format!(
+                    "{} warm instances in each of {zones} zone(s) leave no room for a job's own instance under \
+                     max_environments = {}: set warm below max_environments / zones",
+                    self.warm, self.max_environments
+                ),
+            );
+        }
+        if self.warm_max_age.get() < MIN_WARM_AGE {
+            p(
+                "warm_max_age",
+                format!(
+                    "{} is less than 10m: a warm instance must live long enough to boot and be taken",
+                    self.warm_max_age
+                ),
+            );
         }
     }
 }

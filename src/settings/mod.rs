@@ -337,6 +337,22 @@ impl Settings {
                     .into(),
             );
         }
+        if self.provider == ProviderKind::Ec2
+            && self.ec2.warm > 0
+            && self.ec2.max_environments > 0
+            && self
+                .runner_id
+                .as_deref()
+                .is_none_or(|r| r.trim().is_empty())
+        {
+            // `dormant warm` runs outside any job: only the settings can say
+            // which runner's max_environments its instances count toward.
+            problems.push(
+                "ec2.warm: with ec2.max_environments, warm instances count toward one runner's limit, and \
+                 `dormant warm` runs outside any job: set runner_id (this runner's id)"
+                    .into(),
+            );
+        }
         self.qemu
             .validate(self.provider == ProviderKind::Qemu, problems);
     }

@@ -138,6 +138,7 @@ impl Provider for FakeProvider {
                     .and_then(|id| uuid::Uuid::parse_str(id).ok()),
                 state: state.clone(),
                 launched_at: None,
+                warm: None,
             })
             .collect())
     }

@@ -271,7 +271,10 @@ pub fn give_identity(from: &EnvPaths, to: &EnvPaths) -> Result<()> {
         (from.known_hosts.clone(), to.known_hosts.clone()),
     ];
     for (a, b) in files {
-        let bytes = fs::read(&a).with_context(|| format!("reading {}", a.display()))?;
+        let mut bytes = fs::read(&a).with_context(|| format!("reading {}", a.display()))?;
+        if a == from.known_hosts {
+            bytes = repin(&bytes, from.id, to.id);
+        }
         let tmp = b.with_extension("warm-tmp");
         let write = || -> std::io::Result<()> {
             store::write_private(&tmp, &bytes)?;
@@ -282,6 +285,28 @@ pub fn give_identity(from: &EnvPaths, to: &EnvPaths) -> Result<()> {
     }
     store::sync_dir(&to.dir).with_context(|| format!("syncing {}", to.dir.display()))?;
     Ok(())
+}
+
+/// A known_hosts file's pins under the environment's name: ssh looks a
+/// host key up by the alias `dormant-<id>` of the machine's owner
+/// (`transport::ssh::master`, `HostKeyAlias`), so a pin made for warm
+/// machine `from` would not be found for environment `to`, and its first
+/// connection would pin whatever key it met (trust on first use again).
+fn repin(known_hosts: &[u8], from: Uuid, to: Uuid) -> Vec<u8> {
+    let (old, new) = (format!("dormant-{from}"), format!("dormant-{to}"));
+    let text = String::from_utf8_lossy(known_hosts);
+    let mut out = String::new();
+    for line in text.split_inclusive('\n') {
+        match line.split_once(' ') {
+            Some((host, rest)) if host == old => {
+                out.push_str(&new);
+                out.push(' ');
+                out.push_str(rest);
+            }
+            _ => out.push_str(line),
+        }
+    }
+    out.into_bytes()
 }
 
 #[cfg(test)]
@@ -342,8 +367,13 @@ mod tests {
         let (wp, _entry, _lock) = pool.begin_launch("qemu", "fp", "default", None).unwrap();
         fs::write(&wp.paths.ssh_key, "private").unwrap();
         fs::write(wp.paths.ssh_key.with_extension("pub"), "public").unwrap();
-        fs::write(&wp.paths.known_hosts, "pinned").unwrap();
+        fs::write(
+            &wp.paths.known_hosts,
+            format!("dormant-{} ssh-ed25519 AAAApinned\n", wp.id),
+        )
+        .unwrap();
         let env = store.env_paths(Uuid::new_v4());
+        let pinned = format!("dormant-{} ssh-ed25519 AAAApinned\n", env.id);
         fs::create_dir_all(&env.dir).unwrap();
         fs::write(&env.ssh_key, "a key of a killed attempt").unwrap();
         give_identity(&wp.paths, &env).unwrap();
@@ -352,7 +382,11 @@ mod tests {
             fs::read_to_string(env.ssh_key.with_extension("pub")).unwrap(),
             "public"
         );
-        assert_eq!(fs::read_to_string(&env.known_hosts).unwrap(), "pinned");
+        assert_eq!(
+            fs::read_to_string(&env.known_hosts).unwrap(),
+            pinned,
+            "the pin under the environment's alias"
+        );
         // The environment released (its directory gone) and made again by
         // the retried prepare, with a key of its own: given again.
         fs::remove_dir_all(&env.dir).unwrap();
@@ -360,7 +394,7 @@ mod tests {
         fs::write(&env.ssh_key, "another attempt's key").unwrap();
         give_identity(&wp.paths, &env).unwrap();
         assert_eq!(fs::read_to_string(&env.ssh_key).unwrap(), "private");
-        assert_eq!(fs::read_to_string(&env.known_hosts).unwrap(), "pinned");
+        assert_eq!(fs::read_to_string(&env.known_hosts).unwrap(), pinned);
     }
 
     #[test]

@@ -10,6 +10,8 @@ mod crash;
 mod crash_ec2_adopt;
 #[cfg(all(feature = "testing", feature = "ec2"))]
 mod crash_ec2_volume;
+#[cfg(all(feature = "testing", feature = "ec2"))]
+mod crash_ec2_warm;
 #[cfg(feature = "testing")]
 mod crash_volume;
 #[cfg(feature = "ec2")]
@@ -40,6 +42,8 @@ mod ec2_volume;
 mod ec2_volume_mode;
 #[cfg(feature = "ec2")]
 mod ec2_volume_spot;
+#[cfg(feature = "ec2")]
+mod ec2_warm;
 mod edge;
 mod events;
 mod harness;

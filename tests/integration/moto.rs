@@ -167,6 +167,9 @@ struct State {
     public_ip: Option<String>,
     /// `public_ip_once_running`: no public IP while a start is held `pending`.
     ip_once_running: bool,
+    /// `launched_long_ago`: DescribeInstances shows every instance launched
+    /// at [`LONG_AGO`] (moto's are all launched now).
+    long_ago: bool,
 }
 
 impl State {
@@ -178,6 +181,9 @@ impl State {
         }
     }
 }
+
+/// The launch time `launched_long_ago` shows.
+pub const LONG_AGO: &str = "2020-01-01T00:00:00.000Z";
 
 /// The recording, fault-injecting proxy. Stops on drop.
 pub struct Proxy {
@@ -323,6 +329,12 @@ impl Proxy {
     /// where it does not, so a resume must wait for `running` to learn it).
     pub fn public_ip_once_running(&self, on: bool) {
         self.state.lock().unwrap().ip_once_running = on;
+    }
+
+    /// DescribeInstances shows every instance launched at [`LONG_AGO`]
+    /// (older than any grace a sweep gives a young machine).
+    pub fn launched_long_ago(&self, on: bool) {
+        self.state.lock().unwrap().long_ago = on;
     }
 
     /// When the proxy received the first `action` after `since`, waiting for it up to `timeout`.
@@ -581,6 +593,9 @@ fn serve(
                 .any(|t| now < t.until && t.shown.1 == "pending");
             let shown = (!st.ip_once_running || !starting).then_some(ip.as_str());
             xml = replace_elements(&xml, "ipAddress", shown);
+        }
+        if st.long_ago {
+            xml = replace_elements(&xml, "launchTime", Some(LONG_AGO));
         }
         resp_body = xml.into_bytes();
     }

@@ -130,6 +130,34 @@ impl Capacity<'_> {
         wait_for_capacity(ctx, Some(&marker), || self.try_launch(ctx, &launch)).await
     }
 
+    /// How many slots are in use now (`max_environments` counts these).
+    pub async fn used(&self, ctx: &Ctx) -> Result<usize> {
+        let (ledger_path, _) = self.paths();
+        let mut ledger = read_json::<Ledger>(&ledger_path)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let now = now_unix();
+        ledger
+            .launches
+            .retain(|(_, at)| now.saturating_sub(*at) < LEDGER_WINDOW_SECS);
+        self.in_use(&ledger, ctx).await
+    }
+
+    /// One attempt without waiting (a warm instance: nobody waits for it):
+    /// `Ok(Err(reason))` when there is no slot or no capacity now.
+    pub async fn launch_once<F, Fut>(
+        &self,
+        ctx: &Ctx,
+        launch: F,
+    ) -> Result<Result<Launched, String>>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<Result<Launched, String>>>,
+    {
+        self.try_launch(ctx, &launch).await
+    }
+
     /// One attempt: `Ok(Err(reason))` when there is no slot or no capacity now.
     async fn try_launch<F, Fut>(&self, ctx: &Ctx, launch: &F) -> Result<Result<Launched, String>>
     where

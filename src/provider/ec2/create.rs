@@ -206,6 +206,7 @@ impl Ec2Provider {
         .await?;
         let req = LaunchRequest {
             spec,
+            tags: launch::tags(spec, &self.settings),
             settings: &self.settings,
             image: &image,
             client_token: match within {

@@ -25,6 +25,9 @@ pub mod tag {
     /// instance's root volume, which carries the other tags too.
     pub const VOLUME: &str = "dormant:volume";
     pub const VOLUME_DATA: &str = "data";
+    /// On a warm instance (`warm.rs`) until it is handed to an environment:
+    /// its id in the pool. It carries no `dormant:env` meanwhile.
+    pub const WARM: &str = "dormant:warm";
 }
 
 #[derive(Debug, Clone)]

@@ -129,6 +129,9 @@ pub fn machine_user_data(spec: &MachineSpec, settings: &Ec2Settings) -> Result<S
 /// What every choice of a launch shares.
 pub struct LaunchRequest<'a> {
     pub spec: &'a MachineSpec,
+    /// The instance's and its volumes' tags ([`tags`] for an environment's
+    /// instance; a warm instance's own, `warm.rs`).
+    pub tags: Vec<(String, String)>,
     pub settings: &'a Ec2Settings,
     pub image: &'a ImageInfo,
     /// The ClientToken of the first choice; later choices append their index
@@ -185,7 +188,7 @@ pub async fn run_instance(
             .build()
     });
     let sdk_tag = |(k, v): (String, String)| Tag::builder().key(k).value(v).build();
-    let sdk_tags: Vec<Tag> = tags(req.spec, s).into_iter().map(sdk_tag).collect();
+    let sdk_tags: Vec<Tag> = req.tags.iter().cloned().map(sdk_tag).collect();
     let spec_for = |rt: ResourceType, extra: &[(String, String)]| {
         let mut all = sdk_tags.clone();
         all.extend(extra.iter().cloned().map(sdk_tag));

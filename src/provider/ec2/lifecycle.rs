@@ -306,7 +306,12 @@ impl Ec2Provider {
         if info.state == MachineState::Gone {
             return Ok(());
         }
-        self.verify_tags(machine, &info, "terminate")?;
+        if machine.field(field::ENV).is_none() && machine.field(field::WARM).is_some() {
+            // An orphaned warm instance (`dormant sweep --delete-orphans`).
+            self.verify_orphan_warm(machine, &info)?;
+        } else {
+            self.verify_tags(machine, &info, "terminate")?;
+        }
         ctx.log.info(format!("terminating instance {id}"));
         terminate(&client, id, ctx).await?;
         if let Some(runner) = machine.field(field::RUNNER) {

@@ -18,7 +18,8 @@
 //! (polling for an instance's state), `handover` (the tags a replacement
 //! runner-manager host takes an environment over with, and the boot hook
 //! that lets it in), `takeover` (what `dormant adopt` finds in EC2 and the
-//! tag write that takes an environment over).
+//! tag write that takes an environment over), `warm` (warm instances: the
+//! `WarmMachines` side), `warm_launch` (what a warm instance is launched as).
 
 pub mod call;
 pub mod capacity;
@@ -39,6 +40,8 @@ pub mod takeover;
 pub mod volume;
 mod volumes;
 pub mod wait;
+mod warm;
+mod warm_launch;
 
 use std::time::Duration;
 
@@ -76,6 +79,8 @@ mod field {
     /// The ownership epoch the instance carried when this record last took
     /// it (`handover.rs`).
     pub const EPOCH: &str = "epoch";
+    /// A warm instance's pool id (`list`: one no environment has taken).
+    pub const WARM: &str = "warm";
 }
 
 /// The field of a record's machine (and data volume) that holds the
@@ -88,6 +93,9 @@ pub struct Ec2Provider {
     prepare_timeout: Duration,
     store: StateStore,
     system_id: String,
+    /// The top-level `runner_id`, if set: warm instances, made outside any
+    /// job, count toward this runner's `max_environments`.
+    runner_id: Option<String>,
     clients: client::Clients,
 }
 
@@ -113,6 +121,12 @@ impl Ec2Provider {
             prepare_timeout: settings.prepare_timeout.get(),
             store: store.clone(),
             system_id: crate::identity::system_id(settings, store)?,
+            runner_id: settings
+                .runner_id
+                .as_deref()
+                .map(str::trim)
+                .filter(|r| !r.is_empty())
+                .map(str::to_string),
             clients: client::Clients::new(&settings.ec2, creds),
         })
     }
@@ -153,6 +167,12 @@ impl Provider for Ec2Provider {
     /// setting goes back to `machine`.
     fn volumes(&self) -> Option<&dyn Volumes> {
         Some(self)
+    }
+
+    /// While `warm` > 0, and after it went back to 0 while the pool still
+    /// has entries (the sweep retires them).
+    fn warm(&self) -> Option<&dyn super::warm::WarmMachines> {
+        (self.settings.warm > 0 || self.store.root().join("warm").exists()).then_some(self)
     }
 
     async fn create_or_reclaim(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine> {
@@ -199,6 +219,7 @@ impl Provider for Ec2Provider {
                 let mut machine = Machine::new(&i.id).with(field::REGION, &region);
                 for (k, t) in [
                     (field::ENV, tag::ENV),
+                    (field::WARM, tag::WARM),
                     (field::RUNNER, tag::RUNNER),
                     (field::SYSTEM, tag::SYSTEM),
                 ] {
@@ -206,8 +227,15 @@ impl Provider for Ec2Provider {
                         machine = machine.with(k, v);
                     }
                 }
+                let env_id = i.tag(tag::ENV).and_then(|e| uuid::Uuid::parse_str(e).ok());
                 ManagedMachine {
-                    env_id: i.tag(tag::ENV).and_then(|e| uuid::Uuid::parse_str(e).ok()),
+                    // An instance with an environment's tag is the
+                    // environment's, even mid-hand-over (both tags).
+                    warm: i
+                        .tag(tag::WARM)
+                        .and_then(|w| uuid::Uuid::parse_str(w).ok())
+                        .filter(|_| env_id.is_none()),
+                    env_id,
                     state: i.state.clone(),
                     launched_at: i.launched_at,
                     machine,

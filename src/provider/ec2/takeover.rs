@@ -98,6 +98,11 @@ pub fn classify(
     // By environment id, in a stable order.
     let mut envs: BTreeMap<Uuid, (Vec<InstanceInfo>, Vec<VolumeInfo>)> = BTreeMap::new();
     for i in instances {
+        if i.tag(tag::WARM).is_some() {
+            // A warm instance (or one mid-hand-over) of the lost host's pool:
+            // no environment to adopt; `dormant sweep` finds it as an orphan.
+            continue;
+        }
         match i.tag(tag::ENV).map(Uuid::parse_str) {
             Some(Ok(id)) => envs.entry(id).or_default().0.push(i),
             other => found.left.push(LeftAlone {

@@ -304,6 +304,7 @@ impl Provider for QemuProvider {
                     env_id: recorded.then_some(id),
                     state: describe(&vm),
                     launched_at,
+                    warm: None,
                 }
             })
             .collect())

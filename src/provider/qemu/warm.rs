@@ -97,7 +97,7 @@ impl WarmMachines for QemuProvider {
         self.settings.warm_max_age.get()
     }
 
-    fn no_room(&self) -> Option<String> {
+    async fn no_room(&self, _ctx: &Ctx) -> Option<String> {
         let max = self.settings.max_environments;
         let running = super::capacity::running(self.store.root());
         (max > 0 && running + 1 >= max as usize).then(|| {

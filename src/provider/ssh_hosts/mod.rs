@@ -242,6 +242,7 @@ impl Provider for SshHostsProvider {
                         env_id: Some(id),
                         state,
                         launched_at: Some(rec.created_at),
+                        warm: None,
                     });
                 }
             }

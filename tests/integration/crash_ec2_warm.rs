@@ -1,0 +1,172 @@
+//! kill -9 during an EC2 warm instance's refill and during its hand-over
+//! (moto behind the proxy, the loopback sshd): a refill killed after
+//! RunInstances answered leaves an entry the next refill retires, and its
+//! instance is terminated, not leaked; a prepare killed at each step of a
+//! hand-over is retried by the runner and the job runs: killed before the
+//! first tag write, the retry finishes the same hand-over; killed after it,
+//! the instance already names the environment, so the runner's cleanup of
+//! the killed attempt terminates it with the half-made environment and the
+//! retry launches as usual. The instance is never handed to a second job,
+//! none is leaked, and none is left carrying both `dormant:warm` and
+//! `dormant:env`.
+//!
+//! Network rule: the instance addresses moto hands out are never contacted.
+
+use std::time::{Duration, Instant};
+
+use aws_sdk_ec2::types::Instance;
+
+use crate::crash::{arm, assert_killed_at};
+use crate::ec2_rig::{instances, is_live, key_field, Ec2Env};
+use crate::harness::{self, assert_result, JobResult, Rig};
+
+const SYSTEM: &str = "s_0123456789ab";
+
+fn tag<'a>(i: &'a Instance, k: &str) -> Option<&'a str> {
+    i.tags()
+        .iter()
+        .find(|t| t.key() == Some(k))
+        .and_then(|t| t.value())
+}
+
+fn live_warm(env: &Ec2Env) -> Vec<String> {
+    instances(env)
+        .into_iter()
+        .filter(|i| is_live(i) && tag(i, "dormant:warm").is_some())
+        .filter_map(|i| i.instance_id().map(str::to_string))
+        .collect()
+}
+
+/// `dormant warm` once no other refill runs; its output.
+fn warm_now(rig: &Rig) -> String {
+    let end = Instant::now() + Duration::from_secs(180);
+    loop {
+        let out = rig.dormant(&["warm"]);
+        let t = String::from_utf8_lossy(&out.stderr).to_string();
+        if t.contains("another refill of this pool is running") && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(200));
+            continue;
+        }
+        assert!(out.status.success(), "dormant warm failed: {t}");
+        return t;
+    }
+}
+
+#[test]
+fn a_kill_during_an_ec2_refill_or_hand_over_leaks_nothing_and_hands_out_nothing_twice() {
+    let env = Ec2Env::start();
+    let mut rig = env.rig(
+        "7",
+        SYSTEM,
+        &env.settings(&format!("{}warm = 1\n", env.connect_address()), ""),
+    );
+
+    // 1. A refill killed right after its instance was launched.
+    arm(&mut rig, Some("warm:launched"), false);
+    let out = rig.dormant(&["warm"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    {
+        use std::os::unix::process::ExitStatusExt;
+        assert!(
+            err.contains("dormant: failpoint warm:launched: SIGKILL")
+                && out.status.signal() == Some(9),
+            "{:?}\n{err}",
+            out.status
+        );
+    }
+    let killed = live_warm(&env);
+    assert_eq!(killed.len(), 1, "{err}");
+    arm(&mut rig, None, false);
+    let t = warm_now(&rig);
+    assert!(t.contains("its launch was killed"), "{t}");
+    let mut warm = live_warm(&env);
+    assert_eq!(warm.len(), 1, "{t}");
+    assert_ne!(
+        warm[0], killed[0],
+        "the killed launch's instance is not kept"
+    );
+
+    // 2-4. A prepare killed at each step of the hand-over; the runner retries.
+    let mut taken: Vec<String> = Vec::new();
+    for (n, point) in ["warm:taken", "warm:ec2-tagged", "warm:handed-over"]
+        .into_iter()
+        .enumerate()
+    {
+        let instance = warm.remove(0);
+        arm(&mut rig, Some(point), true);
+        let r = rig
+            .runner
+            .run_job(&harness::job(60 + n as u64).script("echo on-warm"))
+            .unwrap();
+        assert_killed_at(&rig, &r.calls, point, 1);
+        assert_result(&r, JobResult::Success);
+        arm(&mut rig, None, false);
+        let key = r.key.clone().expect("a key");
+        let got = key_field(&key, "instance").unwrap_or_default();
+        let cleanups: String = r
+            .calls
+            .iter()
+            .filter(|c| c.name.starts_with("cleanup"))
+            .map(|c| format!("{}:\n{}", c.name, c.output))
+            .collect();
+        if point == "warm:taken" {
+            // Not yet the environment's: the retry finishes the hand-over.
+            assert_eq!(got, instance, "{point}: the same hand-over\n{}", r.log());
+        } else {
+            // The instance already named the environment, so the runner's
+            // cleanup of the killed attempt released it with the
+            // environment; the retry found the entry's instance gone,
+            // dropped the entry and launched as usual.
+            assert!(
+                cleanups.contains(&format!("terminating instance {instance}")),
+                "{point}: released with the half-made environment\n{cleanups}"
+            );
+            assert!(
+                got != instance && !taken.contains(&got) && !got.is_empty(),
+                "{point}: ran on {got}\n{}",
+                r.log()
+            );
+        }
+        assert!(!taken.contains(&instance), "{point}: handed out twice");
+        taken.push(instance.clone());
+        // Released at the job's end (no trigger): that instance is gone.
+        assert!(
+            instances(&env)
+                .iter()
+                .filter(|i| i.instance_id() == Some(instance.as_str()))
+                .all(|i| !is_live(i)),
+            "{point}: released"
+        );
+        let t = warm_now(&rig);
+        warm = live_warm(&env);
+        assert_eq!(warm.len(), 1, "{point}: refilled: {t}");
+        assert!(
+            !taken.contains(&warm[0]),
+            "{point}: a taken one back in the pool"
+        );
+        let both: Vec<_> = instances(&env)
+            .into_iter()
+            .filter(|i| {
+                is_live(i) && tag(i, "dormant:warm").is_some() && tag(i, "dormant:env").is_some()
+            })
+            .collect();
+        assert!(both.is_empty(), "{point}: half handed over: {both:?}");
+    }
+
+    // Nothing left once warm = 0 and a sweep ran.
+    Rig::write_settings(
+        &rig.settings_path,
+        SYSTEM,
+        &env.settings(&format!("{}warm = 0\n", env.connect_address()), ""),
+    );
+    let out = rig.dormant(&["sweep"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        instances(&env).iter().all(|i| !is_live(i)),
+        "no instance left"
+    );
+}
