@@ -167,7 +167,7 @@ pub async fn relaunch(
             // The replaced machine's pin goes aside before a warm machine's
             // (pinned at its own boot) is written in its place.
             crate::transport::ssh::repin::set_aside(paths)?;
-            super::warm::take(w, warm, &spec, paths, ctx).await?
+            super::warm::take_for(w, warm, &spec, paths, super::warm::For::Resume, ctx).await?
         }
         None => None,
     };

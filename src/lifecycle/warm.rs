@@ -48,6 +48,27 @@ pub async fn take(
     env: &EnvPaths,
     ctx: &Ctx,
 ) -> Result<Option<Taken>> {
+    take_for(w, warm, spec, env, For::New, ctx).await
+}
+
+/// What a machine is taken for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum For {
+    /// A new environment's first machine.
+    New,
+    /// A volume-mode resume's new machine (its volume exists).
+    Resume,
+}
+
+/// [`take`], for a new environment or a volume-mode resume.
+pub async fn take_for(
+    w: World<'_>,
+    warm: &dyn WarmMachines,
+    spec: &MachineSpec,
+    env: &EnvPaths,
+    purpose: For,
+    ctx: &Ctx,
+) -> Result<Option<Taken>> {
     let pool = Pool::new(w.store);
     // A hand-over to this environment that a killed attempt began.
     for (id, entry) in pool.entries()? {
@@ -60,7 +81,11 @@ pub async fn take(
             }
         }
     }
-    if warm.wanted() == 0 || !warm.fits(spec) {
+    let fits = match purpose {
+        For::New => warm.fits(spec),
+        For::Resume => warm.fits_resume(spec),
+    };
+    if warm.wanted() == 0 || !fits {
         return Ok(None);
     }
     let kind = match warm.kind() {

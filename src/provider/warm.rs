@@ -39,6 +39,12 @@ pub trait WarmMachines: Send + Sync {
     /// what warm machines are made from (e.g. the default image).
     fn fits(&self, spec: &MachineSpec) -> bool;
 
+    /// Whether a volume-mode resume's new machine may be a warm one (its
+    /// volume exists; `zone_for` picks the zone). Default: as [`Self::fits`].
+    fn fits_resume(&self, spec: &MachineSpec) -> bool {
+        self.fits(spec)
+    }
+
     /// The zones the pool keeps `wanted` machines in (`[None]` on one host).
     /// Async: a cloud may have to be asked (EC2: the zones of the subnets).
     async fn zones(&self, _ctx: &Ctx) -> Result<Vec<Option<String>>> {

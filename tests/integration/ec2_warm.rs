@@ -29,7 +29,7 @@ use dormant::state::pool::WarmPaths;
 use dormant::state::StateStore;
 use tokio_util::sync::CancellationToken;
 
-use crate::ec2_rig::{block_on, instance_tags, instances, is_live, key_field, Ec2Env};
+use crate::ec2_rig::{block_on, instance_tags, instances, is_live, key_field, volume, Ec2Env};
 use crate::harness::{self, assert_result, JobResult, Rig};
 use crate::moto::{direct_client, ACCESS_KEY, REGION, SECRET_KEY};
 
@@ -527,4 +527,73 @@ async fn a_warm_instance_per_zone_and_a_volume_takes_the_one_in_its_zone() {
         .is_none());
     let _ = za;
     drop(env);
+}
+
+/// A volume-mode resume takes the warm instance (in its volume's zone: one
+/// subnet here) instead of launching one: no RunInstances before its first
+/// stage, AttachVolume to the running warm instance, the file the first job
+/// left is there and get_sources is skipped.
+#[test]
+fn a_volume_mode_resume_takes_the_warm_instance_and_attaches_its_volume_to_it() {
+    let env = Ec2Env::start();
+    let rig = env.volume_rig("7", SYSTEM, &env.volume_settings("warm = 1\n", ""));
+    // A new volume-mode environment launches its own instance (its volume is
+    // made beside it); the refill it starts launches the warm one.
+    let r = rig.run(
+        &harness::job(5)
+            .suspend_on(true, false)
+            .script("echo kept-on-volume > state.txt"),
+    );
+    assert_result(&r, JobResult::Success);
+    assert!(!r.log().contains("took warm machine"), "{}", r.log());
+    let key = r.key.clone().expect("a key");
+    let volume_id = key_field(&key, "volume").expect("a volume key");
+    warm_now(&rig);
+    let warm = warm_instances(&env);
+    assert_eq!(warm.len(), 1);
+    let warm_id = warm[0].instance_id().unwrap().to_string();
+
+    env.proxy.clear_calls();
+    let mut resume = harness::job(5)
+        .resume(&key)
+        .script("cat state.txt; test ! -e .fetched-again");
+    resume.get_sources = "touch .fetched-again".into();
+    let mut first_stage: Option<Instant> = None;
+    let mut attached_to = None;
+    let r2 = rig
+        .runner
+        .run_job_with(&resume, &mut |_| {
+            if first_stage.is_none() {
+                first_stage = Some(Instant::now());
+                attached_to = volume(&env, &volume_id).and_then(|v| {
+                    v.attachments()
+                        .first()
+                        .and_then(|a| a.instance_id().map(str::to_string))
+                });
+            }
+        })
+        .unwrap();
+    assert_result(&r2, JobResult::Success);
+    let log = r2.log();
+    assert!(log.contains(&format!("took warm machine")), "{log}");
+    assert!(log.contains("kept-on-volume"), "{log}");
+    assert!(log.contains("skipping get_sources"), "{log}");
+    let split = first_stage.expect("a stage ran");
+    let calls = env.proxy.calls();
+    let before: Vec<&str> = calls
+        .iter()
+        .filter(|c| c.at < split)
+        .map(|c| c.action.as_str())
+        .collect();
+    assert!(!before.contains(&"RunInstances"), "{before:?}");
+    assert_eq!(
+        before.iter().filter(|a| **a == "AttachVolume").count(),
+        1,
+        "{before:?}"
+    );
+    assert_eq!(
+        attached_to.as_deref(),
+        Some(warm_id.as_str()),
+        "the volume went to the warm instance"
+    );
 }

@@ -190,8 +190,14 @@ impl WarmMachines for Ec2Provider {
             .is_none_or(|v| v.trim().is_empty());
         // Volume mode: a new environment's first instance is launched before
         // its volume (`volumes.rs`), so a warm one taken after would leave
-        // that instance running; and a resume does not take warm ones yet.
+        // that instance running. A resume's volume exists: `fits_resume`.
         default_image && default_types && spec.volume.is_none()
+    }
+
+    fn fits_resume(&self, spec: &MachineSpec) -> bool {
+        let mut machine_spec = spec.clone();
+        machine_spec.volume = None;
+        self.fits(&machine_spec)
     }
 
     async fn zones(&self, ctx: &Ctx) -> Result<Vec<Option<String>>> {
