@@ -12,7 +12,7 @@
 #                       dormant: cleanup of the suspending job
 #   new environment,    dormant: prepare of a new job that takes a warm VM
 #   warm (warm = 1)     (`dormant warm` booted it before the job; not timed)
-#   volume mode         resume  machine: a new overlay, boot with the data disk to the banner
+#   volume mode         resume  machine: a new overlay, boot to the banner, the data disk hot-plugged
 #   (storage="volume")          dormant: prepare of the resuming job (new VM, attach, mount)
 #                       suspend machine: QMP quit to QEMU's exit, the overlay deleted
 #                               dormant: cleanup (guest sync+unmount, quit, VM deleted)
@@ -92,11 +92,22 @@ start_vm() { # start_vm PORT [EXTRA...]: the command line the qemu provider buil
     -daemonize -kernel "$IMG/vmlinuz" -initrd "$IMG/initrd.img" -append "root=/dev/vda rw console=ttyS0 quiet" \
     -drive "file=$work/overlay.qcow2,if=virtio,format=qcow2" \
     -netdev "user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:$port-:22" -device virtio-net-pci,netdev=net0 \
-    -drive "file=$work/seed.iso,if=virtio,format=raw,readonly=on" "$@"
+    -drive "file=$work/seed.iso,if=virtio,format=raw,readonly=on" \
+    -device pcie-root-port,id=dormant-data-port,chassis=1,slot=1,bus=pcie.0,addr=0x10 "$@"
 }
-# Volume mode's data disk, as src/provider/qemu/vm.rs attaches it.
-data_disk=(-drive "file=$work/data.qcow2,if=none,id=data,format=qcow2"
-  -device virtio-blk-pci,drive=data,serial=dormant-data,addr=0x10)
+# Volume mode's data disk, hot-plugged into the root port as
+# src/provider/qemu/hotplug.rs does it.
+plug_data_disk() {
+  local r cmd args
+  for cmd in blockdev-add device_add; do
+    case $cmd in
+      blockdev-add) args="{\"driver\": \"qcow2\", \"node-name\": \"dormant-data\", \"file\": {\"driver\": \"file\", \"filename\": \"$work/data.qcow2\"}}" ;;
+      device_add) args='{"driver": "virtio-blk-pci", "id": "dormant-data-disk", "drive": "dormant-data", "serial": "dormant-data", "bus": "dormant-data-port"}' ;;
+    esac
+    r=$(qmp "$work/qmp.sock" "$cmd" "$args")
+    [ "$r" = '{"return": {}}' ] || { echo "bench-qemu: QMP $cmd answered $r" >&2; exit 1; }
+  done
+}
 
 declare -A M D
 for run in $(seq 1 "$RUNS"); do
@@ -131,22 +142,16 @@ for run in $(seq 1 "$RUNS"); do
   M[restore]+="$(secs "$t0" "$t1") "
   pid=$(cat "$work/qemu.pid"); qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"
 
-  # Volume mode by hand: a first boot formats and mounts the data disk (the
-  # user-data dormant sends), then a resume is a new overlay booted with it.
-  printf '#cloud-config\nssh_authorized_keys:\n  - %s\nfs_setup:\n  - label: dormant-data\n    filesystem: ext4\n    device: /dev/disk/by-id/virtio-dormant-data\n    partition: auto\nmounts:\n  - [ /dev/disk/by-id/virtio-dormant-data, /dormant, ext4, "defaults,nofail", "0", "2" ]\n' \
-    "$(cat "$work/key.pub")" >"$work/user-data"
-  rm -f "$work/seed.iso" "$work/data.qcow2"
-  genisoimage -quiet -output "$work/seed.iso" -volid cidata -joliet -rock "$work/user-data" "$work/meta-data"
+  # Volume mode by hand: a resume is a new overlay booted to the banner, then
+  # the data disk hot-plugged (the guest's mount is dormant's side).
+  rm -f "$work/data.qcow2" "$work/overlay.qcow2"
   qemu-img create -q -f qcow2 "$work/data.qcow2" 1G
-  for boot in first resume; do
-    rm -f "$work/overlay.qcow2"
-    t0=$(now); qemu-img create -q -f qcow2 -b "$IMG/base.qcow2" -F qcow2 "$work/overlay.qcow2"
-    start_vm "$port" "${data_disk[@]}"; wait_banner "$port"; t1=$(now)
-    [ "$boot" = resume ] && M[resume-volume]+="$(secs "$t0" "$t1") "
-    pid=$(cat "$work/qemu.pid")
-    t0=$(now); qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"; rm -f "$work/overlay.qcow2"; t1=$(now)
-    [ "$boot" = resume ] && M[suspend-volume]+="$(secs "$t0" "$t1") "
-  done
+  t0=$(now); qemu-img create -q -f qcow2 -b "$IMG/base.qcow2" -F qcow2 "$work/overlay.qcow2"
+  start_vm "$port"; wait_banner "$port"; plug_data_disk; t1=$(now)
+  M[resume-volume]+="$(secs "$t0" "$t1") "
+  pid=$(cat "$work/qemu.pid")
+  t0=$(now); qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"; rm -f "$work/overlay.qcow2"; t1=$(now)
+  M[suspend-volume]+="$(secs "$t0" "$t1") "
   rm -f "$work/data.qcow2"
   fi
 
