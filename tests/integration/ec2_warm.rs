@@ -575,7 +575,7 @@ fn a_volume_mode_resume_takes_the_warm_instance_and_attaches_its_volume_to_it() 
         .unwrap();
     assert_result(&r2, JobResult::Success);
     let log = r2.log();
-    assert!(log.contains(&format!("took warm machine")), "{log}");
+    assert!(log.contains("took warm machine"), "{log}");
     assert!(log.contains("kept-on-volume"), "{log}");
     assert!(log.contains("skipping get_sources"), "{log}");
     let split = first_stage.expect("a stage ran");
