@@ -43,14 +43,20 @@ pub enum Case {
     ResumeMachine,
     /// A resume in volume mode: a new instance, AttachVolume, mount.
     ResumeVolume,
+    /// A new environment, machine mode, taking a warm instance (`warm = 1`).
+    NewMachineWarm,
+    /// A resume in volume mode taking a warm instance: AttachVolume, mount.
+    ResumeVolumeWarm,
 }
 
 impl Case {
-    const ALL: [Case; 4] = [
+    const ALL: [Case; 6] = [
         Case::NewMachine,
         Case::NewVolume,
         Case::ResumeMachine,
         Case::ResumeVolume,
+        Case::NewMachineWarm,
+        Case::ResumeVolumeWarm,
     ];
 
     /// The row's name on the command line (`--rows`).
@@ -60,6 +66,8 @@ impl Case {
             Case::NewVolume => "new-volume",
             Case::ResumeMachine => "resume-machine",
             Case::ResumeVolume => "resume-volume",
+            Case::NewMachineWarm => "new-machine-warm",
+            Case::ResumeVolumeWarm => "resume-volume-warm",
         }
     }
 
@@ -70,13 +78,20 @@ impl Case {
             Case::NewVolume => ("new environment", "volume", "launched"),
             Case::ResumeMachine => ("resume", "machine", "started"),
             Case::ResumeVolume => ("resume", "volume", "launched"),
+            Case::NewMachineWarm => ("new environment", "machine", "warm"),
+            Case::ResumeVolumeWarm => ("resume", "volume", "warm"),
         }
     }
 
     /// Whether a machine boots during the row's prepare (sshd is down
     /// until its `pending` hold ends).
     fn boots(self) -> bool {
-        true
+        !self.warm()
+    }
+
+    /// Whether it takes a warm instance (`[ec2] warm = 1`).
+    fn warm(self) -> bool {
+        matches!(self, Case::NewMachineWarm | Case::ResumeVolumeWarm)
     }
 
     /// The holds the row's path must sit through.
@@ -84,28 +99,35 @@ impl Case {
         match self {
             Case::NewMachine | Case::ResumeMachine => h.pending,
             Case::NewVolume | Case::ResumeVolume => h.pending + h.attaching,
+            Case::NewMachineWarm => Duration::ZERO,
+            Case::ResumeVolumeWarm => h.attaching,
         }
     }
 
     fn volume_mode(self) -> bool {
-        matches!(self, Case::NewVolume | Case::ResumeVolume)
+        matches!(
+            self,
+            Case::NewVolume | Case::ResumeVolume | Case::ResumeVolumeWarm
+        )
     }
 
     /// The runner for this row (no holds yet) and, for a resume, the job
     /// that made and suspended the environment it resumes: its key.
     fn setup(self, env: &Ec2Env) -> (Rig, Option<String>) {
+        let warm = if self.warm() { "warm = 1\n" } else { "" };
         let rig = if self.volume_mode() {
-            env.volume_rig("7", "s_0123456789ab", &env.volume_settings("", ""))
+            env.volume_rig("7", "s_0123456789ab", &env.volume_settings(warm, ""))
         } else {
             env.rig(
                 "7",
                 "s_0123456789ab",
-                &env.settings(&env.connect_address(), ""),
+                &env.settings(&format!("{}{warm}", env.connect_address()), ""),
             )
         };
         let key = match self {
             Case::NewMachine | Case::NewVolume => None,
-            Case::ResumeMachine | Case::ResumeVolume => {
+            Case::NewMachineWarm => None,
+            Case::ResumeMachine | Case::ResumeVolume | Case::ResumeVolumeWarm => {
                 let r = rig.run(
                     &harness::job(5)
                         .suspend_on(true, false)
@@ -218,6 +240,29 @@ fn measure(env: &mut Ec2Env, rig: &Rig, job: &SimJob, holds: Holds, boots: bool)
     }
 }
 
+/// A warm row's run starts with a warm instance ready: `dormant warm`
+/// (without holds) until no other refill runs and one is there.
+fn ready_warm(env: &mut Ec2Env, rig: &Rig) {
+    env.proxy.hold_launches(Duration::ZERO);
+    env.proxy.hold_transitions(Duration::ZERO, Duration::ZERO);
+    env.proxy.hold_attaches(Duration::ZERO);
+    let end = Instant::now() + Duration::from_secs(180);
+    loop {
+        let out = rig.dormant(&["warm"]);
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if !text.contains("another refill of this pool is running") {
+            assert!(out.status.success(), "dormant warm: {text}");
+            return;
+        }
+        assert!(Instant::now() < end, "a refill still runs after 3 min");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// "9 | DescribeInstances 4, RunInstances 1, ..."
 fn show_calls(calls: &[Call]) -> (usize, String) {
     let mut by: BTreeMap<&str, usize> = BTreeMap::new();
@@ -281,6 +326,9 @@ fn bench_ec2_prepare() {
         let (rig, key) = case.setup(&env);
         let mut measured: Vec<Measured> = (0..runs)
             .map(|run| {
+                if case.warm() {
+                    ready_warm(&mut env, &rig);
+                }
                 let m = measure(
                     &mut env,
                     &rig,
