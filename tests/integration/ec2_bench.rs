@@ -364,7 +364,7 @@ fn bench_ec2_prepare() {
         let (n, by) = show_calls(&median.calls);
         let (what, storage, machine) = case.labels();
         rows.push(format!(
-            "| {:<15} | {what:<15} | {storage:<7} | {machine:<8} | {:>7} | {:>9} | {:>7} | {n:>9} | {by} |",
+            "| {:<18} | {what:<15} | {storage:<7} | {machine:<8} | {:>7} | {:>9} | {:>7} | {n:>9} | {by} |",
             case.id(),
             secs(floor),
             secs(median.prepare),
@@ -380,8 +380,8 @@ fn bench_ec2_prepare() {
         secs(holds.attaching)
     );
     println!();
-    println!("| row             | job             | storage | machine  | holds s | prepare s | added s | EC2 calls | calls by action |");
-    println!("|-----------------|-----------------|---------|----------|--------:|----------:|--------:|----------:|-----------------|");
+    println!("| row                | job             | storage | machine  | holds s | prepare s | added s | EC2 calls | calls by action |");
+    println!("|--------------------|-----------------|---------|----------|--------:|----------:|--------:|----------:|-----------------|");
     for r in rows {
         println!("{r}");
     }
