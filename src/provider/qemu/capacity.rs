@@ -3,7 +3,7 @@
 //! the live QEMU processes, taken under a lock that is held until the new
 //! QEMU runs, so two prepares cannot both take the last slot; a prepare that
 //! finds no slot waits with progress lines (the one wait helper), within its deadline;
-//! a ready warm VM gives its slot up to a waiting job (`warm::yield_slot`).
+//! a ready warm VM gives its slot up to a waiting job (`yield_slot`).
 
 use std::future::Future;
 use std::path::Path;
@@ -13,6 +13,7 @@ use anyhow::{Context, Result};
 
 use super::process::{self, Pid};
 use crate::context::Ctx;
+use crate::state::pool::{Pool, WarmStatus};
 use crate::state::store::ensure_private_dir;
 use crate::state::FileLock;
 use crate::wait::{Poll, Schedule, Wait};
@@ -61,7 +62,7 @@ where
                 return Ok(Poll::Ready(lock));
             }
             if waiter == Waiter::Job {
-                if let Some(id) = super::warm::yield_slot(state_root) {
+                if let Some(id) = yield_slot(state_root) {
                     ctx.log.info(format!(
                         "warm VM {id} gives up its slot for this job (it is retired)"
                     ));
@@ -87,6 +88,42 @@ where
 pub fn running(state_root: &Path) -> usize {
     process::scan(&state_root.join("environments")).len()
         + process::scan(&state_root.join("warm")).len()
+}
+
+/// A job waits for a VM slot: the oldest ready warm VM gives its slot up.
+/// Its entry is marked `retiring` (under its lock, so no prepare takes it
+/// meanwhile) and its QEMU killed (a warm VM holds nothing to keep); the
+/// next refill or sweep deletes its files and records it retired.
+pub fn yield_slot(state_root: &std::path::Path) -> Option<uuid::Uuid> {
+    let pool = Pool::at(state_root);
+    let mut ready: Vec<_> = pool
+        .entries()
+        .ok()?
+        .into_iter()
+        .filter_map(|(_, e)| e.ok().flatten())
+        .filter(|e| e.status == WarmStatus::Ready && e.provider == "qemu")
+        .collect();
+    ready.sort_by_key(|e| e.launched_at);
+    for mut entry in ready {
+        let Ok(Some(lock)) = pool.try_lock(entry.id) else {
+            continue;
+        };
+        if pool.peek(entry.id).ok().flatten().map(|e| e.status) != Some(WarmStatus::Ready) {
+            continue;
+        }
+        entry.status = WarmStatus::Retiring {
+            why: "a job needed its VM slot".into(),
+        };
+        if pool.set(&lock, &entry).is_err() {
+            continue;
+        }
+        let vm = super::vm::VmDir::new(&pool.paths(entry.id).paths);
+        if let Some(pid) = process::find(&vm) {
+            let _ = process::kill(&vm, pid);
+        }
+        return Some(entry.id);
+    }
+    None
 }
 
 #[cfg(test)]

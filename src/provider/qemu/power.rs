@@ -20,7 +20,6 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use serde_json::Value;
 
 use super::process::{self, Pid};
 use super::qmp::Qmp;
@@ -31,11 +30,10 @@ use crate::settings::qemu::BootImage;
 use crate::wait::{Poll, Schedule, Wait};
 /// Loading a memory image takes seconds; a stuck one is given up after this.
 const RESTORE_LIMIT: Duration = Duration::from_secs(300);
-/// How often a restore and a save are looked at over QMP.
+/// How often a restore is looked at over QMP.
 const RESTORE_POLL: Duration = Duration::from_millis(100);
-pub(super) const SAVE_POLL: Duration = Duration::from_millis(50);
-/// Restores and saves take seconds: a progress line only past this.
-pub(super) const PROGRESS_QUIET: Duration = Duration::from_secs(5);
+/// Restores take seconds: a progress line only past this.
+const PROGRESS_QUIET: Duration = Duration::from_secs(5);
 /// Tries at starting QEMU when its forwarded port was taken in between.
 const PORT_TRIES: usize = 3;
 
@@ -234,74 +232,12 @@ fn loaded(vm: &VmDir) -> Result<Poll<()>> {
     }
 }
 
-/// One look at a save in progress.
-pub(super) fn saved(q: &mut Qmp) -> Result<Poll<()>> {
-    let m = q.execute("query-migrate", None)?;
-    match m.get("status").and_then(Value::as_str).unwrap_or("") {
-        "completed" => Ok(Poll::Ready(())),
-        "failed" | "cancelled" => bail!(
-            "QEMU could not save the memory: {}",
-            m.get("error-desc")
-                .and_then(Value::as_str)
-                .unwrap_or("no reason given")
-        ),
-        other => Ok(Poll::Pending(format!("saving ({other})"))),
-    }
-}
-
 /// A live QEMU that a killed stage left paused (mid-save, or restored and
 /// not continued) is continued; its state files are stale.
 pub async fn ensure_running(vm: &VmDir, ctx: &Ctx) -> Result<()> {
     let mut q = Qmp::connect(&vm.qmp())?;
-    continue_after_interrupted_save(&mut q, vm, ctx).await?;
+    power_off::continue_after_interrupted_save(&mut q, vm, ctx).await?;
     vm.remove_durably(&vm.partial_state())?;
     vm.remove_durably(&vm.state())?;
-    Ok(())
-}
-
-/// Migration states in which no save is running.
-const NO_SAVE_RUNNING: &[&str] = &["none", "completed", "failed", "cancelled"];
-
-/// A save started by a dormant process that was then killed goes on without
-/// it: QEMU is still writing (and refuses another `migrate` while it does),
-/// or it finished and left the VM in `postmigrate` (and refuses another save
-/// of it: "Can't migrate the vm that was paused due to previous migration").
-/// Nobody vouches for that image: a running save is cancelled, and the VM is
-/// continued, so the caller starts from a running VM (a hibernation then
-/// saves anew).
-pub(super) async fn continue_after_interrupted_save(
-    q: &mut Qmp,
-    vm: &VmDir,
-    ctx: &Ctx,
-) -> Result<()> {
-    let saving = q.migration_status()?;
-    if !NO_SAVE_RUNNING.contains(&saving.as_str()) {
-        ctx.log.info(format!(
-            "VM {} is still saving its memory for an interrupted hibernation ({saving}): cancelling that save",
-            vm.name()
-        ));
-        if saving != "cancelling" {
-            q.execute("migrate_cancel", None)?;
-        }
-        Wait::new(
-            ctx,
-            format!("the interrupted save of VM {} to stop", vm.name()),
-            Schedule::fixed(SAVE_POLL),
-        )
-        .quiet_for(PROGRESS_QUIET)
-        .until(|| {
-            std::future::ready(q.migration_status().map(|s| match s.as_str() {
-                done if NO_SAVE_RUNNING.contains(&done) => Poll::Ready(()),
-                _ => Poll::Pending(s),
-            }))
-        })
-        .await?;
-    }
-    let status = q.status()?;
-    if status != "running" {
-        ctx.log
-            .info(format!("VM {} was {status}: continuing it", vm.name()));
-        q.execute("cont", None)?;
-    }
     Ok(())
 }

@@ -6,16 +6,20 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use serde_json::json;
+use serde_json::{json, Value};
 
-use super::power::{continue_after_interrupted_save, saved, PROGRESS_QUIET, SAVE_POLL};
 use super::process::{self, Pid};
 use super::qmp::Qmp;
 use super::vm::{self, VmDir};
 use super::{guest, QemuProvider};
 use crate::context::Ctx;
 use crate::settings::qemu::QemuSuspendMode;
-use crate::wait::{Schedule, Wait};
+use crate::wait::{Poll, Schedule, Wait};
+
+/// How often a save is looked at over QMP.
+const SAVE_POLL: Duration = Duration::from_millis(50);
+/// Saves take seconds: a progress line only past this.
+const PROGRESS_QUIET: Duration = Duration::from_secs(5);
 
 /// `quit` ends QEMU in milliseconds; past this it is killed.
 const QUIT_WAIT: Duration = Duration::from_secs(10);
@@ -248,6 +252,68 @@ async fn quit_one(vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
         pid.0,
         vm.name()
     )
+}
+
+/// One look at a save in progress.
+fn saved(q: &mut Qmp) -> Result<Poll<()>> {
+    let m = q.execute("query-migrate", None)?;
+    match m.get("status").and_then(Value::as_str).unwrap_or("") {
+        "completed" => Ok(Poll::Ready(())),
+        "failed" | "cancelled" => bail!(
+            "QEMU could not save the memory: {}",
+            m.get("error-desc")
+                .and_then(Value::as_str)
+                .unwrap_or("no reason given")
+        ),
+        other => Ok(Poll::Pending(format!("saving ({other})"))),
+    }
+}
+
+/// Migration states in which no save is running.
+const NO_SAVE_RUNNING: &[&str] = &["none", "completed", "failed", "cancelled"];
+
+/// A save started by a dormant process that was then killed goes on without
+/// it: QEMU is still writing (and refuses another `migrate` while it does),
+/// or it finished and left the VM in `postmigrate` (and refuses another save
+/// of it: "Can't migrate the vm that was paused due to previous migration").
+/// Nobody vouches for that image: a running save is cancelled, and the VM is
+/// continued, so the caller starts from a running VM (a hibernation then
+/// saves anew).
+pub(super) async fn continue_after_interrupted_save(
+    q: &mut Qmp,
+    vm: &VmDir,
+    ctx: &Ctx,
+) -> Result<()> {
+    let saving = q.migration_status()?;
+    if !NO_SAVE_RUNNING.contains(&saving.as_str()) {
+        ctx.log.info(format!(
+            "VM {} is still saving its memory for an interrupted hibernation ({saving}): cancelling that save",
+            vm.name()
+        ));
+        if saving != "cancelling" {
+            q.execute("migrate_cancel", None)?;
+        }
+        Wait::new(
+            ctx,
+            format!("the interrupted save of VM {} to stop", vm.name()),
+            Schedule::fixed(SAVE_POLL),
+        )
+        .quiet_for(PROGRESS_QUIET)
+        .until(|| {
+            std::future::ready(q.migration_status().map(|s| match s.as_str() {
+                done if NO_SAVE_RUNNING.contains(&done) => Poll::Ready(()),
+                _ => Poll::Pending(s),
+            }))
+        })
+        .await?;
+    }
+    let status = q.status()?;
+    if status != "running" {
+        ctx.log
+            .info(format!("VM {} was {status}: continuing it", vm.name()));
+        q.execute("cont", None)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

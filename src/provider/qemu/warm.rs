@@ -19,7 +19,7 @@ use crate::model::{EnvPaths, Machine};
 use crate::provider::warm::{WarmKind, WarmMachines};
 use crate::provider::MachineSpec;
 use crate::settings::qemu::BootImage;
-use crate::state::pool::{Pool, WarmPaths, WarmStatus};
+use crate::state::pool::WarmPaths;
 
 impl QemuProvider {
     fn warm_vm(&self, warm: &WarmPaths) -> VmDir {
@@ -49,42 +49,6 @@ fn file_stamp(path: &std::path::Path) -> String {
         }
         Err(_) => "missing".into(),
     }
-}
-
-/// A job waits for a VM slot: the oldest ready warm VM gives its slot up.
-/// Its entry is marked `retiring` (under its lock, so no prepare takes it
-/// meanwhile) and its QEMU killed (a warm VM holds nothing to keep); the
-/// next refill or sweep deletes its files and records it retired.
-pub fn yield_slot(state_root: &std::path::Path) -> Option<uuid::Uuid> {
-    let pool = Pool::at(state_root);
-    let mut ready: Vec<_> = pool
-        .entries()
-        .ok()?
-        .into_iter()
-        .filter_map(|(_, e)| e.ok().flatten())
-        .filter(|e| e.status == WarmStatus::Ready && e.provider == "qemu")
-        .collect();
-    ready.sort_by_key(|e| e.launched_at);
-    for mut entry in ready {
-        let Ok(Some(lock)) = pool.try_lock(entry.id) else {
-            continue;
-        };
-        if pool.peek(entry.id).ok().flatten().map(|e| e.status) != Some(WarmStatus::Ready) {
-            continue;
-        }
-        entry.status = WarmStatus::Retiring {
-            why: "a job needed its VM slot".into(),
-        };
-        if pool.set(&lock, &entry).is_err() {
-            continue;
-        }
-        let vm = VmDir::new(&pool.paths(entry.id).paths);
-        if let Some(pid) = process::find(&vm) {
-            let _ = process::kill(&vm, pid);
-        }
-        return Some(entry.id);
-    }
-    None
 }
 
 #[async_trait]
