@@ -194,6 +194,15 @@ impl Rig {
     }
 }
 
+/// What a prepare killed right after `taken` leaves: the entry taken for
+/// `env`, its lock free.
+fn mark_taken(pool: &Pool, id: uuid::Uuid, env: uuid::Uuid) {
+    let lock = pool.try_lock(id).unwrap().unwrap();
+    let mut e = pool.peek(id).unwrap().unwrap();
+    e.status = WarmStatus::Taken { env };
+    pool.set(&lock, &e).unwrap();
+}
+
 fn ctx() -> Ctx {
     Ctx::new(
         crate::context::JobLog::stderr(),
@@ -373,11 +382,7 @@ async fn what_a_killed_process_left_is_finished_by_the_next_one() {
     rig.refill(&warm, true).await;
     let id = rig.entries()[0].id;
     let env = rig.env();
-    let lock = pool.try_lock(id).unwrap().unwrap();
-    let mut e = pool.peek(id).unwrap().unwrap();
-    e.status = WarmStatus::Taken { env: env.id };
-    pool.set(&lock, &e).unwrap();
-    drop(lock);
+    mark_taken(&pool, id, env.id);
     let taken = take(rig.w(), &warm, &spec(&env), &env, &ctx())
         .await
         .unwrap()
@@ -389,11 +394,7 @@ async fn what_a_killed_process_left_is_finished_by_the_next_one() {
     rig.refill(&warm, true).await;
     let id = rig.entries()[0].id;
     let gone_env = rig.env();
-    let lock = pool.try_lock(id).unwrap().unwrap();
-    let mut e = pool.peek(id).unwrap().unwrap();
-    e.status = WarmStatus::Taken { env: gone_env.id };
-    pool.set(&lock, &e).unwrap();
-    drop(lock);
+    mark_taken(&pool, id, gone_env.id);
     // Another environment's prepare does not take a machine taken for another.
     let env3 = rig.env();
     assert!(take(rig.w(), &warm, &spec(&env3), &env3, &ctx())
@@ -414,11 +415,7 @@ async fn what_a_killed_process_left_is_finished_by_the_next_one() {
     rig.refill(&warm, true).await;
     let id = rig.entries()[0].id;
     let env4 = rig.env();
-    let lock = pool.try_lock(id).unwrap().unwrap();
-    let mut e = pool.peek(id).unwrap().unwrap();
-    e.status = WarmStatus::Taken { env: env4.id };
-    pool.set(&lock, &e).unwrap();
-    drop(lock);
+    mark_taken(&pool, id, env4.id);
     warm.set(id, &format!("handed to {}", env4.id));
     let r = rig.refill(&warm, false).await;
     assert!(r.retired.is_empty(), "{r:?}");
@@ -460,11 +457,7 @@ async fn a_hand_over_whose_environment_was_released_meanwhile_is_dropped_and_the
     let pool = rig.pool();
     // Killed after the machine moved into the environment; the runner's
     // cleanup released the environment, and the machine with it.
-    let lock = pool.try_lock(id).unwrap().unwrap();
-    let mut e = pool.peek(id).unwrap().unwrap();
-    e.status = WarmStatus::Taken { env: env.id };
-    pool.set(&lock, &e).unwrap();
-    drop(lock);
+    mark_taken(&pool, id, env.id);
     warm.set(id, "deleted");
     // The retried prepare (same environment id): nothing to take; the
     // entry is dropped, and no other machine is harmed.

@@ -12,22 +12,13 @@
 //!
 //! Network rule: the instance addresses moto hands out are never contacted.
 
-use std::time::{Duration, Instant};
-
-use aws_sdk_ec2::types::Instance;
-
 use crate::crash::{arm, assert_killed_at};
 use crate::ec2_rig::{instances, is_live, key_field, Ec2Env};
 use crate::harness::{self, assert_result, JobResult, Rig};
 
-const SYSTEM: &str = "s_0123456789ab";
+use crate::ec2_warm::{tag, warm_now};
 
-fn tag<'a>(i: &'a Instance, k: &str) -> Option<&'a str> {
-    i.tags()
-        .iter()
-        .find(|t| t.key() == Some(k))
-        .and_then(|t| t.value())
-}
+const SYSTEM: &str = "s_0123456789ab";
 
 fn live_warm(env: &Ec2Env) -> Vec<String> {
     instances(env)
@@ -35,21 +26,6 @@ fn live_warm(env: &Ec2Env) -> Vec<String> {
         .filter(|i| is_live(i) && tag(i, "dormant:warm").is_some())
         .filter_map(|i| i.instance_id().map(str::to_string))
         .collect()
-}
-
-/// `dormant warm` once no other refill runs; its output.
-fn warm_now(rig: &Rig) -> String {
-    let end = Instant::now() + Duration::from_secs(180);
-    loop {
-        let out = rig.dormant(&["warm"]);
-        let t = String::from_utf8_lossy(&out.stderr).to_string();
-        if t.contains("another refill of this pool is running") && Instant::now() < end {
-            std::thread::sleep(Duration::from_millis(200));
-            continue;
-        }
-        assert!(out.status.success(), "dormant warm failed: {t}");
-        return t;
-    }
 }
 
 #[test]

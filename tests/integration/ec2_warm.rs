@@ -35,7 +35,7 @@ use crate::moto::{direct_client, ACCESS_KEY, REGION, SECRET_KEY};
 
 const SYSTEM: &str = "s_0123456789ab";
 
-fn tag<'a>(i: &'a Instance, k: &str) -> Option<&'a str> {
+pub(crate) fn tag<'a>(i: &'a Instance, k: &str) -> Option<&'a str> {
     i.tags()
         .iter()
         .find(|t| t.key() == Some(k))
@@ -62,7 +62,7 @@ fn text(out: &std::process::Output) -> String {
 
 /// `dormant warm`, once no other refill runs (a prepare that took a warm
 /// instance starts one detached): returns its output.
-fn warm_now(rig: &Rig) -> String {
+pub(crate) fn warm_now(rig: &Rig) -> String {
     let end = Instant::now() + Duration::from_secs(180);
     loop {
         let out = rig.dormant(&["warm"]);
