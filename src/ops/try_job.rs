@@ -7,12 +7,15 @@
 
 use std::io::Write;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
 use crate::job::Job;
 use crate::runner_sim::{JobReport, JobResult, Runner, SimJob};
 use crate::settings::Settings;
+use crate::state::lock::FileLock;
+use crate::state::pool::Pool;
 use crate::state::{now_unix, EnvStatus, StateStore};
 
 /// The runner-process variables `try` hands on to the stages it calls.
@@ -105,6 +108,7 @@ pub fn try_job(
     ));
 
     if let (Some(key), true) = (&key, suspended) {
+        wait_for_refill(&state_dir, settings.prepare_timeout.get(), out)?;
         let mut second = SimJob::new(base + 1, project)
             .resume(key)
             .script(CHECK_FILE);
@@ -158,6 +162,42 @@ pub fn try_job(
     Ok(())
 }
 
+/// With a warm pool, job 1's prepare started a refill that boots the next
+/// warm machine. Job 2 starts once it is done: a volume-mode resume then
+/// takes that machine (as it would after a human's pause), and job 2's
+/// timings are not those of a prepare racing a boot for the CPU. Bounded by
+/// `prepare_timeout`; a refill still running then is left to finish on its own.
+fn wait_for_refill(state_dir: &Path, bound: Duration, out: &mut dyn Write) -> Result<()> {
+    let lock = Pool::at(state_dir).refill_lock();
+    if !lock.exists() || FileLock::try_acquire(&lock)?.is_some() {
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "job 2 waits for the warm pool's refill to finish (at most {} s)",
+        bound.as_secs()
+    )?;
+    let started = Instant::now();
+    while started.elapsed() < bound {
+        std::thread::sleep(Duration::from_millis(200));
+        if FileLock::try_acquire(&lock)?.is_some() {
+            writeln!(
+                out,
+                "the refill finished after {:.1} s",
+                started.elapsed().as_secs_f64()
+            )?;
+            return Ok(());
+        }
+    }
+    writeln!(
+        out,
+        "the refill still runs after {} s: job 2 starts anyway (see {})",
+        bound.as_secs(),
+        Pool::at(state_dir).dir().join("refill.log").display()
+    )?;
+    Ok(())
+}
+
 fn print_job(out: &mut dyn Write, title: &str, r: &JobReport) -> Result<()> {
     let total: f64 = r.calls.iter().map(|c| c.elapsed.as_secs_f64()).sum();
     writeln!(
@@ -180,4 +220,64 @@ fn print_job(out: &mut dyn Write, title: &str, r: &JobReport) -> Result<()> {
         writeln!(out, "  key: {k}")?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Collects what is written; the first write signals the channel.
+    struct Signalling(Vec<u8>, Option<std::sync::mpsc::Sender<()>>);
+
+    impl Write for Signalling {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if let Some(tx) = self.1.take() {
+                let _ = tx.send(());
+            }
+            self.0.write(buf)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn job_2_waits_for_a_running_refill_and_only_then() {
+        let tmp = tempfile::tempdir().unwrap();
+        let pool = Pool::at(tmp.path());
+        // No pool at all (warm = 0): nothing is said, nothing waited for.
+        let mut out = Vec::new();
+        wait_for_refill(tmp.path(), Duration::from_secs(60), &mut out).unwrap();
+        assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
+
+        std::fs::create_dir_all(pool.dir()).unwrap();
+        let held = FileLock::try_acquire(&pool.refill_lock()).unwrap().unwrap();
+        // The refill "finishes" (its lock is dropped) only once `try` has
+        // said it waits: no timing in the test.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let releaser = std::thread::spawn(move || {
+            // Err: `try` never said it waits (and dropped the sender).
+            let _ = rx.recv();
+            drop(held);
+        });
+        let mut out = Signalling(Vec::new(), Some(tx));
+        wait_for_refill(tmp.path(), Duration::from_secs(60), &mut out).unwrap();
+        let Signalling(out, unused) = out;
+        drop(unused);
+        releaser.join().unwrap();
+        let said = String::from_utf8_lossy(&out);
+        assert!(said.contains("waits for the warm pool's refill"), "{said}");
+        assert!(said.contains("the refill finished after"), "{said}");
+        // The lock is free now: the refill really had finished.
+        assert!(FileLock::try_acquire(&pool.refill_lock())
+            .unwrap()
+            .is_some());
+
+        // A refill that outlasts the bound: job 2 starts anyway, and says so.
+        let _held = FileLock::try_acquire(&pool.refill_lock()).unwrap().unwrap();
+        let mut out = Vec::new();
+        wait_for_refill(tmp.path(), Duration::from_millis(500), &mut out).unwrap();
+        let said = String::from_utf8_lossy(&out);
+        assert!(said.contains("still runs after"), "{said}");
+    }
 }
