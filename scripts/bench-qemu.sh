@@ -12,6 +12,8 @@
 #                       dormant: cleanup of the suspending job
 #   new environment,    dormant: prepare of a new job that takes a warm VM
 #   warm (warm = 1)     (`dormant warm` booted it before the job; not timed)
+#   volume-mode resume, dormant: prepare of a resuming job that takes a warm VM
+#   warm (warm = 1)     (job 1 took one too; its refill booted the next before job 2)
 #   volume mode         resume  machine: a new overlay, boot to the banner, the data disk hot-plugged
 #   (storage="volume")          dormant: prepare of the resuming job (new VM, attach, mount)
 #                       suspend machine: QMP quit to QEMU's exit, the overlay deleted
@@ -22,13 +24,16 @@
 # 127.0.0.1 (the guest's own network is restricted). Under TCG the absolute
 # numbers are slow; dormant's added time is the figure that counts.
 #
-# Usage: [ROWS=new] scripts/bench-qemu.sh [runs]   (DORMANT_BIN=target/release/dormant for a release build;
+# Usage: [ROWS=new|warm] scripts/bench-qemu.sh [runs]   (DORMANT_BIN=target/release/dormant for a release build;
 #        QEMU_ACCEL=kvm where KVM works)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-1}
 # ROWS=new: only the new-environment rows (cold and warm; a shorter run).
+# ROWS=warm: the rows a warm pool changes: new environment and volume-mode
+# resume, each cold and warm.
 ROWS=${ROWS:-all}
+case $ROWS in all|new|warm) ;; *) echo "bench-qemu: ROWS is all, new or warm, not '$ROWS'" >&2; exit 2 ;; esac
 ACCEL=${QEMU_ACCEL:-tcg}
 BIN=${DORMANT_BIN:-target/debug/dormant}
 [ -x "$BIN" ] || cargo build --quiet
@@ -110,6 +115,24 @@ plug_data_disk() {
 }
 
 declare -A M D
+# expect_taken STATE CONFIG N OUTPUT: the try's jobs took N warm VMs (the
+# pool's `warm taken` events), else the row would time a cold boot.
+expect_taken() {
+  local n
+  n=$(DORMANT_STATE_DIR=$1 "$BIN" --config "$2" events --json |
+    python3 -c 'import json,sys; print(sum(1 for l in sys.stdin if l.strip() and (e:=json.loads(l))["event"]=="warm" and e["cause"]=="taken"))')
+  [ "$n" = "$3" ] || { echo "$4" >&2; echo "bench-qemu: the jobs took $n warm VM(s), not $3" >&2; exit 1; }
+}
+# empty_pool STATE CONFIG: lets a detached refill finish, then retires every
+# warm VM (warm = 0, sweep) and deletes the state dir.
+empty_pool() {
+  local i
+  for i in $(seq 900); do flock -n "$1/warm/refill.lock" true 2>/dev/null && break; sleep 1; done
+  [ "$i" -lt 900 ] || { echo "bench-qemu: the refill in $1 still runs after 15 min" >&2; exit 1; }
+  sed -i 's/^warm = 1/warm = 0/' "$2"
+  DORMANT_STATE_DIR=$1 "$BIN" --config "$2" sweep >/dev/null 2>&1
+  rm -rf "$1"
+}
 for run in $(seq 1 "$RUNS"); do
   rm -f "$work"/overlay.qcow2 "$work"/state
   ssh-keygen -q -t ed25519 -N "" -f "$work/key" <<<y >/dev/null
@@ -121,9 +144,10 @@ for run in $(seq 1 "$RUNS"); do
   t0=$(now); start_vm "$port"; wait_banner "$port"; t1=$(now)
   M[new]+="$(secs "$t0" "$t1") "
   pid=$(cat "$work/qemu.pid")
-  if [ "$ROWS" = new ]; then
+  if [ "$ROWS" != all ]; then
     qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"
-  else
+  fi
+  if [ "$ROWS" = all ]; then
   t0=$(now); qmp "$work/qmp.sock" system_powerdown >/dev/null; wait_exit "$pid"; t1=$(now)
   M[shutdown]+="$(secs "$t0" "$t1") "
   t0=$(now); start_vm "$port"; wait_banner "$port"; t1=$(now)
@@ -141,6 +165,8 @@ for run in $(seq 1 "$RUNS"); do
   qmp "$work/qmp.sock" cont >/dev/null; wait_banner "$port"; t1=$(now)
   M[restore]+="$(secs "$t0" "$t1") "
   pid=$(cat "$work/qemu.pid"); qmp "$work/qmp.sock" quit >/dev/null || true; wait_exit "$pid"
+  fi
+  if [ "$ROWS" != new ]; then
 
   # Volume mode by hand: a resume is a new overlay booted to the banner, then
   # the data disk hot-plugged (the guest's mount is dormant's side).
@@ -158,6 +184,7 @@ for run in $(seq 1 "$RUNS"); do
   # --- dormant, in the same run (so both sides see the same machine load) ----
   modes="shutdown hibernate volume"
   [ "$ROWS" = new ] && modes=shutdown
+  [ "$ROWS" = warm ] && modes="shutdown volume"
   for mode in $modes; do
     storage=machine suspend_mode=$mode
     [ "$mode" = volume ] && { storage=volume; suspend_mode=shutdown; }
@@ -200,17 +227,29 @@ EOF
     echo "bench-qemu: dormant warm failed" >&2; exit 1; }
   out=$(DORMANT_STATE_DIR=$st "$BIN" --config "$work/warm.toml" try 2>&1) || {
     echo "$out" >&2; echo "bench-qemu: dormant try failed (warm)" >&2; exit 1; }
-  echo "$out" | grep -q "took warm machine" || { echo "$out" >&2; echo "bench-qemu: job 1 took no warm VM" >&2; exit 1; }
+  expect_taken "$st" "$work/warm.toml" 1 "$out"
   D[new-warm]+="$(echo "$out" | awk '/^  prepare#/ {print $4; exit}') "
-  # The detached refill may still be booting: let it finish, then retire all.
-  while ! flock -n "$st/warm/refill.lock" true 2>/dev/null; do sleep 1; done
-  sed -i 's/^warm = 1/warm = 0/' "$work/warm.toml"
-  DORMANT_STATE_DIR=$st "$BIN" --config "$work/warm.toml" sweep >/dev/null 2>&1
-  rm -rf "$st"
+  empty_pool "$st" "$work/warm.toml"
+
+  # A volume-mode resume on a warm VM: job 1 (a new volume-mode environment)
+  # takes the first; `try` starts job 2 once the refill job 1 started has
+  # booted the next, and job 2's resume takes that one.
+  [ "$ROWS" = new ] && continue
+  st="$work/v$run"
+  sed -e 's/^max_environments = 2/max_environments = 3/' -e 's/^warm = 0/warm = 1/' -e 's/^storage = .*/storage = "volume"/' \
+    "$work/warm.toml" >"$work/warmv.toml"
+  DORMANT_STATE_DIR=$st "$BIN" --config "$work/warmv.toml" warm >/dev/null 2>&1 || {
+    echo "bench-qemu: dormant warm failed (volume)" >&2; exit 1; }
+  out=$(DORMANT_STATE_DIR=$st "$BIN" --config "$work/warmv.toml" try 2>&1) || {
+    echo "$out" >&2; echo "bench-qemu: dormant try failed (warm, volume)" >&2; exit 1; }
+  expect_taken "$st" "$work/warmv.toml" 2 "$out"
+  D[resume-volume-warm]+="$(echo "$out" | awk '/^job 2/ {j=1} j && /^  prepare#/ {print $4; exit}') "
+  empty_pool "$st" "$work/warmv.toml"
 done
 
 med() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{a[NR]=$1} END {if (NR==0) print "-"; else if (NR%2) print a[(NR+1)/2]; else printf "%.1f\n", (a[NR/2]+a[NR/2+1])/2}'; }
-row() { # row LABEL MACHINE DORMANT
+row() { # row LABEL MACHINE DORMANT (a row ROWS did not run is left out)
+  [ -n "$2$3" ] || return 0
   local m d; m=$(echo "$2" | med); d=$(echo "$3" | med)
   printf '| %-28s | %10s | %10s | %10s |\n' "$1" "$m" "$d" "$(python3 -c "print(f'{$d - $m:+.1f}')" 2>/dev/null || echo -)"
 }
@@ -218,11 +257,12 @@ echo
 echo "qemu provider, accel $ACCEL, 2 vCPUs, 1 GiB, $RUNS run(s) each (median seconds); binary $BIN"
 printf '| %-28s | %10s | %10s | %10s |\n' "" "machine s" "dormant s" "added s"
 echo "|------------------------------|-----------:|-----------:|-----------:|"
-row "new environment (to SSH)" "${M[new]}" "${D[new]}"
-row "new environment, warm VM" "${M[new]}" "${D[new-warm]}"
-row "resume after shutdown" "${M[boot]}" "${D[resume-shutdown]}"
-row "resume after hibernate" "${M[restore]}" "${D[resume-hibernate]}"
-row "suspend: shutdown" "${M[shutdown]}" "${D[suspend-shutdown]}"
-row "suspend: hibernate" "${M[hibernate]}" "${D[suspend-hibernate]}"
-row "resume, volume mode" "${M[resume-volume]}" "${D[resume-volume]}"
-row "suspend, volume mode" "${M[suspend-volume]}" "${D[suspend-volume]}"
+row "new environment (to SSH)" "${M[new]:-}" "${D[new]:-}"
+row "new environment, warm VM" "${M[new]:-}" "${D[new-warm]:-}"
+row "resume after shutdown" "${M[boot]:-}" "${D[resume-shutdown]:-}"
+row "resume after hibernate" "${M[restore]:-}" "${D[resume-hibernate]:-}"
+row "suspend: shutdown" "${M[shutdown]:-}" "${D[suspend-shutdown]:-}"
+row "suspend: hibernate" "${M[hibernate]:-}" "${D[suspend-hibernate]:-}"
+row "resume, volume mode" "${M[resume-volume]:-}" "${D[resume-volume]:-}"
+row "resume, volume mode, warm VM" "${M[resume-volume]:-}" "${D[resume-volume-warm]:-}"
+row "suspend, volume mode" "${M[suspend-volume]:-}" "${D[suspend-volume]:-}"
