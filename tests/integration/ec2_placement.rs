@@ -8,8 +8,6 @@
 //! Network rule: only loopback (`connect_address` is a loopback port nothing
 //! here connects to).
 
-use std::time::Duration;
-
 use aws_sdk_ec2::types::{InstanceLifecycleType, InstanceStateName};
 use dormant::provider::ec2::Ec2Provider;
 use dormant::provider::{MachineSpec, Provider};
@@ -223,25 +221,24 @@ async fn a_launch_tries_the_next_zone_then_the_next_instance_type() {
     );
     assert_eq!(launches(&rig).len(), 3, "{:?}", launches(&rig));
 
-    // No capacity at all: a visible wait that names every choice, then a
-    // launch as soon as capacity is back.
+    // No capacity at all for one whole round of the 4 choices: a visible
+    // wait that names every choice, then the next round launches with the
+    // first choice. The proxy counts the 4 refusals itself: capacity
+    // restored from the test when it sees some call lands wherever the
+    // round happens to be (on a loaded machine, between the 5th and 6th
+    // call, and the 6th launched in the second zone).
     rig.proxy.clear_calls();
-    rig.proxy.no_capacity(Shortage::default());
-    let (spec, ctx) = (rig.spec(), rig.ctx(120));
-    let waiter = p.create_or_reclaim(&spec, &ctx);
-    let restore = async {
-        // Capacity comes back once a whole round of 4 has failed and the next
-        // has begun, however slow the emulator (bounded: a waiter that gave
-        // up early fails the assertions below, not a hang).
-        let started = std::time::Instant::now();
-        while launches(&rig).len() < 5 && started.elapsed() < Duration::from_secs(100) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        rig.proxy.capacity_back();
-    };
-    let (m, ()) = tokio::join!(waiter, restore);
-    let m = m.unwrap();
-    assert_eq!(rig.instance(&m.id).await.subnet_id(), Some(sa.as_str()));
+    rig.proxy.capacity_back();
+    rig.proxy.no_capacity(Shortage::default().times(4));
+    let m = p
+        .create_or_reclaim(&rig.spec(), &rig.ctx(120))
+        .await
+        .unwrap();
+    let i = rig.instance(&m.id).await;
+    assert_eq!(
+        (i.subnet_id(), i.instance_type().map(|t| t.as_str())),
+        (Some(sa.as_str()), Some("t3.medium"))
+    );
     let log = rig.log();
     assert!(
         log.contains(&format!(
@@ -250,10 +247,16 @@ async fn a_launch_tries_the_next_zone_then_the_next_instance_type() {
         )),
         "{log}"
     );
-    assert!(
-        launches(&rig).len() > 4,
-        "more than one round: {:?}",
-        launches(&rig)
+    assert_eq!(
+        launches(&rig),
+        [
+            choice("t3.medium", &sa, "on-demand"),
+            choice("t3.medium", &sb, "on-demand"),
+            choice("t3a.medium", &sa, "on-demand"),
+            choice("t3a.medium", &sb, "on-demand"),
+            choice("t3.medium", &sa, "on-demand"),
+        ],
+        "a whole round refused, then the first choice of the next"
     );
 }
 

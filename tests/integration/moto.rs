@@ -5,8 +5,9 @@
 //! UnauthorizedOperation), capacity shortages by market, instance type and
 //! zone (`no_capacity`: RunInstances and StartInstances matching them get
 //! `InsufficientInstanceCapacity`, as EC2 answers a launch it has no room
-//! for), EC2's refusal to attach a volume to an instance in another zone
-//! (moto attaches it anyway), and slow state transitions (a `running`
+//! for; until `capacity_back`, or for a counted number of calls,
+//! `Shortage::times`), EC2's refusal to attach a volume to an instance in
+//! another zone (moto attaches it anyway), and slow state transitions (a `running`
 //! instance shown as `pending` for a while; `hold_transitions` holds every
 //! start and stop for a fixed time from its call, for the resume benchmark
 //! and the tests that count polls during a transition; `hold_launches`

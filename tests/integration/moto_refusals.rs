@@ -19,12 +19,13 @@ use crate::moto::{form_value, read_message, ACCESS_KEY, REGION};
 
 /// EC2 has no capacity for launches and starts matching every field given
 /// (`None`: any): the market (`"spot"` or `"on-demand"`), the instance type,
-/// the zone.
+/// the zone; for the next `times` of them (`None`: until `capacity_back`).
 #[derive(Debug, Clone, Default)]
 pub struct Shortage {
     pub market: Option<&'static str>,
     pub instance_type: Option<String>,
     pub zone: Option<String>,
+    pub times: Option<usize>,
 }
 
 impl Shortage {
@@ -45,6 +46,17 @@ impl Shortage {
         self
     }
 
+    /// Refuses only the next `n` matching calls, then capacity is back.
+    /// The proxy counts them as it answers, so a test knows exactly which
+    /// call is the first with room, however slow the machine: capacity
+    /// restored by the test from outside (`Proxy::capacity_back` after
+    /// watching the calls) lands wherever the code under test happens to be.
+    pub fn times(mut self, n: usize) -> Shortage {
+        assert!(n > 0, "a shortage of no calls: leave it out");
+        self.times = Some(n);
+        self
+    }
+
     fn matches(&self, market: &str, instance_type: &str, zone: &str) -> bool {
         self.market.is_none_or(|m| m == market)
             && self
@@ -53,6 +65,26 @@ impl Shortage {
                 .is_none_or(|t| t == instance_type)
             && self.zone.as_deref().is_none_or(|z| z == zone)
     }
+}
+
+/// Whether a shortage in `list` refuses this call. The first that matches
+/// (in the order they were set) refuses it; if it is limited by `times`,
+/// the refusal is counted, and it is dropped once used up (under the
+/// caller's lock: one decision per call, in the order calls arrive).
+fn refuses(list: &mut Vec<Shortage>, market: &str, instance_type: &str, zone: &str) -> bool {
+    let Some(k) = list
+        .iter()
+        .position(|s| s.matches(market, instance_type, zone))
+    else {
+        return false;
+    };
+    if let Some(n) = &mut list[k].times {
+        *n -= 1;
+        if *n == 0 {
+            list.remove(k);
+        }
+    }
+    true
 }
 
 /// How long an instance whose start EC2 accepted without capacity shows
@@ -124,7 +156,7 @@ pub fn late_refusal(
         return Ok(None);
     };
     let mut st = state.lock().unwrap();
-    if !st.late.iter().any(|s| s.matches(&market, &t, &zone)) {
+    if !refuses(&mut st.late, &market, &t, &zone) {
         return Ok(None);
     }
     st.stranded
@@ -177,20 +209,17 @@ pub fn refusal(
     state: &Mutex<Refusals>,
 ) -> std::io::Result<Option<(u16, &'static str, String)>> {
     let no_room = |market: &str, t: &str, zone: &str| {
-        let st = state.lock().unwrap();
-        st.shortages
-            .iter()
-            .any(|s| s.matches(market, t, zone))
-            .then(|| {
-                (
-                    500,
-                    "InsufficientInstanceCapacity",
-                    format!(
-                        "We currently do not have sufficient {t} capacity in the Availability Zone you requested \
-                         ({zone}) for {market} instances (test proxy)"
-                    ),
-                )
-            })
+        let mut st = state.lock().unwrap();
+        refuses(&mut st.shortages, market, t, zone).then(|| {
+            (
+                500,
+                "InsufficientInstanceCapacity",
+                format!(
+                    "We currently do not have sufficient {t} capacity in the Availability Zone you requested \
+                     ({zone}) for {market} instances (test proxy)"
+                ),
+            )
+        })
     };
     match action {
         "RunInstances" if !state.lock().unwrap().shortages.is_empty() => {
