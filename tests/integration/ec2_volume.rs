@@ -252,6 +252,7 @@ fn volume_spec(rig: &Ec2, machine: Option<MachineSpec>) -> VolumeSpec {
         job_id: m.job_id,
         paths: m.paths.clone(),
         machine,
+        beside: None,
     }
 }
 
