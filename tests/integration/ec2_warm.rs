@@ -5,7 +5,9 @@
 //! `dormant:warm` and no environment's; a new environment's prepare takes
 //! it without a RunInstances and retags it as the environment's, and the
 //! refill the prepare starts launches the next; a volume's zone picks the
-//! warm instance of that zone; `max_environments` leaves the last slot to a
+//! warm instance of that zone; a new volume-mode environment takes a warm
+//! instance of any zone and makes its volume there; a volume-mode resume
+//! takes the warm instance and attaches its volume to it; `max_environments` leaves the last slot to a
 //! job; a warm spot instance interrupted while idle is retired and replaced;
 //! `sweep` reports and deletes warm instances no pool knows (and `adopt`
 //! leaves them alone); `warm = 0` and a sweep terminate every warm instance.
@@ -340,8 +342,8 @@ fn warm_zero_and_a_sweep_terminate_every_warm_instance() {
 }
 
 /// The EC2 provider's warm side, except that every spec fits (the
-/// provider's `fits` refuses volume-mode specs until a volume-mode resume
-/// takes warm instances): what is tested through it is the zone choice.
+/// provider's `fits` leaves a spec with a volume to `fits_resume`) and the
+/// hand-over is skipped: what is tested through it is the zone choice.
 struct AnyFit<'a>(&'a Ec2Provider);
 
 #[async_trait]
@@ -539,8 +541,9 @@ async fn a_warm_instance_per_zone_and_a_volume_takes_the_one_in_its_zone() {
 fn a_volume_mode_resume_takes_the_warm_instance_and_attaches_its_volume_to_it() {
     let env = Ec2Env::start();
     let rig = env.volume_rig("7", SYSTEM, &env.volume_settings("warm = 1\n", ""));
-    // A new volume-mode environment launches its own instance (its volume is
-    // made beside it); the refill it starts launches the warm one.
+    // No warm instance is ready yet: a new volume-mode environment launches
+    // its own (its volume is made beside it); the refill it starts launches
+    // the warm one.
     let r = rig.run(
         &harness::job(5)
             .suspend_on(true, false)
