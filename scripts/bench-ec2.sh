@@ -18,7 +18,8 @@
 #
 # Usage: scripts/bench-ec2.sh [--rows ID,ID,...] [--pending S] [--attaching S] [--runs N]
 #        rows: new-machine, new-volume, resume-machine, resume-volume, new-machine-warm,
-#              resume-volume-warm (a warm instance, `[ec2] warm = 1`, ready before the job) (default: all)
+#              resume-volume-warm, new-volume-warm (a warm instance, `[ec2] warm = 1`, ready
+#              before the job) (default: all)
 # Env:   DORMANT_TEST_MOTO_SERVER, DORMANT_TEST_SSHD as for scripts/test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -58,6 +58,13 @@ pub enum For {
     New,
     /// A volume-mode resume's new machine (its volume exists).
     Resume,
+    /// A new volume-mode environment's first machine, taken before its
+    /// volume is made (`WarmMachines::takes_before_volume`: the volume
+    /// follows the machine's zone). A machine of the environment that a
+    /// killed attempt of the same prepare already has (handed over, its
+    /// volume not yet recorded) is kept instead: none is taken, and the
+    /// caller's launch path adopts that one (found by the provider).
+    NewBeforeVolume,
 }
 
 /// [`take`], for a new environment or a volume-mode resume.
@@ -82,7 +89,7 @@ pub async fn take_for(
         }
     }
     let fits = match purpose {
-        For::New => warm.fits(spec),
+        For::New | For::NewBeforeVolume => warm.fits(spec),
         For::Resume => warm.fits_resume(spec),
     };
     if warm.wanted() == 0 || !fits {
@@ -112,6 +119,23 @@ pub async fn take_for(
         .collect();
     // The oldest first: it is the next to be retired otherwise.
     ready.sort_by_key(|e| e.launched_at);
+    if purpose == For::NewBeforeVolume && !ready.is_empty() {
+        // Asked only when there is one to take (no call otherwise): a
+        // second machine for this environment would be left out of its record.
+        if let Some(m) = w.provider.find(env.id, ctx).await.with_context(|| {
+            format!(
+                "looking for a machine an earlier attempt made for environment {}",
+                env.id
+            )
+        })? {
+            ctx.log.info(format!(
+                "environment {} already has machine {} (an earlier attempt of this prepare took or made it): \
+                 no warm machine taken",
+                env.id, m.id
+            ));
+            return Ok(None);
+        }
+    }
     for candidate in ready {
         let Some(lock) = pool.try_lock(candidate.id)? else {
             continue; // a refill retiring it, or another prepare taking it

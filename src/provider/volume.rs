@@ -10,6 +10,8 @@
 //!   `MachineSpec::volume`: EC2 launches in the volume's zone) → `attach`
 //!   (to the running machine: EC2's AttachVolume, QEMU's hot-plug) → the
 //!   guest mount (`guest_mount`, run by the lifecycle over the transport);
+//!   on EC2 with a ready warm instance: the warm instance taken first, then
+//!   `create_volume` beside it (`VolumeSpec::beside`) → `attach` to it;
 //! - suspend: the guest unmount → `detach` → `Provider::delete` (the machine);
 //! - resume: as a new environment from `create_or_reclaim` on;
 //! - release: `Provider::delete` (if a machine exists) → `delete_volume`.
@@ -44,6 +46,11 @@ pub struct VolumeSpec {
     /// `create_or_reclaim` then adopts the machine (found by its name or
     /// tags, as a retried prepare's would be).
     pub machine: Option<MachineSpec>,
+    /// A running machine the new environment already has (a warm one it
+    /// took, `WarmMachines::takes_before_volume`): the volume is made where
+    /// it can be attached to that machine (EC2: its zone), and no machine is
+    /// launched for it. Wins over `machine`.
+    pub beside: Option<Machine>,
 }
 
 /// The data volume of a suspended environment no longer exists (deleted

@@ -45,6 +45,15 @@ pub trait WarmMachines: Send + Sync {
         self.fits(spec)
     }
 
+    /// Whether a new volume-mode environment takes its warm machine before
+    /// its volume is made, and the volume is then made where that machine
+    /// is (`VolumeSpec::beside`): EC2, whose volume attaches only in its own
+    /// zone and so follows the instance. Default (`false`): the volume is
+    /// made first and the machine taken after it, as for a resume.
+    fn takes_before_volume(&self) -> bool {
+        false
+    }
+
     /// The zones the pool keeps `wanted` machines in (`[None]` on one host).
     /// Async: a cloud may have to be asked (EC2: the zones of the subnets).
     async fn zones(&self, _ctx: &Ctx) -> Result<Vec<Option<String>>> {

@@ -18,6 +18,7 @@ use crate::context::Ctx;
 use crate::envkey::EnvironmentKey;
 use crate::events::{Event, Kind, Step};
 use crate::exit::Failure;
+use crate::lifecycle::warm::{take_for, For, Taken};
 use crate::lifecycle::{update_error, volume};
 use crate::model::{StorageMode, Volume};
 use crate::provider::{Machine, MachineSpec, Refusal, VolumeSpec};
@@ -114,7 +115,23 @@ async fn prepare_new(
         }
     ));
     let mut volume_key = None;
+    // EC2: an EBS volume attaches only in its zone, so a warm instance is
+    // taken before the volume is made, and the volume made in its zone.
+    let warm_first = storage == StorageMode::Volume
+        && s.provider.warm().is_some_and(|w| w.takes_before_volume());
+    let mut taken = None;
     if storage == StorageMode::Volume {
+        if warm_first && !volume_recorded(&paths)? {
+            // A retry whose first attempt recorded the volume takes none: its
+            // machine (taken or launched then) is adopted by create_or_reclaim.
+            taken = take_warm(s, &spec, &paths, For::NewBeforeVolume, ctx).await?;
+            if taken.is_some() {
+                // Its host key was pinned when it booted: the first
+                // connection checks it (`lifecycle::volume::connect`).
+                crate::transport::ssh::repin::pinned_at_launch(&paths)?;
+                crate::failpoint!("prepare:warm-taken");
+            }
+        }
         let vspec = VolumeSpec {
             env_id,
             name: spec.name.clone(),
@@ -123,7 +140,9 @@ async fn prepare_new(
             project_id: spec.project_id,
             job_id: spec.job_id,
             paths: paths.clone(),
-            machine: Some(spec.clone()),
+            // No machine is launched for the volume when a warm one was taken.
+            machine: taken.is_none().then(|| spec.clone()),
+            beside: taken.as_ref().map(|t| t.machine.clone()),
         };
         let make_key = |v: &Volume| volume_environment_key(s, &system_id, env_id, v);
         let volume = match volume::create(s.world(), &paths, &holder, &vspec, make_key, ctx).await {
@@ -136,13 +155,9 @@ async fn prepare_new(
         volume_key = Some(volume_environment_key(s, &system_id, env_id, &volume));
         spec.volume = Some(volume::begin_attach(&paths, &holder, ctx).await?);
     }
-    let taken = match take_warm(s, &spec, &paths, ctx).await {
-        Ok(t) => t,
-        Err(e) => {
-            record_failure(s, &paths, Step::Create, &e, ctx).await;
-            return Err(refused_or_system(e));
-        }
-    };
+    if !warm_first {
+        taken = take_warm(s, &spec, &paths, For::New, ctx).await?;
+    }
     let warm_id = taken.as_ref().map(|t| t.warm_id);
     let made = match taken {
         Some(t) => Ok(t.machine),
@@ -201,24 +216,44 @@ async fn prepare_new(
 /// A ready warm machine for this new environment, if the provider keeps
 /// them and one fits (docs/architecture.md, "Warm machines"); then the pool
 /// is refilled in the background. An error is the hand-over's (the retried
-/// prepare finishes it).
+/// prepare finishes it), recorded as the create's failure.
 async fn take_warm(
     s: &Session,
     spec: &MachineSpec,
     paths: &EnvPaths,
+    purpose: For,
     ctx: &Ctx,
-) -> anyhow::Result<Option<crate::lifecycle::warm::Taken>> {
+) -> Result<Option<Taken>, Failure> {
     let Some(warm) = s.provider.warm() else {
         return Ok(None);
     };
-    let taken = crate::lifecycle::warm::take(s.world(), warm, spec, paths, ctx).await?;
+    let taken = match take_for(s.world(), warm, spec, paths, purpose, ctx).await {
+        Ok(t) => t,
+        Err(e) => {
+            record_failure(s, paths, Step::Create, &e, ctx).await;
+            return Err(refused_or_system(e));
+        }
+    };
     if let Some(t) = &taken {
         s.log.info(format!(
-            "took warm machine {} (booted {} s before this job asked): no boot to wait for",
-            t.warm_id, t.age_secs
+            "took warm machine {} (booted {} s before this job asked): no boot to wait for{}",
+            t.warm_id,
+            t.age_secs,
+            if purpose == For::NewBeforeVolume {
+                "; the data volume is made where it runs and attached to it"
+            } else {
+                ""
+            }
         ));
     }
     Ok(taken)
+}
+
+/// Whether an earlier attempt of this prepare recorded the data volume.
+fn volume_recorded(paths: &EnvPaths) -> anyhow::Result<bool> {
+    Ok(registry::peek(paths)?
+        .and_then(|r| r.volume)
+        .is_some_and(|v| v.volume.is_some()))
 }
 
 /// The host key the first connection pinned, kept with the machine for a

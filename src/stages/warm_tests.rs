@@ -472,3 +472,80 @@ async fn a_hand_over_whose_environment_was_released_meanwhile_is_dropped_and_the
         rig.events()
     );
 }
+
+/// A new volume-mode environment takes its warm machine before its volume
+/// (`For::NewBeforeVolume`): a retried prepare whose killed attempt already
+/// got a machine (handed over, its volume not recorded; the runner's cleanup
+/// did not run) takes no second one — its launch path adopts the first — but
+/// still finishes a hand-over that the killed attempt left half done.
+#[tokio::test]
+async fn a_new_volume_environment_that_already_has_a_machine_takes_no_second_one() {
+    use crate::lifecycle::warm::{take_for, For};
+    use crate::provider::MachineState;
+    let rig = Rig::new();
+    let warm = FakeWarm::new(2);
+    rig.refill(&warm, true).await;
+    let env = rig.env();
+    // The killed attempt's machine, found by the provider.
+    rig.provider
+        .cloud
+        .lock()
+        .unwrap()
+        .machines
+        .insert(format!("dormant-{}", env.id), MachineState::Running);
+    let before = rig.entries();
+    let t = take_for(
+        rig.w(),
+        &warm,
+        &spec(&env),
+        &env,
+        For::NewBeforeVolume,
+        &ctx(),
+    )
+    .await
+    .unwrap();
+    assert!(t.is_none(), "a second machine for the environment");
+    assert_eq!(rig.entries(), before, "the pool is untouched");
+    assert!(
+        before
+            .iter()
+            .all(|e| warm.state(e.id).as_deref() == Some("running")),
+        "none handed over"
+    );
+
+    // A hand-over the killed attempt began (its entry `taken` for this
+    // environment) is finished first, whatever the provider finds.
+    let id = before[0].id;
+    mark_taken(&rig.pool(), id, env.id);
+    let t = take_for(
+        rig.w(),
+        &warm,
+        &spec(&env),
+        &env,
+        For::NewBeforeVolume,
+        &ctx(),
+    )
+    .await
+    .unwrap()
+    .expect("the begun hand-over finished");
+    assert_eq!(t.warm_id, id);
+
+    // Another environment without a machine takes the other one.
+    let other = rig.env();
+    let t = take_for(
+        rig.w(),
+        &warm,
+        &spec(&other),
+        &other,
+        For::NewBeforeVolume,
+        &ctx(),
+    )
+    .await
+    .unwrap()
+    .expect("a warm machine");
+    assert_eq!(
+        warm.state(t.warm_id),
+        Some(format!("handed to {}", other.id))
+    );
+    assert!(rig.entries().is_empty());
+}

@@ -10,10 +10,17 @@
 //! none is leaked, and none is left carrying both `dormant:warm` and
 //! `dormant:env`.
 //!
+//! The same for a new volume-mode environment, which takes the warm
+//! instance before its data volume is made (in the instance's zone): a
+//! prepare killed at each step from the take to the attach is retried by the
+//! runner and the job runs; the instance is used by that job or terminated
+//! by the cleanup of the killed attempt, never returned to the pool or
+//! handed out twice, and no data volume outlives its environment.
+//!
 //! Network rule: the instance addresses moto hands out are never contacted.
 
 use crate::crash::{arm, assert_killed_at};
-use crate::ec2_rig::{instances, is_live, key_field, Ec2Env};
+use crate::ec2_rig::{data_volumes, instances, is_live, key_field, Ec2Env};
 use crate::harness::{self, assert_result, JobResult, Rig};
 
 use crate::ec2_warm::{tag, warm_now};
@@ -145,4 +152,131 @@ fn a_kill_during_an_ec2_refill_or_hand_over_leaks_nothing_and_hands_out_nothing_
         instances(&env).iter().all(|i| !is_live(i)),
         "no instance left"
     );
+}
+
+/// Data volumes moto still has (not deleted).
+fn live_volumes(env: &Ec2Env) -> Vec<String> {
+    data_volumes(env)
+        .into_iter()
+        .filter(|v| v.state().map(|s| s.as_str()) != Some("deleted"))
+        .filter_map(|v| v.volume_id().map(str::to_string))
+        .collect()
+}
+
+#[test]
+fn a_kill_while_a_new_volume_mode_environment_takes_a_warm_instance_leaks_nothing() {
+    let env = Ec2Env::start();
+    let lines = |warm: u32| format!("warm = {warm}\n");
+    let mut rig = env.volume_rig("7", SYSTEM, &env.volume_settings(&lines(1), ""));
+    warm_now(&rig);
+    let mut warm = live_warm(&env);
+    assert_eq!(warm.len(), 1);
+
+    let mut taken: Vec<String> = Vec::new();
+    for (n, point) in [
+        "warm:taken",
+        "warm:ec2-tagged",
+        "warm:handed-over",
+        "prepare:warm-taken",
+        "volume:create-intent",
+        "volume:created",
+        "volume:attach-intent",
+        "prepare:recorded",
+        "volume:attached",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let instance = warm.remove(0);
+        arm(&mut rig, Some(point), true);
+        let mut ran_on = None;
+        let r = rig
+            .runner
+            .run_job_with(
+                &harness::job(80 + n as u64).script("echo on-warm > f; cat f"),
+                &mut |_| {
+                    if ran_on.is_none() {
+                        ran_on = data_volumes(&env).into_iter().find_map(|v| {
+                            v.attachments()
+                                .first()
+                                .and_then(|a| a.instance_id().map(str::to_string))
+                        });
+                    }
+                },
+            )
+            .unwrap();
+        assert_killed_at(&rig, &r.calls, point, 1);
+        assert_result(&r, JobResult::Success);
+        arm(&mut rig, None, false);
+        let got = ran_on.unwrap_or_default();
+        let cleanups: String = r
+            .calls
+            .iter()
+            .filter(|c| c.name.starts_with("cleanup"))
+            .map(|c| format!("{}:\n{}", c.name, c.output))
+            .collect();
+        if point == "warm:taken" {
+            // Not yet the environment's: the retry finishes the hand-over.
+            assert_eq!(got, instance, "{point}: the same hand-over\n{}", r.log());
+        } else {
+            // It named the environment: the cleanup of the killed attempt
+            // terminated it with the half-made environment (and its volume);
+            // the retry found no warm instance ready and launched.
+            assert!(
+                cleanups.contains(&format!("terminating instance {instance}")),
+                "{point}: released with the half-made environment\n{cleanups}"
+            );
+            assert!(
+                got != instance && !taken.contains(&got) && !got.is_empty(),
+                "{point}: ran on {got:?}\n{}",
+                r.log()
+            );
+        }
+        assert!(!taken.contains(&instance), "{point}: handed out twice");
+        taken.push(instance.clone());
+        // Released at the job's end (no trigger): its instance and its volume are gone.
+        assert!(
+            instances(&env)
+                .iter()
+                .filter(|i| i.instance_id() == Some(instance.as_str()))
+                .all(|i| !is_live(i)),
+            "{point}: released"
+        );
+        let vols = live_volumes(&env);
+        assert!(
+            vols.is_empty(),
+            "{point}: volumes left {vols:?}\n{cleanups}"
+        );
+        let t = warm_now(&rig);
+        warm = live_warm(&env);
+        assert_eq!(warm.len(), 1, "{point}: refilled: {t}");
+        assert!(
+            !taken.contains(&warm[0]),
+            "{point}: a taken one back in the pool"
+        );
+        let live: Vec<String> = instances(&env)
+            .into_iter()
+            .filter(is_live)
+            .filter_map(|i| i.instance_id().map(str::to_string))
+            .collect();
+        assert_eq!(live, warm, "{point}: only the pool's instance runs");
+    }
+
+    // Nothing left once warm = 0 and a sweep ran.
+    Rig::write_settings(
+        &rig.settings_path,
+        SYSTEM,
+        &env.volume_settings(&lines(0), ""),
+    );
+    let out = rig.dormant(&["sweep"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        instances(&env).iter().all(|i| !is_live(i)),
+        "no instance left"
+    );
+    assert!(live_volumes(&env).is_empty(), "no volume left");
 }

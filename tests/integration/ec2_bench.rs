@@ -47,16 +47,20 @@ pub enum Case {
     NewMachineWarm,
     /// A resume in volume mode taking a warm instance: AttachVolume, mount.
     ResumeVolumeWarm,
+    /// A new environment, volume mode, taking a warm instance: its volume
+    /// created in the instance's zone, AttachVolume, format and mount.
+    NewVolumeWarm,
 }
 
 impl Case {
-    const ALL: [Case; 6] = [
+    const ALL: [Case; 7] = [
         Case::NewMachine,
         Case::NewVolume,
         Case::ResumeMachine,
         Case::ResumeVolume,
         Case::NewMachineWarm,
         Case::ResumeVolumeWarm,
+        Case::NewVolumeWarm,
     ];
 
     /// The row's name on the command line (`--rows`).
@@ -68,6 +72,7 @@ impl Case {
             Case::ResumeVolume => "resume-volume",
             Case::NewMachineWarm => "new-machine-warm",
             Case::ResumeVolumeWarm => "resume-volume-warm",
+            Case::NewVolumeWarm => "new-volume-warm",
         }
     }
 
@@ -80,6 +85,7 @@ impl Case {
             Case::ResumeVolume => ("resume", "volume", "launched"),
             Case::NewMachineWarm => ("new environment", "machine", "warm"),
             Case::ResumeVolumeWarm => ("resume", "volume", "warm"),
+            Case::NewVolumeWarm => ("new environment", "volume", "warm"),
         }
     }
 
@@ -91,7 +97,10 @@ impl Case {
 
     /// Whether it takes a warm instance (`[ec2] warm = 1`).
     fn warm(self) -> bool {
-        matches!(self, Case::NewMachineWarm | Case::ResumeVolumeWarm)
+        matches!(
+            self,
+            Case::NewMachineWarm | Case::ResumeVolumeWarm | Case::NewVolumeWarm
+        )
     }
 
     /// The holds the row's path must sit through.
@@ -100,14 +109,14 @@ impl Case {
             Case::NewMachine | Case::ResumeMachine => h.pending,
             Case::NewVolume | Case::ResumeVolume => h.pending + h.attaching,
             Case::NewMachineWarm => Duration::ZERO,
-            Case::ResumeVolumeWarm => h.attaching,
+            Case::ResumeVolumeWarm | Case::NewVolumeWarm => h.attaching,
         }
     }
 
     fn volume_mode(self) -> bool {
         matches!(
             self,
-            Case::NewVolume | Case::ResumeVolume | Case::ResumeVolumeWarm
+            Case::NewVolume | Case::ResumeVolume | Case::ResumeVolumeWarm | Case::NewVolumeWarm
         )
     }
 
@@ -126,7 +135,7 @@ impl Case {
         };
         let key = match self {
             Case::NewMachine | Case::NewVolume => None,
-            Case::NewMachineWarm => None,
+            Case::NewMachineWarm | Case::NewVolumeWarm => None,
             Case::ResumeMachine | Case::ResumeVolume | Case::ResumeVolumeWarm => {
                 let r = rig.run(
                     &harness::job(5)

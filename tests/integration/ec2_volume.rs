@@ -252,6 +252,7 @@ fn volume_spec(rig: &Ec2, machine: Option<MachineSpec>) -> VolumeSpec {
         job_id: m.job_id,
         paths: m.paths.clone(),
         machine,
+        beside: None,
     }
 }
 
@@ -398,5 +399,47 @@ async fn a_deleted_volume_is_gone_and_a_foreign_one_is_refused() {
             .await
             .unwrap()
             .is_some()
+    );
+}
+
+/// A new environment that took a warm instance makes its volume beside it
+/// (`VolumeSpec::beside`): in that instance's zone (here not the zone of
+/// the settings' subnet, where a volume without a machine would go), with
+/// no launch, even though the spec also names the machine to launch.
+#[tokio::test]
+async fn create_volume_beside_a_taken_instance_goes_to_its_zone_without_a_launch() {
+    let rig = rig(&[]).await;
+    let all = zones(&rig).await;
+    let mut spec = volume_spec(&rig, Some(rig.spec()));
+    let subnet_zone = all
+        .iter()
+        .find(|(_, s)| *s == rig.subnet)
+        .map(|(z, _)| z.clone())
+        .unwrap();
+    let other = all
+        .iter()
+        .map(|(z, _)| z.clone())
+        .find(|z| *z != subnet_zone)
+        .unwrap();
+    spec.beside = Some(dormant::model::Machine::new("i-taken").with("zone", other.as_str()));
+    rig.proxy.clear_calls();
+    let vols = rig.provider.volumes().unwrap();
+    let v = vols.create_volume(&spec, &rig.ctx(120)).await.unwrap();
+    assert_eq!(v.field("zone"), Some(other.as_str()));
+    let info = volume::describe(&direct_client(&rig.proxy.url()), &v.id, &rig.ctx(30))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(info.zone, other, "made in the instance's zone");
+    assert_eq!(
+        rig.proxy.count("RunInstances"),
+        0,
+        "{:?}",
+        rig.proxy.actions()
+    );
+    assert_eq!(rig.proxy.count("CreateVolume"), 1);
+    assert!(
+        rig.live_of(spec.env_id).await.is_empty(),
+        "no instance launched"
     );
 }

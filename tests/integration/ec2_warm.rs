@@ -5,7 +5,9 @@
 //! `dormant:warm` and no environment's; a new environment's prepare takes
 //! it without a RunInstances and retags it as the environment's, and the
 //! refill the prepare starts launches the next; a volume's zone picks the
-//! warm instance of that zone; `max_environments` leaves the last slot to a
+//! warm instance of that zone; a new volume-mode environment takes a warm
+//! instance of any zone and makes its volume there; a volume-mode resume
+//! takes the warm instance and attaches its volume to it; `max_environments` leaves the last slot to a
 //! job; a warm spot instance interrupted while idle is retired and replaced;
 //! `sweep` reports and deletes warm instances no pool knows (and `adopt`
 //! leaves them alone); `warm = 0` and a sweep terminate every warm instance.
@@ -29,7 +31,9 @@ use dormant::state::pool::WarmPaths;
 use dormant::state::StateStore;
 use tokio_util::sync::CancellationToken;
 
-use crate::ec2_rig::{block_on, instance_tags, instances, is_live, key_field, volume, Ec2Env};
+use crate::ec2_rig::{
+    block_on, data_volumes, instance_tags, instances, is_live, key_field, volume, Ec2Env,
+};
 use crate::harness::{self, assert_result, JobResult, Rig};
 use crate::moto::{direct_client, ACCESS_KEY, REGION, SECRET_KEY};
 
@@ -338,8 +342,8 @@ fn warm_zero_and_a_sweep_terminate_every_warm_instance() {
 }
 
 /// The EC2 provider's warm side, except that every spec fits (the
-/// provider's `fits` refuses volume-mode specs until a volume-mode resume
-/// takes warm instances): what is tested through it is the zone choice.
+/// provider's `fits` leaves a spec with a volume to `fits_resume`) and the
+/// hand-over is skipped: what is tested through it is the zone choice.
 struct AnyFit<'a>(&'a Ec2Provider);
 
 #[async_trait]
@@ -537,8 +541,9 @@ async fn a_warm_instance_per_zone_and_a_volume_takes_the_one_in_its_zone() {
 fn a_volume_mode_resume_takes_the_warm_instance_and_attaches_its_volume_to_it() {
     let env = Ec2Env::start();
     let rig = env.volume_rig("7", SYSTEM, &env.volume_settings("warm = 1\n", ""));
-    // A new volume-mode environment launches its own instance (its volume is
-    // made beside it); the refill it starts launches the warm one.
+    // No warm instance is ready yet: a new volume-mode environment launches
+    // its own (its volume is made beside it); the refill it starts launches
+    // the warm one.
     let r = rig.run(
         &harness::job(5)
             .suspend_on(true, false)
@@ -596,4 +601,160 @@ fn a_volume_mode_resume_takes_the_warm_instance_and_attaches_its_volume_to_it() 
         Some(warm_id.as_str()),
         "the volume went to the warm instance"
     );
+}
+
+/// Two default subnets of moto's region in two zones, by zone: `(subnet, zone)`.
+fn two_zones(env: &Ec2Env) -> ((String, String), (String, String)) {
+    let out = block_on(async {
+        direct_client(&env.moto.url())
+            .describe_subnets()
+            .send()
+            .await
+            .unwrap()
+    });
+    let mut zones: Vec<(String, String)> = out
+        .subnets()
+        .iter()
+        .filter(|s| s.default_for_az() == Some(true))
+        .map(|s| {
+            (
+                s.subnet_id().unwrap().to_string(),
+                s.availability_zone().unwrap().to_string(),
+            )
+        })
+        .collect();
+    zones.sort_by(|a, b| a.1.cmp(&b.1));
+    assert!(zones.len() >= 2, "two zones: {zones:?}");
+    (zones[0].clone(), zones[1].clone())
+}
+
+/// A new volume-mode environment takes a ready warm instance instead of
+/// launching one: no RunInstances before its first stage, its data volume
+/// made in the warm instance's zone (the second subnet's here: the first
+/// zone's warm instance was terminated while it waited, so the cold path's
+/// "anywhere" or the first subnet would be another zone), one AttachVolume,
+/// to the warm instance; a resume finds the file and skips get_sources; a
+/// release, `warm = 0` and a sweep leave no instance and no volume.
+#[test]
+fn a_new_volume_mode_environment_takes_the_warm_instance_and_its_volume_follows_its_zone() {
+    let env = Ec2Env::start();
+    let ((sa, _za), (sb, zb)) = two_zones(&env);
+    let lines = |warm: u32| format!("subnet_ids = [\"{sa}\", \"{sb}\"]\nwarm = {warm}\n");
+    let rig = env.volume_rig("7", SYSTEM, &env.volume_settings(&lines(1), ""));
+    let out = warm_now(&rig);
+    let warm = warm_instances(&env);
+    assert_eq!(warm.len(), 2, "one per zone: {out}");
+    let in_zone = |s: &str| {
+        warm.iter()
+            .find(|i| i.subnet_id() == Some(s))
+            .and_then(|i| i.instance_id())
+            .unwrap()
+            .to_string()
+    };
+    let (in_a, in_b) = (in_zone(&sa), in_zone(&sb));
+    // The first zone's dies while it waits: the prepare skips it.
+    block_on(async {
+        direct_client(&env.moto.url())
+            .terminate_instances()
+            .instance_ids(&in_a)
+            .send()
+            .await
+            .unwrap();
+    });
+
+    env.proxy.clear_calls();
+    let mut first_stage: Option<Instant> = None;
+    let mut attached_to = None;
+    let job = harness::job(5)
+        .suspend_on(true, false)
+        .script("echo kept-on-volume > state.txt");
+    let r = rig
+        .runner
+        .run_job_with(&job, &mut |_| {
+            if first_stage.is_none() {
+                first_stage = Some(Instant::now());
+                attached_to = data_volumes(&env).into_iter().find_map(|v| {
+                    v.attachments()
+                        .first()
+                        .and_then(|a| a.instance_id().map(str::to_string))
+                });
+            }
+        })
+        .unwrap();
+    assert_result(&r, JobResult::Success);
+    let log = r.log();
+    assert!(log.contains("took warm machine"), "{log}");
+    let split = first_stage.expect("a stage ran");
+    let before: Vec<String> = env
+        .proxy
+        .calls()
+        .into_iter()
+        .filter(|c| c.at < split)
+        .map(|c| c.action)
+        .collect();
+    let count = |a: &str| before.iter().filter(|b| *b == a).count();
+    assert_eq!(count("RunInstances"), 0, "{before:?}\n{log}");
+    assert_eq!(count("CreateVolume"), 1, "{before:?}");
+    assert_eq!(count("AttachVolume"), 1, "{before:?}");
+    assert_eq!(
+        attached_to.as_deref(),
+        Some(in_b.as_str()),
+        "the volume went to the warm instance\n{log}"
+    );
+    let key = r.key.clone().unwrap();
+    let volume_id = key_field(&key, "volume").expect("a volume key");
+    let v = volume(&env, &volume_id).expect("the data volume");
+    assert_eq!(
+        v.availability_zone(),
+        Some(zb.as_str()),
+        "made in the warm instance's zone"
+    );
+    let tags = instance_tags(&env, &in_b);
+    assert!(
+        !tags.contains_key("dormant:warm") && tags.contains_key("dormant:env"),
+        "handed over: {tags:?}"
+    );
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert_eq!(
+        v.state().map(|s| s.as_str()),
+        Some("available"),
+        "detached on suspend"
+    );
+
+    // The resume finds the file and skips get_sources; no trigger: released.
+    let mut resume = harness::job(5)
+        .resume(&key)
+        .script("cat state.txt; test ! -e .fetched-again");
+    resume.get_sources = "touch .fetched-again".into();
+    let r2 = rig.run(&resume);
+    assert_result(&r2, JobResult::Success);
+    let log2 = r2.log();
+    assert!(log2.contains("kept-on-volume"), "{log2}");
+    assert!(log2.contains("skipping get_sources"), "{log2}");
+    assert!(
+        volume(&env, &volume_id).is_none_or(|v| v.state().map(|s| s.as_str()) == Some("deleted")),
+        "released with its environment"
+    );
+
+    // warm = 0 and a sweep: nothing left.
+    warm_now(&rig);
+    Rig::write_settings(
+        &rig.settings_path,
+        SYSTEM,
+        &env.volume_settings(&lines(0), ""),
+    );
+    let out = rig.dormant(&["sweep"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let live: Vec<_> = instances(&env)
+        .into_iter()
+        .filter(is_live)
+        .filter_map(|i| i.instance_id().map(str::to_string))
+        .collect();
+    assert!(live.is_empty(), "instances left: {live:?}");
+    let vols: Vec<_> = data_volumes(&env)
+        .into_iter()
+        .filter(|v| v.state().map(|s| s.as_str()) != Some("deleted"))
+        .filter_map(|v| v.volume_id().map(str::to_string))
+        .collect();
+    assert!(vols.is_empty(), "volumes left: {vols:?}");
 }

@@ -345,6 +345,7 @@ async fn a_half_done_hot_plug_is_finished_and_a_second_attach_adds_nothing() {
         job_id: 1,
         paths: env.clone(),
         machine: Some(spec.clone()),
+        beside: None,
     };
     let volume = provider.create_volume(&vspec, &ctx).await.unwrap();
     spec.volume = Some(volume.clone());

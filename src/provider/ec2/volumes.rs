@@ -8,7 +8,9 @@
 //! A new environment's volume is made beside its first machine: that machine
 //! is launched first, anywhere there is capacity (every zone, instance type
 //! and market of the placement), and the volume created in its zone; the
-//! core's `create_or_reclaim` then adopts the machine by its tags. A volume
+//! core's `create_or_reclaim` then adopts the machine by its tags. With a
+//! ready warm instance (`ec2.warm`), the prepare takes it first and the
+//! volume is created in its zone (`VolumeSpec::beside`): no launch. A volume
 //! lives in one zone: every later machine needs capacity there.
 //!
 //! Nothing is acted on that is not this runner manager's: a volume's
@@ -202,8 +204,21 @@ impl Volumes for Ec2Provider {
             }
             return Ok(Self::as_volume(&region, &found));
         }
-        let zone = match &spec.machine {
-            Some(first) => {
+        let zone = match (&spec.beside, &spec.machine) {
+            (Some(warm), _) => {
+                // A warm instance the environment took: the volume goes to
+                // its zone (the subnet of `subnet_ids` it was launched in).
+                let zone = warm
+                    .field(field::ZONE)
+                    .with_context(|| format!("instance {} reports no zone", warm.id))?
+                    .to_string();
+                ctx.log.info(format!(
+                    "making the data volume in zone {zone}, beside instance {}",
+                    warm.id
+                ));
+                zone
+            }
+            (None, Some(first)) => {
                 // Where there is capacity: the volume follows its first machine.
                 let m = self
                     .create_within(first, Within::Anywhere { volume_mode: true }, ctx)
@@ -212,7 +227,7 @@ impl Volumes for Ec2Provider {
                     .with_context(|| format!("instance {} reports no zone", m.id))?
                     .to_string()
             }
-            None => self.first_zone(&client, &region, ctx).await?,
+            (None, None) => self.first_zone(&client, &region, ctx).await?,
         };
         let s = &self.settings;
         let new = NewVolume {

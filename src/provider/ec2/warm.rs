@@ -188,9 +188,11 @@ impl WarmMachines for Ec2Provider {
             .variables
             .get(INSTANCE_TYPE_VARIABLE)
             .is_none_or(|v| v.trim().is_empty());
-        // Volume mode: a new environment's first instance is launched before
-        // its volume (`volumes.rs`), so a warm one taken after would leave
-        // that instance running. A resume's volume exists: `fits_resume`.
+        // Volume mode: a new environment takes its warm instance before its
+        // volume exists (`takes_before_volume`), so its spec has none; a
+        // spec with a volume is a resume's (`fits_resume`). Taken after a
+        // new environment's volume, it would come on top of the instance
+        // that volume was made beside (`volumes.rs`).
         default_image && default_types && spec.volume.is_none()
     }
 
@@ -198,6 +200,13 @@ impl WarmMachines for Ec2Provider {
         let mut machine_spec = spec.clone();
         machine_spec.volume = None;
         self.fits(&machine_spec)
+    }
+
+    /// An EBS volume attaches only in its own zone: a new volume-mode
+    /// environment takes a warm instance (of any zone) first, and its
+    /// volume is made in that instance's zone.
+    fn takes_before_volume(&self) -> bool {
+        true
     }
 
     async fn zones(&self, ctx: &Ctx) -> Result<Vec<Option<String>>> {
