@@ -24,16 +24,16 @@
 # 127.0.0.1 (the guest's own network is restricted). Under TCG the absolute
 # numbers are slow; dormant's added time is the figure that counts.
 #
-# Usage: [ROWS=new|warm] scripts/bench-qemu.sh [runs]   (DORMANT_BIN=target/release/dormant for a release build;
+# Usage: [ROWS=new|warm|volume] scripts/bench-qemu.sh [runs]   (DORMANT_BIN=target/release/dormant for a release build;
 #        QEMU_ACCEL=kvm where KVM works)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-1}
 # ROWS=new: only the new-environment rows (cold and warm; a shorter run).
 # ROWS=warm: the rows a warm pool changes: new environment and volume-mode
-# resume, each cold and warm.
+# resume, each cold and warm. ROWS=volume: the volume-mode resume rows only.
 ROWS=${ROWS:-all}
-case $ROWS in all|new|warm) ;; *) echo "bench-qemu: ROWS is all, new or warm, not '$ROWS'" >&2; exit 2 ;; esac
+case $ROWS in all|new|warm|volume) ;; *) echo "bench-qemu: ROWS is all, new, warm or volume, not '$ROWS'" >&2; exit 2 ;; esac
 ACCEL=${QEMU_ACCEL:-tcg}
 BIN=${DORMANT_BIN:-target/debug/dormant}
 [ -x "$BIN" ] || cargo build --quiet
@@ -185,6 +185,7 @@ for run in $(seq 1 "$RUNS"); do
   modes="shutdown hibernate volume"
   [ "$ROWS" = new ] && modes=shutdown
   [ "$ROWS" = warm ] && modes="shutdown volume"
+  [ "$ROWS" = volume ] && modes=volume
   for mode in $modes; do
     storage=machine suspend_mode=$mode
     [ "$mode" = volume ] && { storage=volume; suspend_mode=shutdown; }
@@ -219,10 +220,11 @@ EOF
   # A new environment on a warm VM: `dormant warm` boots it first (not
   # timed); job 1's prepare takes it. Its detached refill boots the next one
   # while the job runs; the pool is emptied (warm = 0, sweep) before the next run.
-  st="$work/w$run"
   sed -e 's/^storage = .*/storage = "machine"/' -e 's/^suspend_mode = .*/suspend_mode = "shutdown"/' \
     "$work/dormant.toml" >"$work/warm.toml"
   printf 'max_environments = 2\nwarm = 1\n' >>"$work/warm.toml"
+  if [ "$ROWS" != volume ]; then
+  st="$work/w$run"
   DORMANT_STATE_DIR=$st "$BIN" --config "$work/warm.toml" warm >/dev/null 2>&1 || {
     echo "bench-qemu: dormant warm failed" >&2; exit 1; }
   out=$(DORMANT_STATE_DIR=$st "$BIN" --config "$work/warm.toml" try 2>&1) || {
@@ -230,6 +232,7 @@ EOF
   expect_taken "$st" "$work/warm.toml" 1 "$out"
   D[new-warm]+="$(echo "$out" | awk '/^  prepare#/ {print $4; exit}') "
   empty_pool "$st" "$work/warm.toml"
+  fi
 
   # A volume-mode resume on a warm VM: job 1 (a new volume-mode environment)
   # takes the first; `try` starts job 2 once the refill job 1 started has
@@ -245,9 +248,11 @@ EOF
   expect_taken "$st" "$work/warmv.toml" 2 "$out"
   D[resume-volume-warm]+="$(echo "$out" | awk '/^job 2/ {j=1} j && /^  prepare#/ {print $4; exit}') "
   empty_pool "$st" "$work/warmv.toml"
+  # Each run's figures as they are (a failure later loses no run).
+  echo "bench-qemu: after run $run: $(declare -p M D | tr '\n' ' ')" >&2
 done
 
-med() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{a[NR]=$1} END {if (NR==0) print "-"; else if (NR%2) print a[(NR+1)/2]; else printf "%.1f\n", (a[NR/2]+a[NR/2+1])/2}'; }
+med() { tr ' ' '\n' | { grep -v '^$' || true; } | sort -n | awk '{a[NR]=$1} END {if (NR==0) print "-"; else if (NR%2) print a[(NR+1)/2]; else printf "%.1f\n", (a[NR/2]+a[NR/2+1])/2}'; }
 row() { # row LABEL MACHINE DORMANT (a row ROWS did not run is left out)
   [ -n "$2$3" ] || return 0
   local m d; m=$(echo "$2" | med); d=$(echo "$3" | med)
