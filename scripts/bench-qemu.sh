@@ -256,7 +256,9 @@ med() { tr ' ' '\n' | { grep -v '^$' || true; } | sort -n | awk '{a[NR]=$1} END 
 row() { # row LABEL MACHINE DORMANT (a row ROWS did not run is left out)
   [ -n "$2$3" ] || return 0
   local m d; m=$(echo "$2" | med); d=$(echo "$3" | med)
-  printf '| %-28s | %10s | %10s | %10s |\n' "$1" "$m" "$d" "$(python3 -c "print(f'{$d - $m:+.1f}')" 2>/dev/null || echo -)"
+  local added=-
+  [ "$m" = - ] || [ "$d" = - ] || added=$(python3 -c "print(f'{$d - $m:+.1f}')")
+  printf '| %-28s | %10s | %10s | %10s |\n' "$1" "$m" "$d" "$added"
 }
 echo
 echo "qemu provider, accel $ACCEL, 2 vCPUs, 1 GiB, $RUNS run(s) each (median seconds); binary $BIN"
