@@ -74,7 +74,7 @@ pub enum Kind {
     Adopted,
     /// A warm machine (booted ahead of any job) was launched, became ready,
     /// was taken by an environment, or retired; or a prepare found none
-    /// (`missed`). Its cause says which (`lifecycle::warm::WARM_CAUSES`).
+    /// (`missed`). Its cause says which ([`WARM_CAUSES`]).
     Warm,
 }
 

@@ -8,8 +8,8 @@
 //! import each other. Each effect records its event in the event log
 //! (`crate::events`) once its result is recorded: this is the one place a
 //! suspension or a release is written there. `volume` and `guest` are volume
-//! mode's effects; `lost` says whether a machine went away under a job; `warm` takes,
-//! refills and retires warm machines.
+//! mode's effects; `lost` says whether a machine went away under a job; `warm` takes
+//! and retires warm machines, `warm_refill` refills the pool.
 
 pub mod guest;
 pub mod lost;
@@ -18,6 +18,7 @@ pub mod sweep;
 mod sweep_slice;
 pub mod volume;
 pub mod warm;
+pub mod warm_refill;
 
 use std::time::Instant;
 

@@ -1,11 +1,11 @@
 //! Warm machines' effects: a prepare **takes** a ready warm machine for a
-//! new environment; a **refill** (`dormant warm`, started detached by the
-//! prepare that took one, and by the package's timer) retires what must go
-//! and boots what is missing; `sweep` runs the same tidy-up without booting.
-//! Every pool status is written before its effect (`state::pool`), and each
-//! step has a crash point, so a process killed at any line leaves an entry
-//! the next refill or sweep finishes: a machine is handed to one
-//! environment at most, and none is leaked or lost from the books.
+//! new environment or a volume-mode resume, and hands it over; a machine that
+//! must go is **retired**. The refill that retires what must go and boots
+//! what is missing is `lifecycle::warm_refill`. Every pool status is
+//! written before its effect (`state::pool`), and each step has a crash
+//! point, so a process killed at any line leaves an entry the next refill or
+//! sweep finishes: a machine is handed to one environment at most, and none
+//! is leaked or lost from the books.
 //! See docs/architecture.md, "Warm machines".
 
 use std::time::Duration;
@@ -15,14 +15,13 @@ use anyhow::{Context, Result};
 use super::World;
 use crate::context::Ctx;
 use crate::events::{Event, Kind};
-use crate::model::{EnvPaths, Machine, Target};
+use crate::model::{EnvPaths, Machine};
 use crate::provider::warm::WarmMachines;
 use crate::provider::MachineSpec;
-use crate::state::pool::{self, Pool, WarmEntry, WarmPaths, WarmStatus};
+use crate::state::pool::{self, Pool, WarmEntry, WarmStatus};
 use crate::state::{now_unix, FileLock};
-use crate::transport::Transport;
 
-fn event(w: World<'_>, cause: &str, entry: Option<&WarmEntry>) -> Event {
+pub(super) fn event(w: World<'_>, cause: &str, entry: Option<&WarmEntry>) -> Event {
     let mut e = Event::new(Kind::Warm, cause, w.provider.name());
     if let Some(entry) = entry {
         e.warm = Some(entry.id);
@@ -226,262 +225,8 @@ async fn finish(
     }))
 }
 
-/// What a refill or tidy-up did.
-#[derive(Debug, Default)]
-pub struct RefillReport {
-    pub launched: Vec<uuid::Uuid>,
-    pub retired: Vec<(uuid::Uuid, String)>,
-    pub ready: usize,
-    pub skipped: Option<String>,
-    pub errors: Vec<String>,
-}
-
-/// Retires what must go, and (with `launch`) boots warm machines until each
-/// zone has `wanted` ready or booting. One at a time per state dir
-/// (`warm/refill.lock`): a second caller returns at once, saying so.
-pub async fn refill(
-    w: World<'_>,
-    warm: &dyn WarmMachines,
-    open: &dyn OpenTransport,
-    launch: bool,
-    ctx: &Ctx,
-) -> Result<RefillReport> {
-    let pool = Pool::new(w.store);
-    let mut report = RefillReport::default();
-    crate::state::store::ensure_private_dir(pool.dir())?;
-    let Some(_refill) = FileLock::try_acquire(&pool.refill_lock())? else {
-        report.skipped = Some("another refill of this pool is running".into());
-        return Ok(report);
-    };
-    for stray in pool.stray_staging() {
-        w.store.delete_dir(&stray)?;
-    }
-    let kind = warm.kind();
-    let now = now_unix();
-    let max_age = warm.max_age().as_secs();
-    let mut kept: Vec<WarmEntry> = Vec::new();
-    for (id, entry) in pool.entries()? {
-        let entry = match entry {
-            Ok(Some(e)) => e,
-            Ok(None) => continue,
-            Err(e) => {
-                report.errors.push(format!("{e:#}"));
-                continue;
-            }
-        };
-        let Some(lock) = pool.try_lock(id)? else {
-            // Its launcher, or a prepare taking it: theirs to finish.
-            if matches!(entry.status, WarmStatus::Launching | WarmStatus::Ready) {
-                kept.push(entry);
-            }
-            continue;
-        };
-        let wp = pool.paths(id);
-        let why = match &entry.status {
-            WarmStatus::Launching => Some("its launch was killed".to_string()),
-            WarmStatus::Retiring { why } => Some(why.clone()),
-            WarmStatus::Taken { env } => {
-                let env_paths = w.store.env_paths(*env);
-                if warm.handed_over(&wp, &env_paths, ctx).await? {
-                    // The machine is the environment's now: only the entry goes.
-                    pool.remove(w.store, lock, id)?;
-                    continue;
-                }
-                Some(format!(
-                    "the prepare taking it for environment {env} died before the hand-over"
-                ))
-            }
-            WarmStatus::Ready => {
-                let machine = entry.machine.clone();
-                match &kind {
-                    Err(e) => Some(format!("warm machines cannot be made now: {e:#}")),
-                    Ok(k) if k.fingerprint != entry.fingerprint => Some(format!(
-                        "made from settings that changed (was {}, now {})",
-                        entry.made_from, k.made_from
-                    )),
-                    Ok(_) if entry.age_secs(now) >= max_age => Some(format!(
-                        "older than warm_max_age ({} s)",
-                        entry.age_secs(now)
-                    )),
-                    Ok(_) => match machine {
-                        None => Some("ready without a machine".into()),
-                        Some(m) if !warm.alive(&wp, &m, ctx).await => {
-                            Some("it stopped running while it waited".into())
-                        }
-                        Some(_) => None,
-                    },
-                }
-            }
-        };
-        match why {
-            Some(why) => match retire(w, warm, &pool, lock, entry, &why, ctx).await {
-                Ok(()) => report.retired.push((id, why)),
-                Err(e) => report
-                    .errors
-                    .push(format!("retiring warm machine {id}: {e:#}")),
-            },
-            None => kept.push(entry),
-        }
-    }
-    // More than wanted (warm lowered, or 0): the newest go first.
-    kept.sort_by_key(|e| std::cmp::Reverse(e.launched_at));
-    let zones = match warm.zones(ctx).await {
-        Ok(z) => z,
-        Err(e) => {
-            report.errors.push(format!("{e:#}"));
-            return Ok(report);
-        }
-    };
-    let wanted = warm.wanted() as usize;
-    let mut per_zone: Vec<(Option<String>, usize)> = zones.iter().map(|z| (z.clone(), 0)).collect();
-    for entry in kept {
-        let slot = per_zone.iter_mut().find(|(z, _)| *z == entry.zone);
-        match slot {
-            Some((_, n)) if *n < wanted => *n += 1,
-            _ if entry.status == WarmStatus::Ready => {
-                if let Some(lock) = pool.try_lock(entry.id)? {
-                    let why = format!("not wanted: warm = {wanted}");
-                    let id = entry.id;
-                    match retire(w, warm, &pool, lock, entry, &why, ctx).await {
-                        Ok(()) => report.retired.push((id, why)),
-                        Err(e) => report
-                            .errors
-                            .push(format!("retiring warm machine {id}: {e:#}")),
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-    report.ready = per_zone.iter().map(|(_, n)| n).sum();
-    if !launch {
-        return Ok(report);
-    }
-    let kind = match kind {
-        Ok(k) => k,
-        Err(e) => {
-            report.errors.push(format!("{e:#}"));
-            return Ok(report);
-        }
-    };
-    for (zone, have) in per_zone {
-        for _ in have..wanted {
-            if let Some(why) = warm.no_room(ctx).await {
-                report.skipped = Some(why);
-                return Ok(report);
-            }
-            match launch_one(w, warm, open, &pool, &kind, zone.clone(), ctx).await {
-                Ok(id) => report.launched.push(id),
-                Err(e) => {
-                    report.errors.push(format!("{e:#}"));
-                    return Ok(report);
-                }
-            }
-        }
-    }
-    Ok(report)
-}
-
-/// Boots one warm machine: `launching` (with its lock held throughout), the
-/// provider's launch, the host key pinned over a first connection, `ready`.
-async fn launch_one(
-    w: World<'_>,
-    warm: &dyn WarmMachines,
-    open: &dyn OpenTransport,
-    pool: &Pool,
-    kind: &crate::provider::warm::WarmKind,
-    zone: Option<String>,
-    ctx: &Ctx,
-) -> Result<uuid::Uuid> {
-    let (wp, mut entry, lock) = pool.begin_launch(
-        w.provider.name(),
-        &kind.fingerprint,
-        &kind.made_from,
-        zone.clone(),
-    )?;
-    crate::failpoint!("warm:launching");
-    w.events
-        .record(event(w, "launched", Some(&entry)), ctx)
-        .await;
-    let made = async {
-        let key = crate::transport::keys::ensure_keypair(&wp.paths)?;
-        let machine = warm.launch(&wp, zone.as_deref(), &key, ctx).await?;
-        entry.machine = Some(machine.clone());
-        pool.set(&lock, &entry)?;
-        crate::failpoint!("warm:launched");
-        pin_host_key(w, open, &wp, &machine, ctx).await?;
-        Ok::<_, anyhow::Error>(())
-    }
-    .await;
-    match made {
-        Ok(()) => {
-            entry.status = WarmStatus::Ready;
-            entry.ready_at = Some(now_unix());
-            pool.set(&lock, &entry)?;
-            crate::failpoint!("warm:ready");
-            let booted = Duration::from_secs(
-                entry
-                    .ready_at
-                    .unwrap_or(0)
-                    .saturating_sub(entry.launched_at),
-            );
-            w.events
-                .record(event(w, "ready", Some(&entry)).duration(booted), ctx)
-                .await;
-            Ok(entry.id)
-        }
-        Err(e) => {
-            let id = entry.id;
-            let why = format!("its launch failed: {e:#}");
-            if let Err(e2) = retire(w, warm, pool, lock, entry, &why, ctx).await {
-                return Err(e.context(format!("and retiring warm machine {id} failed too: {e2:#}")));
-            }
-            Err(e.context(format!("launching warm machine {id}")))
-        }
-    }
-}
-
-/// Opens a transport to a warm machine (the stages' transports are theirs;
-/// a refill runs outside any job).
-pub trait OpenTransport: Send + Sync {
-    fn open(&self, target: &Target, paths: &EnvPaths) -> Result<Box<dyn Transport>>;
-}
-
-/// The SSH transport with the operator's `[ssh]` settings: how every warm
-/// machine (a VM, an instance) is reached.
-pub struct OverSsh(pub crate::settings::ssh::SshSettings);
-
-impl OpenTransport for OverSsh {
-    fn open(&self, target: &Target, paths: &EnvPaths) -> Result<Box<dyn Transport>> {
-        match target {
-            Target::Ssh(t) => Ok(Box::new(crate::transport::ssh::SshTransport::new(
-                t.clone(),
-                paths.clone(),
-                self.0.clone(),
-            ))),
-            Target::Local { .. } => anyhow::bail!("warm machines are reached over SSH"),
-        }
-    }
-}
-
-/// The first connection to a new warm machine pins its host key in the
-/// entry's known_hosts (it moves to the environment that takes it: no host
-/// key is ever taken on trust later).
-async fn pin_host_key(
-    w: World<'_>,
-    open: &dyn OpenTransport,
-    wp: &WarmPaths,
-    machine: &Machine,
-    ctx: &Ctx,
-) -> Result<()> {
-    let transport = open.open(&w.provider.target(machine)?, &wp.paths)?;
-    transport.connect(ctx).await?;
-    let _ = transport.close(ctx).await;
-    Ok(())
-}
-
 /// `retiring` (written first), the machine deleted, the entry removed.
-async fn retire(
+pub(super) async fn retire(
     w: World<'_>,
     warm: &dyn WarmMachines,
     pool: &Pool,
@@ -508,48 +253,4 @@ async fn retire(
         .record(event(w, "retired", Some(&entry)).reason(why), ctx)
         .await;
     pool.remove(w.store, lock, entry.id)
-}
-
-/// Starts `dormant warm` detached: its own session (the runner's signals to
-/// the job's process group do not reach it), no stdin or stdout (the runner
-/// reads the stage's output until it closes: an inherited pipe would hold the
-/// stage open), its errors in `warm/refill.log`. Returns its pid. The same
-/// `--config` as this process's is passed on; the environment is inherited.
-pub fn start_refill(store: &crate::state::StateStore) -> Result<u32> {
-    use std::os::unix::process::CommandExt;
-    use std::process::{Command, Stdio};
-    let exe = std::env::current_exe().context("finding dormant's own executable")?;
-    let mut cmd = Command::new(exe);
-    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    for (i, a) in args.iter().enumerate() {
-        if a == "--config" {
-            if let Some(v) = args.get(i + 1) {
-                cmd.arg("--config").arg(v);
-            }
-        } else if a.to_str().is_some_and(|s| s.starts_with("--config=")) {
-            cmd.arg(a);
-        }
-    }
-    cmd.arg("warm");
-    let pool = Pool::new(store);
-    crate::state::store::ensure_private_dir(pool.dir())?;
-    let log_path = pool.dir().join("refill.log");
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(true)
-        .open(&log_path)
-        .with_context(|| format!("opening {}", log_path.display()))?;
-    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
-    // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setsid() < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let child = cmd.spawn().context("starting `dormant warm`")?;
-    Ok(child.id())
 }

@@ -91,10 +91,10 @@ pub async fn sweep(
     // Warm machines: too old, settings changed, dead, or not wanted (warm =
     // 0 removes them all). Booting is `dormant warm`'s, not the sweep's.
     if let Some(pool) = provider.warm() {
-        match crate::lifecycle::warm::refill(
+        match crate::lifecycle::warm_refill::refill(
             w,
             pool,
-            &crate::lifecycle::warm::OverSsh(settings.ssh.clone()),
+            &crate::lifecycle::warm_refill::OverSsh(settings.ssh.clone()),
             false,
             &ctx,
         )

@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use crate::context::{Ctx, JobLog};
 use crate::events::EventLog;
 use crate::job::Job;
-use crate::lifecycle::{warm, World};
+use crate::lifecycle::{warm_refill, World};
 use crate::settings::Settings;
 
 use super::{open_store, OPERATOR_BUDGET};
@@ -37,7 +37,14 @@ pub async fn warm(
         return Ok(());
     };
     let ctx = Ctx::new(log.clone(), cancel, OPERATOR_BUDGET);
-    let report = warm::refill(w, pool, &warm::OverSsh(settings.ssh.clone()), true, &ctx).await?;
+    let report = warm_refill::refill(
+        w,
+        pool,
+        &warm_refill::OverSsh(settings.ssh.clone()),
+        true,
+        &ctx,
+    )
+    .await?;
     print(&log, &report);
     if !report.errors.is_empty() {
         bail!(
@@ -49,7 +56,7 @@ pub async fn warm(
 }
 
 /// The report's lines (also `sweep`'s, which retires without booting).
-pub fn print(log: &JobLog, report: &warm::RefillReport) {
+pub fn print(log: &JobLog, report: &warm_refill::RefillReport) {
     if let Some(why) = &report.skipped {
         log.info(format!("warm pool: {why}"));
     }

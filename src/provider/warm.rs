@@ -1,6 +1,7 @@
 //! Warm machines, the provider's half: a provider that can keep machines
 //! booted ahead of any job implements [`WarmMachines`]. The pool's books are
-//! `state::pool`; taking, refilling and retiring are `lifecycle::warm`.
+//! `state::pool`; taking and retiring are `lifecycle::warm`, refilling
+//! `lifecycle::warm_refill`.
 //! See docs/architecture.md, "Warm machines".
 
 use std::time::Duration;

@@ -106,7 +106,7 @@ pub(super) fn refill_in_background(s: &Session) {
     if s.provider.warm().is_none_or(|w| w.wanted() == 0) {
         return;
     }
-    match crate::lifecycle::warm::start_refill(&s.store) {
+    match crate::lifecycle::warm_refill::start_refill(&s.store) {
         Ok(pid) => s.log.info(format!(
             "refilling the warm pool in the background (dormant warm, pid {pid})"
         )),

@@ -11,7 +11,8 @@ use async_trait::async_trait;
 
 use crate::context::Ctx;
 use crate::events::read::{read_from, Line};
-use crate::lifecycle::warm::{refill, take, OpenTransport, RefillReport};
+use crate::lifecycle::warm::take;
+use crate::lifecycle::warm_refill::{refill, OpenTransport, RefillReport};
 use crate::lifecycle::World;
 use crate::model::{EnvPaths, Machine, Target};
 use crate::provider::warm::{WarmKind, WarmMachines};

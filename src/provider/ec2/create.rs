@@ -181,7 +181,8 @@ impl Ec2Provider {
         let mut live = live.into_iter();
         if let Some(first) = live.next() {
             ctx.log.info(format!(
-                "adopting instance {} ({}) that an earlier attempt of this prepare launched",
+                "adopting instance {} ({}) already launched for this environment (by an earlier attempt of \
+                 this prepare, or in volume mode by this prepare's volume step to choose the zone)",
                 first.id, first.state_name
             ));
             for extra in live {

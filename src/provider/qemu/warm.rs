@@ -266,6 +266,42 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_refill_never_takes_the_last_slot_of_max_environments() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = provider(dir.path());
+        let with_max = |max: u32| {
+            let mut settings = Settings::default();
+            settings.qemu.image = Some(BootImage::Path(dir.path().join("base.qcow2")));
+            settings.qemu.warm = 1;
+            settings.qemu.max_environments = max;
+            QemuProvider::new(&settings, &store)
+        };
+        let ctx = Ctx::new(
+            crate::context::JobLog::stderr(),
+            Default::default(),
+            Duration::from_secs(30),
+        );
+        let p = with_max(3);
+        assert_eq!(p.no_room(&ctx).await, None, "nothing runs");
+        // A job's VM: two of three slots free, a warm VM may boot.
+        let job = VmDir::new(&store.env_paths(uuid::Uuid::new_v4()));
+        let _job = FakeQemu::start(dir.path(), &job);
+        assert_eq!(p.no_room(&ctx).await, None, "one of three runs");
+        // And a warm VM: the last slot stays free for a job.
+        let pool = Pool::new(&store);
+        let (wp, _entry, _lock) = pool.begin_launch("qemu", "fp", "default", None).unwrap();
+        let _warm = FakeQemu::start(dir.path(), &p.warm_vm(&wp));
+        let why = p.no_room(&ctx).await.expect("no room for a third VM");
+        assert!(
+            why.contains("2 of qemu.max_environments = 3 VMs run"),
+            "{why}"
+        );
+        // Room enough with a higher limit, and no limit at all.
+        assert_eq!(with_max(4).no_room(&ctx).await, None);
+        assert_eq!(with_max(0).no_room(&ctx).await, None);
+    }
+
+    #[tokio::test]
     async fn a_handed_over_vm_is_the_environments_and_its_qemu_is_still_found() {
         let dir = tempfile::tempdir().unwrap();
         let (store, p) = provider(dir.path());
