@@ -21,7 +21,7 @@
 
 use crate::crash::{arm, assert_killed_at};
 use crate::ec2_rig::{data_volumes, instances, is_live, key_field, Ec2Env};
-use crate::harness::{self, assert_result, JobResult, Rig};
+use crate::harness::{self, assert_result, JobReport, JobResult, Rig};
 
 use crate::ec2_warm::{tag, warm_now};
 
@@ -86,40 +86,7 @@ fn a_kill_during_an_ec2_refill_or_hand_over_leaks_nothing_and_hands_out_nothing_
         arm(&mut rig, None, false);
         let key = r.key.clone().expect("a key");
         let got = key_field(&key, "instance").unwrap_or_default();
-        let cleanups: String = r
-            .calls
-            .iter()
-            .filter(|c| c.name.starts_with("cleanup"))
-            .map(|c| format!("{}:\n{}", c.name, c.output))
-            .collect();
-        if point == "warm:taken" {
-            // Not yet the environment's: the retry finishes the hand-over.
-            assert_eq!(got, instance, "{point}: the same hand-over\n{}", r.log());
-        } else {
-            // The instance already named the environment, so the runner's
-            // cleanup of the killed attempt released it with the
-            // environment; the retry found the entry's instance gone,
-            // dropped the entry and launched as usual.
-            assert!(
-                cleanups.contains(&format!("terminating instance {instance}")),
-                "{point}: released with the half-made environment\n{cleanups}"
-            );
-            assert!(
-                got != instance && !taken.contains(&got) && !got.is_empty(),
-                "{point}: ran on {got}\n{}",
-                r.log()
-            );
-        }
-        assert!(!taken.contains(&instance), "{point}: handed out twice");
-        taken.push(instance.clone());
-        // Released at the job's end (no trigger): that instance is gone.
-        assert!(
-            instances(&env)
-                .iter()
-                .filter(|i| i.instance_id() == Some(instance.as_str()))
-                .all(|i| !is_live(i)),
-            "{point}: released"
-        );
+        after_kill(&env, &r, point, &instance, &got, &mut taken);
         let t = warm_now(&rig);
         warm = live_warm(&env);
         assert_eq!(warm.len(), 1, "{point}: refilled: {t}");
@@ -209,39 +176,8 @@ fn a_kill_while_a_new_volume_mode_environment_takes_a_warm_instance_leaks_nothin
         assert_result(&r, JobResult::Success);
         arm(&mut rig, None, false);
         let got = ran_on.unwrap_or_default();
-        let cleanups: String = r
-            .calls
-            .iter()
-            .filter(|c| c.name.starts_with("cleanup"))
-            .map(|c| format!("{}:\n{}", c.name, c.output))
-            .collect();
-        if point == "warm:taken" {
-            // Not yet the environment's: the retry finishes the hand-over.
-            assert_eq!(got, instance, "{point}: the same hand-over\n{}", r.log());
-        } else {
-            // It named the environment: the cleanup of the killed attempt
-            // terminated it with the half-made environment (and its volume);
-            // the retry found no warm instance ready and launched.
-            assert!(
-                cleanups.contains(&format!("terminating instance {instance}")),
-                "{point}: released with the half-made environment\n{cleanups}"
-            );
-            assert!(
-                got != instance && !taken.contains(&got) && !got.is_empty(),
-                "{point}: ran on {got:?}\n{}",
-                r.log()
-            );
-        }
-        assert!(!taken.contains(&instance), "{point}: handed out twice");
-        taken.push(instance.clone());
-        // Released at the job's end (no trigger): its instance and its volume are gone.
-        assert!(
-            instances(&env)
-                .iter()
-                .filter(|i| i.instance_id() == Some(instance.as_str()))
-                .all(|i| !is_live(i)),
-            "{point}: released"
-        );
+        let cleanups = after_kill(&env, &r, point, &instance, &got, &mut taken);
+        // Its volume is gone too.
         let vols = live_volumes(&env);
         assert!(
             vols.is_empty(),
@@ -279,4 +215,53 @@ fn a_kill_while_a_new_volume_mode_environment_takes_a_warm_instance_leaks_nothin
         "no instance left"
     );
     assert!(live_volumes(&env).is_empty(), "no volume left");
+}
+
+/// What a prepare killed at `point` while taking warm instance `instance`
+/// leaves once the runner's retry ran the job on `got`: at `warm:taken`
+/// (not yet the environment's) the retry finished the same hand-over; at
+/// any later point the instance already named the environment, so the
+/// runner's cleanup of the killed attempt terminated it with the half-made
+/// environment, and the retry ran elsewhere. Never handed out twice
+/// (`taken` gains it); released at the job's end. Returns the cleanups' output.
+fn after_kill(
+    env: &Ec2Env,
+    r: &JobReport,
+    point: &str,
+    instance: &str,
+    got: &str,
+    taken: &mut Vec<String>,
+) -> String {
+    let cleanups: String = r
+        .calls
+        .iter()
+        .filter(|c| c.name.starts_with("cleanup"))
+        .map(|c| format!("{}:\n{}", c.name, c.output))
+        .collect();
+    if point == "warm:taken" {
+        assert_eq!(got, instance, "{point}: the same hand-over\n{}", r.log());
+    } else {
+        assert!(
+            cleanups.contains(&format!("terminating instance {instance}")),
+            "{point}: released with the half-made environment\n{cleanups}"
+        );
+        assert!(
+            got != instance && !taken.iter().any(|t| t == got) && !got.is_empty(),
+            "{point}: ran on {got:?}\n{}",
+            r.log()
+        );
+    }
+    assert!(
+        !taken.iter().any(|t| t == instance),
+        "{point}: handed out twice"
+    );
+    taken.push(instance.to_string());
+    assert!(
+        instances(env)
+            .iter()
+            .filter(|i| i.instance_id() == Some(instance))
+            .all(|i| !is_live(i)),
+        "{point}: released"
+    );
+    cleanups
 }

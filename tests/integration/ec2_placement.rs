@@ -35,20 +35,7 @@ const NO_SUSPEND: &str = "[suspend]\nenabled = false\n";
 
 /// moto's default subnets, (id, zone), by zone.
 async fn subnets_by_zone(rig: &Ec2) -> Vec<(String, String)> {
-    let out = rig.direct.describe_subnets().send().await.unwrap();
-    let mut v: Vec<(String, String)> = out
-        .subnets()
-        .iter()
-        .filter(|s| s.default_for_az() == Some(true))
-        .map(|s| {
-            (
-                s.subnet_id().unwrap().to_string(),
-                s.availability_zone().unwrap().to_string(),
-            )
-        })
-        .collect();
-    v.sort_by(|a, b| a.1.cmp(&b.1));
-    v
+    crate::moto::default_subnets_by_zone(&rig.direct).await
 }
 
 /// The RunInstances calls the proxy saw: (instance type, subnet, market).

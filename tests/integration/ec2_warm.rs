@@ -417,19 +417,7 @@ impl WarmMachines for AnyFit<'_> {
 async fn a_warm_instance_per_zone_and_a_volume_takes_the_one_in_its_zone() {
     let env = tokio::task::spawn_blocking(Ec2Env::start).await.unwrap();
     let direct = direct_client(&env.moto.url());
-    let out = direct.describe_subnets().send().await.unwrap();
-    let mut zones: Vec<(String, String)> = out
-        .subnets()
-        .iter()
-        .filter(|s| s.default_for_az() == Some(true))
-        .map(|s| {
-            (
-                s.subnet_id().unwrap().to_string(),
-                s.availability_zone().unwrap().to_string(),
-            )
-        })
-        .collect();
-    zones.sort_by(|a, b| a.1.cmp(&b.1));
+    let zones = crate::moto::default_subnets_by_zone(&direct).await;
     let ((sa, za), (sb, zb)) = (zones[0].clone(), zones[1].clone());
     let dir = tempfile::tempdir().unwrap();
     let text = format!(
@@ -606,25 +594,9 @@ fn a_volume_mode_resume_takes_the_warm_instance_and_attaches_its_volume_to_it() 
 
 /// Two default subnets of moto's region in two zones, by zone: `(subnet, zone)`.
 fn two_zones(env: &Ec2Env) -> ((String, String), (String, String)) {
-    let out = block_on(async {
-        direct_client(&env.moto.url())
-            .describe_subnets()
-            .send()
-            .await
-            .unwrap()
-    });
-    let mut zones: Vec<(String, String)> = out
-        .subnets()
-        .iter()
-        .filter(|s| s.default_for_az() == Some(true))
-        .map(|s| {
-            (
-                s.subnet_id().unwrap().to_string(),
-                s.availability_zone().unwrap().to_string(),
-            )
-        })
-        .collect();
-    zones.sort_by(|a, b| a.1.cmp(&b.1));
+    let zones = block_on(crate::moto::default_subnets_by_zone(&direct_client(
+        &env.moto.url(),
+    )));
     assert!(zones.len() >= 2, "two zones: {zones:?}");
     (zones[0].clone(), zones[1].clone())
 }

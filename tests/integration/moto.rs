@@ -909,6 +909,24 @@ pub fn direct_client(url: &str) -> aws_sdk_ec2::Client {
     aws_sdk_ec2::Client::from_conf(conf)
 }
 
+/// moto's default subnets, `(id, zone)`, sorted by zone (one per zone).
+pub async fn default_subnets_by_zone(client: &aws_sdk_ec2::Client) -> Vec<(String, String)> {
+    let out = client.describe_subnets().send().await.unwrap();
+    let mut v: Vec<(String, String)> = out
+        .subnets()
+        .iter()
+        .filter(|s| s.default_for_az() == Some(true))
+        .map(|s| {
+            (
+                s.subnet_id().unwrap().to_string(),
+                s.availability_zone().unwrap().to_string(),
+            )
+        })
+        .collect();
+    v.sort_by(|a, b| a.1.cmp(&b.1));
+    v
+}
+
 /// The lowest-numbered default subnet of moto's default VPC.
 pub async fn default_subnet(client: &aws_sdk_ec2::Client) -> String {
     let subnets = client.describe_subnets().send().await.unwrap();
