@@ -73,7 +73,7 @@ pub async fn sweep(
         events: &events,
     };
     let ctx = Ctx::new(log.clone(), cancel, OPERATOR_BUDGET);
-    let report = sweep::sweep(w, &settings.suspend, sweep::Scope::Full, &ctx).await?;
+    let mut report = sweep::sweep(w, &settings.suspend, sweep::Scope::Full, &ctx).await?;
     for path in &report.removed {
         log.info(format!(
             "removed {} (left by a killed process)",
@@ -103,6 +103,17 @@ pub async fn sweep(
             Ok(r) => super::warm::print(&log, &r),
             Err(e) => log.warn(format!("warm pool: {e:#}")),
         }
+    }
+    // After the pool's retirements, which may leave a pin unused.
+    match provider.tidy(&ctx).await {
+        Ok(removed) => {
+            for path in removed {
+                log.info(format!("removed {} (no machine uses it)", path.display()));
+            }
+        }
+        Err(e) => report
+            .errors
+            .push(e.context(format!("tidying the {} provider's files", provider.name()))),
     }
     // Machines the provider manages that no record knows: a lost state dir.
     // The records are read after the listing: an environment's record is

@@ -141,6 +141,13 @@ pub trait Provider: Send + Sync {
             .map(|m| m.machine))
     }
 
+    /// Files of the provider's that no machine uses any more (qemu: pinned
+    /// base images), removed by `dormant sweep`; returns what it removed.
+    /// Default: none.
+    async fn tidy(&self, _ctx: &Ctx) -> Result<Vec<std::path::PathBuf>> {
+        Ok(Vec::new())
+    }
+
     /// After a new machine-mode environment's first connection pinned its
     /// machine's host key (`known_hosts`: the environment's known_hosts
     /// file): keep it with the machine, where a replacement runner-manager

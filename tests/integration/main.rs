@@ -59,6 +59,7 @@ mod moto;
 mod moto_refusals;
 mod notify;
 mod qemu;
+mod qemu_pins;
 mod qemu_reattach;
 #[cfg(feature = "testing")]
 mod qemu_volume;

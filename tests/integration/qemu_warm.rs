@@ -136,8 +136,10 @@ impl Drop for NoPoolLeft {
 fn a_new_job_takes_the_warm_vm_booted_before_it_and_the_pool_is_refilled() {
     let _one = one_vm();
     let dir = tempfile::tempdir().unwrap();
-    // The base image: an overlay of the test image, so that "a new image"
-    // is a file replaced at the same path, as an operator's rebuild does.
+    // The base image: an overlay of the test image (cheap to make), so that
+    // "a new image" is a new file at the same path. Environments are made on
+    // a pinned copy of it (`pins.rs`, tests/integration/qemu_pins.rs), so
+    // replacing it changes only what new VMs are made from.
     let base = dir.path().join("base.qcow2");
     let make_base = || {
         let _ = std::fs::remove_file(&base);

@@ -12,11 +12,13 @@
 //! the clock after a restore), `capacity` (`max_environments`), `power`
 //! (boot, restore), `power_off` (power-off, hibernate, quit), `volume`
 //! (volume mode's data disk), `hotplug` (plugging that disk into a running
-//! VM), `warm` (VMs booted ahead of jobs).
+//! VM), `warm` (VMs booted ahead of jobs), `pins` (the read-only copies of
+//! base images every overlay is made on, so an image file can be replaced).
 
 pub mod capacity;
 pub mod guest;
 pub mod hotplug;
+pub mod pins;
 pub mod power;
 pub mod power_off;
 pub mod process;
@@ -131,8 +133,15 @@ impl QemuProvider {
             .with(field::IMAGE, image)
     }
 
-    /// The seed and the disk of a new VM (kept if an earlier attempt made them).
-    fn make_files(&self, spec: &MachineSpec, image: &BootImage, vm: &VmDir) -> Result<()> {
+    /// The seed and the disk of a new VM (kept if an earlier attempt made
+    /// them); returns the image it boots: `image` pinned (`pins.rs`).
+    async fn make_files(
+        &self,
+        spec: &MachineSpec,
+        image: &BootImage,
+        vm: &VmDir,
+        ctx: &Ctx,
+    ) -> Result<BootImage> {
         vm.ensure()?;
         // The same in both storage modes: the guest's mount command, run
         // once dormant has connected, formats and mounts a data disk.
@@ -142,15 +151,20 @@ impl QemuProvider {
             &self.settings.ssh_user,
         )?;
         tools::create_seed(vm, &user_data, &vm::meta_data(spec.env_id))?;
+        let pinned = self.pins().for_new_vm(vm, image, ctx).await?;
         if !vm.overlay().exists() {
             tools::create_overlay(
                 &self.settings.qemu_img,
-                image.disk(),
+                pinned.disk(),
                 self.settings.disk_size.as_deref(),
                 vm,
             )?;
         }
-        Ok(())
+        Ok(pinned)
+    }
+
+    pub fn pins(&self) -> pins::Pins {
+        pins::Pins::new(self.store.root())
     }
 
     async fn create(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine> {
@@ -169,7 +183,7 @@ impl QemuProvider {
             self.wait_ready(&vm, pid, launch.port, ctx).await?;
             return Ok(self.machine(spec.env_id, launch.port, &image_name));
         }
-        self.make_files(spec, &image, &vm)?;
+        let image = self.make_files(spec, &image, &vm, ctx).await?;
         let (pid, port) = power::boot(self, &vm, &image, None, ctx).await?;
         self.wait_ready(&vm, pid, port, ctx).await?;
         Ok(self.machine(spec.env_id, port, &image_name))
@@ -246,7 +260,16 @@ impl Provider for QemuProvider {
             .into());
         }
         let image_name = machine.field(field::IMAGE).unwrap_or("default").to_string();
-        let image = self.image_named(Some(&image_name))?;
+        let configured = || self.image_named(Some(&image_name));
+        // The pins the VM was made on, whatever the settings' file holds now
+        // (a running QEMU being adopted needs no image).
+        let image = if process::find(&vm).is_some() {
+            configured()?
+        } else {
+            self.pins()
+                .for_existing_vm(&self.settings.qemu_img, &vm, configured, ctx)
+                .await?
+        };
         // A restored guest's clock is set by the transport right after its
         // login (`guest::clock_from_rtc`, in `target`): no second connection.
         let (pid, port, _restored) = power::resume(self, &vm, &image, ctx).await?;
@@ -327,6 +350,10 @@ impl Provider for QemuProvider {
 
     fn key_fields(&self, _machine: &Machine) -> Vec<(String, String)> {
         Vec::new()
+    }
+
+    async fn tidy(&self, ctx: &Ctx) -> Result<Vec<std::path::PathBuf>> {
+        self.pins().tidy(ctx).await
     }
 }
 

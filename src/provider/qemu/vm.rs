@@ -2,7 +2,8 @@
 //!
 //! | file | what |
 //! | --- | --- |
-//! | `overlay.qcow2` | the VM's disk: copy-on-write on the read-only base image |
+//! | `overlay.qcow2` | the VM's disk: copy-on-write on the pinned copy of its base image (`pins.rs`) |
+//! | `image.json` | the pinned files it was made from (`pins.rs`) |
 //! | `seed.iso` | NoCloud seed (volume label `cidata`): `user-data`, `meta-data` |
 //! | `launch.json` | the exact QEMU command line of the running or hibernated VM |
 //! | `qmp.sock` | QMP control socket (0600) |

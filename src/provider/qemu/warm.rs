@@ -124,6 +124,8 @@ impl WarmMachines for QemuProvider {
             &self.settings.ssh_user,
         )?;
         tools::create_seed(&vm, &user_data, &super::vm::meta_data(warm.id))?;
+        // Pinned like any VM's: a hand-over moves `image.json` with the VM.
+        let image = self.pins().for_new_vm(&vm, &image, ctx).await?;
         if !vm.overlay().exists() {
             tools::create_overlay(
                 &self.settings.qemu_img,
