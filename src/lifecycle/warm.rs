@@ -77,14 +77,21 @@ pub async fn take_for(
 ) -> Result<Option<Taken>> {
     let pool = Pool::new(w.store);
     // A hand-over to this environment that a killed attempt began.
+    let taken_for_env = WarmStatus::Taken { env: env.id };
     for (id, entry) in pool.entries()? {
         let Ok(Some(entry)) = entry else { continue };
-        if entry.status == (WarmStatus::Taken { env: env.id }) {
-            if let Some(lock) = pool.try_lock(id)? {
-                if let Some(t) = finish(w, warm, &pool, lock, entry, env, ctx).await? {
-                    return Ok(Some(t));
-                }
-            }
+        if entry.status != taken_for_env {
+            continue;
+        }
+        let Some(lock) = pool.try_lock(id)? else {
+            continue;
+        };
+        // Read again under the lock: a refill may have retired it since.
+        let Some(entry) = pool.peek(id)?.filter(|e| e.status == taken_for_env) else {
+            continue;
+        };
+        if let Some(t) = finish(w, warm, &pool, lock, entry, env, ctx).await? {
+            return Ok(Some(t));
         }
     }
     let fits = match purpose {
