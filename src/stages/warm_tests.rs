@@ -709,3 +709,46 @@ async fn machines_that_cannot_be_counted_are_an_error_not_a_skip() {
         "{r:?}"
     );
 }
+
+/// Machine mode: a prepare that took a warm machine, finished the
+/// hand-over (the entry gone) and was killed before recording it, whose
+/// cleanup died too, is retried: the retry finds the machine the provider
+/// already has for the environment and takes no second one (the caller's
+/// create adopts the first). A second would be left out of the record.
+#[tokio::test]
+async fn a_retried_new_environment_that_already_has_its_warm_machine_takes_no_second_one() {
+    let rig = Rig::new();
+    let warm = FakeWarm {
+        cloud: Some(rig.provider.cloud.clone()),
+        ..FakeWarm::new(2)
+    };
+    rig.refill(&warm, true).await;
+    let env = rig.env();
+    let first = take(rig.w(), &warm, &spec(&env), &env, &ctx())
+        .await
+        .unwrap()
+        .expect("the first attempt takes one");
+    let before = rig.entries();
+    assert_eq!(before.len(), 1);
+    // The retry of the same prepare (same environment id).
+    let again = take(rig.w(), &warm, &spec(&env), &env, &ctx())
+        .await
+        .unwrap();
+    assert!(
+        again.is_none(),
+        "a second warm machine taken for environment {}",
+        env.id
+    );
+    assert_eq!(rig.entries(), before, "the other stays in the pool");
+    assert_eq!(warm.state(before[0].id).as_deref(), Some("running"));
+    use crate::provider::Provider;
+    assert_eq!(
+        rig.provider
+            .find(env.id, &ctx())
+            .await
+            .unwrap()
+            .map(|m| m.id),
+        Some(first.machine.id),
+        "what the retry's create adopts"
+    );
+}
