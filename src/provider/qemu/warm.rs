@@ -341,8 +341,28 @@ mod tests {
             Duration::from_secs(30),
         );
         assert!(!p.handed_over(&wp, &env, &ctx).await.unwrap());
+        // The environment's record, as its prepare made it (no machine yet).
+        crate::state::testing::place(
+            &store,
+            env.id,
+            crate::state::EnvStatus::Creating,
+            None,
+            0,
+            None,
+        )
+        .unwrap();
+        use crate::provider::Provider;
+        assert_eq!(p.find(env.id, &ctx).await.unwrap(), None, "no VM yet");
         let warm_machine = p.machine(wp.id, 2222, "default");
         let m = p.hand_over(&wp, &warm_machine, &env, &ctx).await.unwrap();
+        // What a retried prepare asks before taking a warm VM (the killed
+        // attempt never recorded this one): found, so none is taken and
+        // create adopts this running QEMU (`process::find`, below).
+        assert_eq!(
+            p.find(env.id, &ctx).await.unwrap().map(|f| f.id),
+            Some(m.id.clone()),
+            "a retried prepare finds the handed-over VM"
+        );
         assert_eq!(m.field(field::ENV), Some(env.id.to_string().as_str()));
         assert_eq!(m.field(field::PORT), Some("2222"));
         assert!(p.handed_over(&wp, &env, &ctx).await.unwrap());
