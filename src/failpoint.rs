@@ -6,35 +6,48 @@
 //! Armed by two variables in dormant's own environment (read once at start):
 //! `DORMANT_FAILPOINT=<name>` and, optionally, `DORMANT_FAILPOINT_ONCE=<file>`:
 //! fire only if that file does not exist yet, creating it — so the runner's
-//! retry of the same stage gets past the point.
+//! retry of the same stage gets past the point. `<name>` may list several
+//! points, comma-separated, for a scenario in which two processes die (a
+//! prepare, then the runner's cleanup after it); with a once-file each fires
+//! once, the first listed making `<file>`, the n-th `<file>.<n>`.
 
 #[cfg(feature = "testing")]
 mod armed {
+    use std::path::PathBuf;
     use std::sync::OnceLock;
 
-    static ARMED: OnceLock<Option<(String, Option<std::path::PathBuf>)>> = OnceLock::new();
+    static ARMED: OnceLock<Vec<(String, Option<PathBuf>)>> = OnceLock::new();
 
-    pub fn init(name: Option<&str>, once: Option<&str>) {
-        let _ = ARMED.set(
-            name.filter(|n| !n.is_empty())
-                .map(|n| (n.to_string(), once.map(std::path::PathBuf::from))),
-        );
+    pub fn init(names: Option<&str>, once: Option<&str>) {
+        let names = names.unwrap_or("").split(',').map(str::trim);
+        let armed = names
+            .filter(|n| !n.is_empty())
+            .enumerate()
+            .map(|(i, n)| {
+                let marker = once.map(|f| match i {
+                    0 => PathBuf::from(f),
+                    _ => PathBuf::from(format!("{f}.{}", i + 1)),
+                });
+                (n.to_string(), marker)
+            })
+            .collect();
+        let _ = ARMED.set(armed);
     }
 
-    /// Whether `name` is the armed failpoint (its once-marker not yet made):
+    fn find(name: &str) -> Option<&'static (String, Option<PathBuf>)> {
+        ARMED.get()?.iter().find(|(armed, _)| armed == name)
+    }
+
+    /// Whether `name` is an armed failpoint (its once-marker not yet made):
     /// for a step that must be split to be killed half-way (a torn write).
     pub fn armed(name: &str) -> bool {
-        matches!(ARMED.get(), Some(Some((armed, once))) if armed == name
-            && once.as_ref().is_none_or(|m| !m.exists()))
+        find(name).is_some_and(|(_, once)| once.as_ref().is_none_or(|m| !m.exists()))
     }
 
     pub fn hit(name: &str) {
-        let Some(Some((armed, once))) = ARMED.get() else {
+        let Some((_, once)) = find(name) else {
             return;
         };
-        if armed != name {
-            return;
-        }
         if let Some(marker) = once {
             let created = std::fs::OpenOptions::new()
                 .write(true)

@@ -53,7 +53,10 @@ pub async fn take(
 /// What a machine is taken for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum For {
-    /// A new environment's first machine.
+    /// A new environment's first machine. As for [`For::NewBeforeVolume`],
+    /// a machine of the environment that a killed attempt of the same
+    /// prepare already has is kept: none is taken, and the caller's
+    /// `create_or_reclaim` adopts that one.
     New,
     /// A volume-mode resume's new machine (its volume exists).
     Resume,
@@ -77,14 +80,21 @@ pub async fn take_for(
 ) -> Result<Option<Taken>> {
     let pool = Pool::new(w.store);
     // A hand-over to this environment that a killed attempt began.
+    let taken_for_env = WarmStatus::Taken { env: env.id };
     for (id, entry) in pool.entries()? {
         let Ok(Some(entry)) = entry else { continue };
-        if entry.status == (WarmStatus::Taken { env: env.id }) {
-            if let Some(lock) = pool.try_lock(id)? {
-                if let Some(t) = finish(w, warm, &pool, lock, entry, env, ctx).await? {
-                    return Ok(Some(t));
-                }
-            }
+        if entry.status != taken_for_env {
+            continue;
+        }
+        let Some(lock) = pool.try_lock(id)? else {
+            continue;
+        };
+        // Read again under the lock: a refill may have retired it since.
+        let Some(entry) = pool.peek(id)?.filter(|e| e.status == taken_for_env) else {
+            continue;
+        };
+        if let Some(t) = finish(w, warm, &pool, lock, entry, env, ctx).await? {
+            return Ok(Some(t));
         }
     }
     let fits = match purpose {
@@ -118,9 +128,14 @@ pub async fn take_for(
         .collect();
     // The oldest first: it is the next to be retired otherwise.
     ready.sort_by_key(|e| e.launched_at);
-    if purpose == For::NewBeforeVolume && !ready.is_empty() {
-        // Asked only when there is one to take (no call otherwise): a
-        // second machine for this environment would be left out of its record.
+    if purpose != For::Resume && !ready.is_empty() {
+        // A new environment whose earlier attempt already has a machine (it
+        // took a warm one, finished the hand-over and was killed before
+        // recording it, and the runner's cleanup died too): that machine
+        // is adopted by the caller's create, found by its tags or
+        // directory. A second one would be left out of the record (EC2:
+        // leaked; qemu: its move onto the first's directory fails on every
+        // retry). Asked only when there is one to take (no call otherwise).
         if let Some(m) = w.provider.find(env.id, ctx).await.with_context(|| {
             format!(
                 "looking for a machine an earlier attempt made for environment {}",

@@ -31,6 +31,12 @@ pub struct RefillReport {
 /// Retires what must go, and (with `launch`) boots warm machines until each
 /// zone has `wanted` ready or booting. One at a time per state dir
 /// (`warm/refill.lock`): a second caller returns at once, saying so.
+///
+/// Each entry is decided on what it says when read under its own lock (a
+/// prepare may take one, or a retirement finish, between the listing and
+/// the lock). One entry that cannot be read or retired is reported in
+/// `errors` and the rest of the pool is still served: the caller fails at
+/// the end (`dormant warm` and `sweep` exit non-zero), never half-way.
 pub async fn refill(
     w: World<'_>,
     warm: &dyn WarmMachines,
@@ -46,73 +52,27 @@ pub async fn refill(
         return Ok(report);
     };
     for stray in pool.stray_staging() {
-        w.store.delete_dir(&stray)?;
+        if let Err(e) = w.store.delete_dir(&stray) {
+            report.errors.push(format!(
+                "removing {} (a killed launch's staging dir, nothing booted from it): {e:#}",
+                stray.display()
+            ));
+        }
     }
     let kind = warm.kind();
     let now = now_unix();
     let max_age = warm.max_age().as_secs();
     let mut kept: Vec<WarmEntry> = Vec::new();
-    for (id, entry) in pool.entries()? {
-        let entry = match entry {
-            Ok(Some(e)) => e,
-            Ok(None) => continue,
-            Err(e) => {
-                report.errors.push(format!("{e:#}"));
-                continue;
-            }
-        };
-        let Some(lock) = pool.try_lock(id)? else {
-            // Its launcher, or a prepare taking it: theirs to finish.
-            if matches!(entry.status, WarmStatus::Launching | WarmStatus::Ready) {
-                kept.push(entry);
-            }
-            continue;
-        };
-        let wp = pool.paths(id);
-        let why = match &entry.status {
-            WarmStatus::Launching => Some("its launch was killed".to_string()),
-            WarmStatus::Retiring { why } => Some(why.clone()),
-            WarmStatus::Taken { env } => {
-                let env_paths = w.store.env_paths(*env);
-                if warm.handed_over(&wp, &env_paths, ctx).await? {
-                    // The machine is the environment's now: only the entry goes.
-                    pool.remove(w.store, lock, id)?;
-                    continue;
-                }
-                Some(format!(
-                    "the prepare taking it for environment {env} died before the hand-over"
-                ))
-            }
-            WarmStatus::Ready => {
-                let machine = entry.machine.clone();
-                match &kind {
-                    Err(e) => Some(format!("warm machines cannot be made now: {e:#}")),
-                    Ok(k) if k.fingerprint != entry.fingerprint => Some(format!(
-                        "made from settings that changed (was {}, now {})",
-                        entry.made_from, k.made_from
-                    )),
-                    Ok(_) if entry.age_secs(now) >= max_age => Some(format!(
-                        "older than warm_max_age ({} s)",
-                        entry.age_secs(now)
-                    )),
-                    Ok(_) => match machine {
-                        None => Some("ready without a machine".into()),
-                        Some(m) if !warm.alive(&wp, &m, ctx).await => {
-                            Some("it stopped running while it waited".into())
-                        }
-                        Some(_) => None,
-                    },
-                }
-            }
-        };
-        match why {
-            Some(why) => match retire(w, warm, &pool, lock, entry, &why, ctx).await {
-                Ok(()) => report.retired.push((id, why)),
-                Err(e) => report
-                    .errors
-                    .push(format!("retiring warm machine {id}: {e:#}")),
-            },
-            None => kept.push(entry),
+    for id in pool.ids()? {
+        match visit(w, warm, &pool, id, &kind, now, max_age, ctx).await {
+            Ok(Visit::Counts(entry)) => kept.push(entry),
+            Ok(Visit::Retired(why)) => report.retired.push((id, why)),
+            Ok(Visit::Other) => {}
+            Err(e) => report.errors.push(format!(
+                "warm machine {id}: {e:#} (the rest of the pool is served; fix or remove {} by hand if this \
+                 repeats)",
+                pool.paths(id).dir.display()
+            )),
         }
     }
     // More than wanted (warm lowered, or 0): the newest go first.
@@ -131,15 +91,14 @@ pub async fn refill(
         match slot {
             Some((_, n)) if *n < wanted => *n += 1,
             _ if entry.status == WarmStatus::Ready => {
-                if let Some(lock) = pool.try_lock(entry.id)? {
-                    let why = format!("not wanted: warm = {wanted}");
-                    let id = entry.id;
-                    match retire(w, warm, &pool, lock, entry, &why, ctx).await {
-                        Ok(()) => report.retired.push((id, why)),
-                        Err(e) => report
-                            .errors
-                            .push(format!("retiring warm machine {id}: {e:#}")),
-                    }
+                let id = entry.id;
+                let why = format!("not wanted: warm = {wanted}");
+                match retire_if_ready(w, warm, &pool, id, &why, ctx).await {
+                    Ok(true) => report.retired.push((id, why)),
+                    Ok(false) => {}
+                    Err(e) => report
+                        .errors
+                        .push(format!("retiring warm machine {id}: {e:#}")),
                 }
             }
             _ => {}
@@ -158,20 +117,137 @@ pub async fn refill(
     };
     for (zone, have) in per_zone {
         for _ in have..wanted {
-            if let Some(why) = warm.no_room(ctx).await {
-                report.skipped = Some(why);
-                return Ok(report);
-            }
-            match launch_one(w, warm, open, &pool, &kind, zone.clone(), ctx).await {
-                Ok(id) => report.launched.push(id),
+            match warm.no_room(ctx).await {
+                Ok(None) => {}
+                Ok(Some(why)) => {
+                    report.skipped = Some(why);
+                    return Ok(report);
+                }
+                // Not knowing whether there is room is an error, not a
+                // reason to skip: the operator must hear of it.
                 Err(e) => {
                     report.errors.push(format!("{e:#}"));
                     return Ok(report);
                 }
             }
+            match launch_one(w, warm, open, &pool, &kind, zone.clone(), ctx).await {
+                Ok(id) => report.launched.push(id),
+                Err(e) => {
+                    // This zone waits for the next refill; the others are served.
+                    report.errors.push(format!("{e:#}"));
+                    break;
+                }
+            }
         }
     }
     Ok(report)
+}
+
+/// What one entry of the pool is to this refill.
+enum Visit {
+    /// Ready or booting: counts toward `wanted`.
+    Counts(WarmEntry),
+    /// Retired now, for this reason.
+    Retired(String),
+    /// Gone, handed over, or on its way out under someone else's lock.
+    Other,
+}
+
+/// Decides one entry on what it says under its lock, and retires it if it
+/// must go.
+#[allow(clippy::too_many_arguments)]
+async fn visit(
+    w: World<'_>,
+    warm: &dyn WarmMachines,
+    pool: &Pool,
+    id: uuid::Uuid,
+    kind: &Result<crate::provider::warm::WarmKind>,
+    now: u64,
+    max_age: u64,
+    ctx: &Ctx,
+) -> Result<Visit> {
+    let Some(lock) = pool.try_lock(id)? else {
+        // Held by someone else. Its launcher (`launching`) will make it
+        // ready: it counts. A `ready` one is held only by a prepare taking
+        // it or a retirement (qemu's `yield_slot`): it will not stay in the
+        // pool, so it does not count, and a replacement is booted now.
+        return Ok(match pool.peek(id)? {
+            Some(e) if e.status == WarmStatus::Launching => Visit::Counts(e),
+            _ => Visit::Other,
+        });
+    };
+    // Read again under the lock: the listing may be stale.
+    let Some(entry) = pool.peek(id)? else {
+        return Ok(Visit::Other); // removed meanwhile
+    };
+    let wp = pool.paths(id);
+    let why = match &entry.status {
+        WarmStatus::Launching => Some("its launch was killed".to_string()),
+        WarmStatus::Retiring { why } => Some(why.clone()),
+        WarmStatus::Taken { env } => {
+            let env_paths = w.store.env_paths(*env);
+            if warm.handed_over(&wp, &env_paths, ctx).await? {
+                // The machine is the environment's now: only the entry goes.
+                pool.remove(w.store, lock, id)?;
+                return Ok(Visit::Other);
+            }
+            Some(format!(
+                "the prepare taking it for environment {env} died before the hand-over"
+            ))
+        }
+        WarmStatus::Ready => {
+            let machine = entry.machine.clone();
+            match kind {
+                Err(e) => Some(format!("warm machines cannot be made now: {e:#}")),
+                Ok(k) if k.fingerprint != entry.fingerprint => Some(format!(
+                    "made from settings that changed (was {}, now {})",
+                    entry.made_from, k.made_from
+                )),
+                Ok(_) if entry.age_secs(now) >= max_age => Some(format!(
+                    "older than warm_max_age ({} s)",
+                    entry.age_secs(now)
+                )),
+                Ok(_) => match machine {
+                    None => Some("ready without a machine".into()),
+                    Some(m) if !warm.alive(&wp, &m, ctx).await => {
+                        Some("it stopped running while it waited".into())
+                    }
+                    Some(_) => None,
+                },
+            }
+        }
+    };
+    match why {
+        Some(why) => {
+            retire(w, warm, pool, lock, entry, &why, ctx)
+                .await
+                .context("retiring it")?;
+            Ok(Visit::Retired(why))
+        }
+        None => Ok(Visit::Counts(entry)),
+    }
+}
+
+/// Retires entry `id` if, read under its lock, it is still `ready` (a
+/// prepare may have taken it since it was counted). `false`: left alone.
+async fn retire_if_ready(
+    w: World<'_>,
+    warm: &dyn WarmMachines,
+    pool: &Pool,
+    id: uuid::Uuid,
+    why: &str,
+    ctx: &Ctx,
+) -> Result<bool> {
+    let Some(lock) = pool.try_lock(id)? else {
+        return Ok(false);
+    };
+    match pool.peek(id)? {
+        Some(entry) if entry.status == WarmStatus::Ready => {
+            retire(w, warm, pool, lock, entry, why, ctx).await?;
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
 }
 
 /// Boots one warm machine: `launching` (with its lock held throughout), the
@@ -295,13 +371,18 @@ pub fn start_refill(store: &crate::state::StateStore) -> Result<u32> {
     cmd.arg("warm");
     let pool = Pool::new(store);
     crate::state::store::ensure_private_dir(pool.dir())?;
-    let log_path = pool.dir().join("refill.log");
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(true)
-        .open(&log_path)
-        .with_context(|| format!("opening {}", log_path.display()))?;
+    let mut log = refill_log(pool.dir())?;
+    {
+        use std::io::Write;
+        // Appended runs are told apart by this line (one write: whole).
+        let _ = log.write_all(
+            format!(
+                "--- dormant warm started by a prepare at {} (unix time)\n",
+                now_unix()
+            )
+            .as_bytes(),
+        );
+    }
     cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
     // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
     unsafe {
@@ -314,4 +395,98 @@ pub fn start_refill(store: &crate::state::StateStore) -> Result<u32> {
     }
     let child = cmd.spawn().context("starting `dormant warm`")?;
     Ok(child.id())
+}
+
+/// `refill.log` rotates to `refill.log.1` once it is this big.
+const REFILL_LOG_MAX: u64 = 1024 * 1024;
+
+/// Opens `warm/refill.log` for a detached refill's stderr: appended to, never
+/// truncated (a refill started earlier may still be writing it, and its
+/// errors are what an operator reads), created 0600 (it may name machines,
+/// paths and cloud errors). Once past [`REFILL_LOG_MAX`] it is renamed to
+/// `refill.log.1` (replacing the older one) and a new one started; a refill
+/// still writing the old file goes on writing it under its new name.
+pub fn refill_log(pool_dir: &std::path::Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let path = pool_dir.join("refill.log");
+    if std::fs::metadata(&path).is_ok_and(|m| m.len() > REFILL_LOG_MAX) {
+        match std::fs::rename(&path, pool_dir.join("refill.log.1")) {
+            // Another prepare rotated it first.
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("rotating {}", path.display()))
+            }
+            _ => {}
+        }
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    // One made by an older dormant (0644) is made private too.
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("making {} private", path.display()))?;
+    Ok(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    fn mode(path: &std::path::Path) -> u32 {
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    /// Every prepare that took a warm machine opens the log for the refill it
+    /// starts, while an earlier refill may still be writing it: what that one
+    /// wrote stays (appended to, never truncated), and the file is private.
+    #[test]
+    fn the_refill_log_is_appended_to_private_and_rotated_when_big() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("refill.log");
+        std::fs::write(&path, "an earlier refill's error\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        refill_log(dir.path())
+            .unwrap()
+            .write_all(b"the next refill\n")
+            .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "an earlier refill's error\nthe next refill\n"
+        );
+        assert_eq!(
+            mode(&path),
+            0o600,
+            "private, also when an older one made it"
+        );
+
+        let fresh = tempfile::tempdir().unwrap();
+        refill_log(fresh.path()).unwrap();
+        assert_eq!(
+            mode(&fresh.path().join("refill.log")),
+            0o600,
+            "made private"
+        );
+
+        // Past its size: kept as refill.log.1, and a new one started.
+        std::fs::File::options()
+            .append(true)
+            .open(&path)
+            .unwrap()
+            .set_len(REFILL_LOG_MAX + 1)
+            .unwrap();
+        refill_log(dir.path())
+            .unwrap()
+            .write_all(b"after rotation\n")
+            .unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "after rotation\n");
+        let old = dir.path().join("refill.log.1");
+        assert!(std::fs::read_to_string(&old)
+            .unwrap()
+            .starts_with("an earlier refill's error\n"));
+    }
 }

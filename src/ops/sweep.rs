@@ -90,6 +90,8 @@ pub async fn sweep(
     ));
     // Warm machines: too old, settings changed, dead, or not wanted (warm =
     // 0 removes them all). Booting is `dormant warm`'s, not the sweep's.
+    // Its errors are reported with the sweep's own, after the rest ran.
+    let mut warm_errors: Vec<String> = Vec::new();
     if let Some(pool) = provider.warm() {
         match crate::lifecycle::warm_refill::refill(
             w,
@@ -100,8 +102,14 @@ pub async fn sweep(
         )
         .await
         {
-            Ok(r) => super::warm::print(&log, &r),
-            Err(e) => log.warn(format!("warm pool: {e:#}")),
+            Ok(r) => {
+                super::warm::print(&log, &r);
+                warm_errors = r.errors;
+            }
+            Err(e) => {
+                log.warn(format!("warm pool: {e:#}"));
+                warm_errors.push(format!("{e:#}"));
+            }
         }
     }
     // After the pool's retirements, which may leave a pin unused.
@@ -211,9 +219,15 @@ pub async fn sweep(
             log.info(format!("{orphans} orphan data volume(s)"));
         }
     }
-    let count = report.errors.len();
+    let count = report.errors.len() + warm_errors.len();
     if let Some(first) = report.errors.into_iter().next() {
         return Err(first.context(format!("sweep finished with {count} error(s); the first")));
+    }
+    if let Some(first) = warm_errors.first() {
+        anyhow::bail!(
+            "sweep finished with {count} error(s), in the warm pool; the first: {first} \
+             (the rest of the sweep ran; `dormant warm` shows the pool's errors too)"
+        );
     }
     Ok(())
 }

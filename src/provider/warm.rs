@@ -63,9 +63,10 @@ pub trait WarmMachines: Send + Sync {
 
     /// Why no warm machine may be booted now (no free slot under the
     /// machine limit, leaving one for a job), or `None`. Async: a cloud's
-    /// count of machines is a call.
-    async fn no_room(&self, _ctx: &Ctx) -> Option<String> {
-        None
+    /// count of machines is a call. An error (the machines could not be
+    /// counted) is the refill's error, reported: never taken for "no room".
+    async fn no_room(&self, _ctx: &Ctx) -> Result<Option<String>> {
+        Ok(None)
     }
 
     /// Boots a warm machine in `warm`'s directory, for `ssh_public_key`, and

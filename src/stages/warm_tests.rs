@@ -22,6 +22,9 @@ use crate::state::pool::{Pool, WarmEntry, WarmPaths, WarmStatus};
 use crate::state::{FileLock, StateStore};
 use crate::transport::Transport;
 
+/// Called with the warm id each time a refill asks whether a machine is alive.
+type AliveHook = Box<dyn FnMut(uuid::Uuid) + Send>;
+
 /// Warm machines as names in a map: `running`, `handed to <env>`, `deleted`.
 #[derive(Clone, Default)]
 struct FakeWarm {
@@ -29,6 +32,17 @@ struct FakeWarm {
     fingerprint: Arc<Mutex<String>>,
     machines: Arc<Mutex<BTreeMap<String, String>>>,
     fail_launch: bool,
+    /// Run (once) when `alive` is first asked: what another process does
+    /// meanwhile.
+    on_alive: Arc<Mutex<Option<AliveHook>>>,
+    /// Warm ids whose retire fails, and whose `handed_over` cannot be answered.
+    fail_retire: Arc<Mutex<Vec<uuid::Uuid>>>,
+    fail_handed_over: Arc<Mutex<Vec<uuid::Uuid>>>,
+    /// The machines cannot be counted (`no_room` fails).
+    cannot_count: bool,
+    /// The provider's cloud: a hand-over makes the machine the
+    /// environment's there (its `find` sees it), as a real one does.
+    cloud: Option<Arc<Mutex<crate::stages::fakes::FakeCloud>>>,
 }
 
 impl FakeWarm {
@@ -90,6 +104,12 @@ impl WarmMachines for FakeWarm {
             .filter(|s| s == "running")
             .map(|_| Machine::new(warm.id.to_string())))
     }
+    async fn no_room(&self, _ctx: &Ctx) -> Result<Option<String>> {
+        if self.cannot_count {
+            anyhow::bail!("fake: not allowed to count the machines");
+        }
+        Ok(None)
+    }
     async fn hand_over(
         &self,
         warm: &WarmPaths,
@@ -98,12 +118,26 @@ impl WarmMachines for FakeWarm {
         _ctx: &Ctx,
     ) -> Result<Machine> {
         self.set(warm.id, &format!("handed to {}", env.id));
-        Ok(Machine::new(format!("dormant-{}", env.id)).with("warm", warm.id.to_string()))
+        let name = format!("dormant-{}", env.id);
+        if let Some(cloud) = &self.cloud {
+            cloud
+                .lock()
+                .unwrap()
+                .machines
+                .insert(name.clone(), crate::provider::MachineState::Running);
+        }
+        Ok(Machine::new(name).with("warm", warm.id.to_string()))
     }
     async fn handed_over(&self, warm: &WarmPaths, env: &EnvPaths, _ctx: &Ctx) -> Result<bool> {
+        if self.fail_handed_over.lock().unwrap().contains(&warm.id) {
+            anyhow::bail!("fake: cannot tell whether {} was handed over", warm.id);
+        }
         Ok(self.state(warm.id) == Some(format!("handed to {}", env.id)))
     }
     async fn retire(&self, warm: &WarmPaths, _m: Option<&Machine>, _ctx: &Ctx) -> Result<()> {
+        if self.fail_retire.lock().unwrap().contains(&warm.id) {
+            anyhow::bail!("fake: deleting {} failed", warm.id);
+        }
         assert!(
             !self
                 .state(warm.id)
@@ -115,6 +149,10 @@ impl WarmMachines for FakeWarm {
         Ok(())
     }
     async fn alive(&self, warm: &WarmPaths, _m: &Machine, _ctx: &Ctx) -> bool {
+        let hook = self.on_alive.lock().unwrap().take();
+        if let Some(mut hook) = hook {
+            hook(warm.id);
+        }
         self.state(warm.id).as_deref() == Some("running")
     }
 }
@@ -549,4 +587,168 @@ async fn a_new_volume_environment_that_already_has_a_machine_takes_no_second_one
         Some(format!("handed to {}", other.id))
     );
     assert!(rig.entries().is_empty());
+}
+
+/// The refill decides each entry on what it says under the entry's lock: a
+/// prepare that took a machine (and was killed after the hand-over) while
+/// the refill was busy with another entry leaves it `taken` and handed
+/// over, and the refill only forgets the entry. (Acting on what it had read
+/// before, `ready`, it would find the machine not running as a warm one and
+/// delete the environment's machine.)
+#[tokio::test]
+async fn a_refill_acts_on_what_an_entry_says_under_its_lock() {
+    let rig = Rig::new();
+    let warm = FakeWarm::new(2);
+    rig.refill(&warm, true).await;
+    let mut ids: Vec<uuid::Uuid> = rig.entries().iter().map(|e| e.id).collect();
+    ids.sort();
+    let (first, second) = (ids[0], ids[1]);
+    let env = rig.env();
+    // While the refill asks about the first, a prepare takes the second,
+    // hands it over and is killed (its entry left `taken`, lock free).
+    let (pool, w2) = (rig.pool(), warm.clone());
+    *warm.on_alive.lock().unwrap() = Some(Box::new(move |asked| {
+        assert_eq!(asked, first, "the refill visits the entries in id order");
+        mark_taken(&pool, second, env.id);
+        w2.set(second, &format!("handed to {}", env.id));
+    }));
+    let r = rig.refill(&warm, false).await;
+    assert!(r.retired.is_empty() && r.errors.is_empty(), "{r:?}");
+    assert_eq!(
+        warm.state(second),
+        Some(format!("handed to {}", env.id)),
+        "the environment keeps its machine"
+    );
+    let left: Vec<uuid::Uuid> = rig.entries().iter().map(|e| e.id).collect();
+    assert_eq!(left, vec![first], "the handed-over entry is forgotten");
+}
+
+/// A `ready` entry whose lock someone holds is being taken by a prepare (or
+/// retired): it will not stay in the pool, so it does not count, and the
+/// refill boots its replacement now rather than a refill later.
+#[tokio::test]
+async fn a_ready_machine_being_taken_does_not_count_toward_the_pool() {
+    let rig = Rig::new();
+    let warm = FakeWarm::new(2);
+    rig.refill(&warm, true).await;
+    let ids: Vec<uuid::Uuid> = rig.entries().iter().map(|e| e.id).collect();
+    let taking = rig.pool().try_lock(ids[0]).unwrap().unwrap();
+    let r = rig.refill(&warm, true).await;
+    assert_eq!(r.launched.len(), 1, "{r:?}");
+    assert_eq!(r.ready, 1, "{r:?}");
+    drop(taking);
+}
+
+/// One entry that cannot be dealt with (an unreadable warm.json, a
+/// hand-over whose state cannot be read, a retire that fails) is reported,
+/// and the rest of the pool is still served.
+#[tokio::test]
+async fn one_bad_entry_is_reported_and_the_rest_of_the_pool_is_served() {
+    let rig = Rig::new();
+    let warm = FakeWarm::new(1);
+    let pool = rig.pool();
+    // An entry whose warm.json is not JSON.
+    let (bad, _e, lock) = pool
+        .begin_launch("fake", "image-1", "image-1", None)
+        .unwrap();
+    drop(lock);
+    std::fs::write(&bad.entry, "{ not json").unwrap();
+    // A prepare killed mid hand-over, whose machine's state cannot be read now.
+    let (unknown, mut entry, lock) = pool
+        .begin_launch("fake", "image-1", "image-1", None)
+        .unwrap();
+    warm.set(unknown.id, "running");
+    entry.machine = Some(Machine::new(unknown.id.to_string()));
+    entry.status = WarmStatus::Taken {
+        env: uuid::Uuid::new_v4(),
+    };
+    pool.set(&lock, &entry).unwrap();
+    drop(lock);
+    warm.fail_handed_over.lock().unwrap().push(unknown.id);
+    // One being retired whose delete fails.
+    let (stuck, mut entry, lock) = pool
+        .begin_launch("fake", "image-1", "image-1", None)
+        .unwrap();
+    warm.set(stuck.id, "running");
+    entry.status = WarmStatus::Retiring {
+        why: "too old".into(),
+    };
+    pool.set(&lock, &entry).unwrap();
+    drop(lock);
+    warm.fail_retire.lock().unwrap().push(stuck.id);
+
+    let r = rig.refill(&warm, true).await;
+    assert_eq!(r.launched.len(), 1, "the pool is still served: {r:?}");
+    assert_eq!(r.errors.len(), 3, "{r:?}");
+    for id in [bad.id, unknown.id, stuck.id] {
+        assert!(
+            r.errors.iter().any(|e| e.contains(&id.to_string())),
+            "{id} named: {r:?}"
+        );
+    }
+    assert!(
+        r.errors.iter().any(|e| e.contains("warm.json")),
+        "the unreadable file named: {r:?}"
+    );
+    assert!(bad.entry.is_file(), "an unreadable entry is never deleted");
+}
+
+/// Not knowing whether there is room (the machines could not be counted)
+/// is an error the operator hears of, not a quiet "no room".
+#[tokio::test]
+async fn machines_that_cannot_be_counted_are_an_error_not_a_skip() {
+    let rig = Rig::new();
+    let warm = FakeWarm {
+        cannot_count: true,
+        ..FakeWarm::new(1)
+    };
+    let r = rig.refill(&warm, true).await;
+    assert!(r.launched.is_empty() && r.skipped.is_none(), "{r:?}");
+    assert!(
+        r.errors.iter().any(|e| e.contains("not allowed to count")),
+        "{r:?}"
+    );
+}
+
+/// Machine mode: a prepare that took a warm machine, finished the
+/// hand-over (the entry gone) and was killed before recording it, whose
+/// cleanup died too, is retried: the retry finds the machine the provider
+/// already has for the environment and takes no second one (the caller's
+/// create adopts the first). A second would be left out of the record.
+#[tokio::test]
+async fn a_retried_new_environment_that_already_has_its_warm_machine_takes_no_second_one() {
+    let rig = Rig::new();
+    let warm = FakeWarm {
+        cloud: Some(rig.provider.cloud.clone()),
+        ..FakeWarm::new(2)
+    };
+    rig.refill(&warm, true).await;
+    let env = rig.env();
+    let first = take(rig.w(), &warm, &spec(&env), &env, &ctx())
+        .await
+        .unwrap()
+        .expect("the first attempt takes one");
+    let before = rig.entries();
+    assert_eq!(before.len(), 1);
+    // The retry of the same prepare (same environment id).
+    let again = take(rig.w(), &warm, &spec(&env), &env, &ctx())
+        .await
+        .unwrap();
+    assert!(
+        again.is_none(),
+        "a second warm machine taken for environment {}",
+        env.id
+    );
+    assert_eq!(rig.entries(), before, "the other stays in the pool");
+    assert_eq!(warm.state(before[0].id).as_deref(), Some("running"));
+    use crate::provider::Provider;
+    assert_eq!(
+        rig.provider
+            .find(env.id, &ctx())
+            .await
+            .unwrap()
+            .map(|m| m.id),
+        Some(first.machine.id),
+        "what the retry's create adopts"
+    );
 }

@@ -227,14 +227,21 @@ impl Pool {
     }
 
     /// Removes an entry (its machine moved into an environment or was
-    /// deleted): renamed into the state dir's trash, then deleted.
+    /// deleted): renamed into the state dir's trash, then deleted, with its
+    /// lock held until the directory is gone from the pool (the rule for
+    /// every lock file: deleted only by its holder). Released earlier, the
+    /// lock could be taken by a refill or a prepare that then reads and acts
+    /// on an entry being deleted; taken after the rename, an acquire finds no
+    /// file at the path and reports the entry gone (`FileLock`'s re-check).
     pub fn remove(&self, store: &StateStore, lock: FileLock, id: Uuid) -> Result<()> {
         let wp = self.paths(id);
+        let removed = if wp.dir.exists() {
+            store.delete_dir(&wp.dir)
+        } else {
+            Ok(())
+        };
         drop(lock);
-        if wp.dir.exists() {
-            store.delete_dir(&wp.dir)?;
-        }
-        Ok(())
+        removed
     }
 
     /// Staging directories of launches killed before their rename (nothing
@@ -359,6 +366,48 @@ mod tests {
         pool.remove(&store, lock, wp.id).unwrap();
         assert!(pool.ids().unwrap().is_empty());
         assert!(!wp.dir.exists());
+    }
+
+    /// A lock file is deleted only by its holder (docs/architecture.md,
+    /// "Locks"): while an entry is removed, another process trying its lock
+    /// finds it held, then gone, never free with the entry still there.
+    /// (Released before the directory went, a contender could lock it and
+    /// act on an entry being deleted.)
+    #[test]
+    fn an_entry_being_removed_is_never_locked_by_anyone_else() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let (_t, store, pool) = pool();
+        let got_it = Arc::new(AtomicUsize::new(0));
+        for _ in 0..300 {
+            let (wp, _entry, lock) = pool.begin_launch("qemu", "fp", "default", None).unwrap();
+            let done = Arc::new(AtomicBool::new(false));
+            let tried = Arc::new(AtomicBool::new(false));
+            let contender = {
+                let (pool, done, tried, got_it) =
+                    (pool.clone(), done.clone(), tried.clone(), got_it.clone());
+                std::thread::spawn(move || {
+                    while !done.load(Ordering::SeqCst) {
+                        if pool.try_lock(wp.id).unwrap().is_some() {
+                            got_it.fetch_add(1, Ordering::SeqCst);
+                        }
+                        tried.store(true, Ordering::SeqCst);
+                    }
+                })
+            };
+            while !tried.load(Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
+            pool.remove(&store, lock, wp.id).unwrap();
+            done.store(true, Ordering::SeqCst);
+            contender.join().unwrap();
+        }
+        assert_eq!(
+            got_it.load(Ordering::SeqCst),
+            0,
+            "an entry's lock was taken while it was being removed"
+        );
+        assert!(pool.ids().unwrap().is_empty());
     }
 
     #[test]

@@ -265,3 +265,97 @@ fn after_kill(
     );
     cleanups
 }
+
+/// Machine mode: a prepare killed after it took a warm instance and finished
+/// the hand-over (its pool entry gone) but before the environment recorded
+/// the instance, whose cleanup was killed too, is retried by the runner with
+/// another warm instance ready. The retry adopts the instance the killed
+/// attempt took (found by its `dormant:env` tag) and takes no second one: a
+/// second would be recorded instead, and the first, tagged as the
+/// environment's, would never be terminated (no release knows it, and
+/// `sweep` takes it for the environment's).
+#[test]
+fn a_retried_prepare_whose_killed_attempt_took_a_warm_instance_takes_no_second_one() {
+    let env = Ec2Env::start();
+    let mut rig = env.rig(
+        "7",
+        SYSTEM,
+        &env.settings(&format!("{}warm = 2\n", env.connect_address()), ""),
+    );
+    warm_now(&rig);
+    let before = live_warm(&env);
+    assert_eq!(before.len(), 2);
+
+    let points = ["prepare:created", "cleanup:decided"];
+    arm(&mut rig, Some(&points.join(",")), true);
+    let r = rig
+        .runner
+        .run_job(&harness::job(90).script("echo on-warm"))
+        .unwrap();
+    // Each process died where it was meant to, once (failpoint.rs: the
+    // second listed point's once-marker is `<file>.2`).
+    for (n, point) in points.iter().enumerate() {
+        let said = format!("dormant: failpoint {point}: SIGKILL");
+        let killed: Vec<_> = r
+            .calls
+            .iter()
+            .filter(|c| c.output.contains(&said))
+            .collect();
+        assert_eq!(killed.len(), 1, "{point}: killed once\n{}", r.log());
+        assert_eq!(killed[0].exit_code, 128 + libc::SIGKILL, "{point}");
+        let marker = rig.runner.env["DORMANT_FAILPOINT_ONCE"].clone();
+        let marker = if n == 0 {
+            marker
+        } else {
+            format!("{marker}.{}", n + 1)
+        };
+        assert!(std::path::Path::new(&marker).exists(), "{point}: {marker}");
+    }
+    assert!(
+        r.calls[1].name.starts_with("prepare") && r.calls[2].name.starts_with("cleanup"),
+        "the first prepare, then its cleanup, were killed: {:?}",
+        r.calls.iter().map(|c| &c.name).collect::<Vec<_>>()
+    );
+    assert_result(&r, JobResult::Success);
+    arm(&mut rig, None, false);
+    let got = key_field(&r.key.clone().expect("a key"), "instance").unwrap_or_default();
+    assert!(
+        before.contains(&got),
+        "ran on {got:?}, not a warm instance\n{}",
+        r.log()
+    );
+    assert!(
+        r.log().contains("no warm machine taken"),
+        "the retry adopted the first\n{}",
+        r.log()
+    );
+    let other = before.iter().find(|i| **i != got).unwrap();
+    warm_now(&rig);
+    assert!(
+        live_warm(&env).contains(other),
+        "the other warm instance stays in the pool (not taken by the retry)"
+    );
+    // Released at the job's end; nothing carries the environment's tag.
+    let leaked: Vec<_> = instances(&env)
+        .into_iter()
+        .filter(|i| is_live(i) && tag(i, "dormant:env").is_some())
+        .filter_map(|i| i.instance_id().map(str::to_string))
+        .collect();
+    assert!(leaked.is_empty(), "leaked {leaked:?}\n{}", r.log());
+
+    Rig::write_settings(
+        &rig.settings_path,
+        SYSTEM,
+        &env.settings(&format!("{}warm = 0\n", env.connect_address()), ""),
+    );
+    let out = rig.dormant(&["sweep"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        instances(&env).iter().all(|i| !is_live(i)),
+        "no instance left"
+    );
+}

@@ -364,7 +364,7 @@ impl WarmMachines for AnyFit<'_> {
     async fn zones(&self, ctx: &Ctx) -> anyhow::Result<Vec<Option<String>>> {
         self.0.zones(ctx).await
     }
-    async fn no_room(&self, ctx: &Ctx) -> Option<String> {
+    async fn no_room(&self, ctx: &Ctx) -> anyhow::Result<Option<String>> {
         self.0.no_room(ctx).await
     }
     async fn launch(

@@ -221,25 +221,30 @@ impl WarmMachines for Ec2Provider {
         Ok(all.into_iter().map(|s| s.zone).collect())
     }
 
-    async fn no_room(&self, ctx: &Ctx) -> Option<String> {
+    async fn no_room(&self, ctx: &Ctx) -> Result<Option<String>> {
         let max = self.settings.max_environments;
         if max == 0 {
-            return None;
+            return Ok(None);
         }
-        let region = match self.clients.default_region().await {
-            Ok(r) => r,
-            Err(e) => return Some(format!("cannot count instances: {e:#}")),
+        // Not counted is not "no room": the refill reports it (a missing
+        // ec2:DescribeInstances permission would otherwise stop every
+        // refill in silence, `dormant warm` exiting 0).
+        let cannot = || {
+            format!(
+                "cannot count this runner manager's instances, so no warm instance is launched (ec2.max_environments \
+                 = {max} keeps the last slot for a job); dormant needs ec2:DescribeInstances"
+            )
         };
+        let region = self.clients.default_region().await.with_context(cannot)?;
         let client = self.clients.client(&region).await;
         let cap = self.warm_capacity(&client);
-        match cap.used(ctx).await {
-            Ok(used) if used + 1 >= max as usize => Some(format!(
+        let used = cap.used(ctx).await.with_context(cannot)?;
+        Ok((used + 1 >= max as usize).then(|| {
+            format!(
                 "{used} of ec2.max_environments = {max} instances: a warm instance would take the last \
                  slot a job may need"
-            )),
-            Ok(_) => None,
-            Err(e) => Some(format!("cannot count instances: {e:#}")),
-        }
+            )
+        }))
     }
 
     async fn launch(

@@ -61,15 +61,15 @@ impl WarmMachines for QemuProvider {
         self.settings.warm_max_age.get()
     }
 
-    async fn no_room(&self, _ctx: &Ctx) -> Option<String> {
+    async fn no_room(&self, _ctx: &Ctx) -> Result<Option<String>> {
         let max = self.settings.max_environments;
         let running = super::capacity::running(self.store.root());
-        (max > 0 && running + 1 >= max as usize).then(|| {
+        Ok((max > 0 && running + 1 >= max as usize).then(|| {
             format!(
                 "{running} of qemu.max_environments = {max} VMs run: a warm VM would take the last \
                  slot a job may need"
             )
-        })
+        }))
     }
 
     fn kind(&self) -> Result<WarmKind> {
@@ -284,23 +284,27 @@ mod tests {
             Duration::from_secs(30),
         );
         let p = with_max(3);
-        assert_eq!(p.no_room(&ctx).await, None, "nothing runs");
+        assert_eq!(p.no_room(&ctx).await.unwrap(), None, "nothing runs");
         // A job's VM: two of three slots free, a warm VM may boot.
         let job = VmDir::new(&store.env_paths(uuid::Uuid::new_v4()));
         let _job = FakeQemu::start(dir.path(), &job);
-        assert_eq!(p.no_room(&ctx).await, None, "one of three runs");
+        assert_eq!(p.no_room(&ctx).await.unwrap(), None, "one of three runs");
         // And a warm VM: the last slot stays free for a job.
         let pool = Pool::new(&store);
         let (wp, _entry, _lock) = pool.begin_launch("qemu", "fp", "default", None).unwrap();
         let _warm = FakeQemu::start(dir.path(), &p.warm_vm(&wp));
-        let why = p.no_room(&ctx).await.expect("no room for a third VM");
+        let why = p
+            .no_room(&ctx)
+            .await
+            .unwrap()
+            .expect("no room for a third VM");
         assert!(
             why.contains("2 of qemu.max_environments = 3 VMs run"),
             "{why}"
         );
         // Room enough with a higher limit, and no limit at all.
-        assert_eq!(with_max(4).no_room(&ctx).await, None);
-        assert_eq!(with_max(0).no_room(&ctx).await, None);
+        assert_eq!(with_max(4).no_room(&ctx).await.unwrap(), None);
+        assert_eq!(with_max(0).no_room(&ctx).await.unwrap(), None);
     }
 
     #[tokio::test]
@@ -339,8 +343,28 @@ mod tests {
             Duration::from_secs(30),
         );
         assert!(!p.handed_over(&wp, &env, &ctx).await.unwrap());
+        // The environment's record, as its prepare made it (no machine yet).
+        crate::state::testing::place(
+            &store,
+            env.id,
+            crate::state::EnvStatus::Creating,
+            None,
+            0,
+            None,
+        )
+        .unwrap();
+        use crate::provider::Provider;
+        assert_eq!(p.find(env.id, &ctx).await.unwrap(), None, "no VM yet");
         let warm_machine = p.machine(wp.id, 2222, "default");
         let m = p.hand_over(&wp, &warm_machine, &env, &ctx).await.unwrap();
+        // What a retried prepare asks before taking a warm VM (the killed
+        // attempt never recorded this one): found, so none is taken and
+        // create adopts this running QEMU (`process::find`, below).
+        assert_eq!(
+            p.find(env.id, &ctx).await.unwrap().map(|f| f.id),
+            Some(m.id.clone()),
+            "a retried prepare finds the handed-over VM"
+        );
         assert_eq!(m.field(field::ENV), Some(env.id.to_string().as_str()));
         assert_eq!(m.field(field::PORT), Some("2222"));
         assert!(p.handed_over(&wp, &env, &ctx).await.unwrap());
