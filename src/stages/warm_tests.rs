@@ -19,7 +19,7 @@ use crate::provider::warm::{WarmKind, WarmMachines};
 use crate::provider::MachineSpec;
 use crate::stages::fakes::{FakeProvider, FakeTransports};
 use crate::state::pool::{Pool, WarmEntry, WarmPaths, WarmStatus};
-use crate::state::{FileLock, StateStore};
+use crate::state::StateStore;
 use crate::transport::Transport;
 
 /// Called with the warm id each time a refill asks whether a machine is alive.
@@ -43,6 +43,25 @@ struct FakeWarm {
     /// The provider's cloud: a hand-over makes the machine the
     /// environment's there (its `find` sees it), as a real one does.
     cloud: Option<Arc<Mutex<crate::stages::fakes::FakeCloud>>>,
+    /// Holds every launch here (the machine not yet made) until opened.
+    launch_gate: Option<Arc<Gate>>,
+    /// Holds every hand-over here (the entry `taken`, its lock held) until opened.
+    hand_over_gate: Option<Arc<Gate>>,
+}
+
+/// A step where a test holds a fake: the caller says it arrived, then waits
+/// until the test opens the gate; meanwhile the test runs something else.
+#[derive(Default)]
+struct Gate {
+    arrived: tokio::sync::Notify,
+    open: tokio::sync::Notify,
+}
+
+impl Gate {
+    async fn pass(&self) {
+        self.arrived.notify_one();
+        self.open.notified().await;
+    }
 }
 
 impl FakeWarm {
@@ -91,6 +110,9 @@ impl WarmMachines for FakeWarm {
         _ctx: &Ctx,
     ) -> Result<Machine> {
         assert!(key.starts_with("ssh-ed25519 "), "{key}");
+        if let Some(gate) = &self.launch_gate {
+            gate.pass().await;
+        }
         if self.fail_launch {
             self.set(warm.id, "running");
             anyhow::bail!("fake boot failure");
@@ -117,6 +139,9 @@ impl WarmMachines for FakeWarm {
         env: &EnvPaths,
         _ctx: &Ctx,
     ) -> Result<Machine> {
+        if let Some(gate) = &self.hand_over_gate {
+            gate.pass().await;
+        }
         self.set(warm.id, &format!("handed to {}", env.id));
         let name = format!("dormant-{}", env.id);
         if let Some(cloud) = &self.cloud {
@@ -463,7 +488,7 @@ async fn what_a_killed_process_left_is_finished_by_the_next_one() {
 }
 
 #[tokio::test]
-async fn a_failed_launch_is_retired_at_once_and_two_refills_never_run_together() {
+async fn a_failed_launch_is_retired_at_once() {
     let rig = Rig::new();
     let warm = FakeWarm {
         fail_launch: true,
@@ -478,12 +503,107 @@ async fn a_failed_launch_is_retired_at_once_and_two_refills_never_run_together()
         .unwrap()
         .values()
         .all(|s| s == "deleted"));
-    let held = FileLock::try_acquire(&rig.pool().refill_lock())
+}
+
+/// Real refills and takes run at once (one held at a step by a [`Gate`]
+/// while the other runs): a second refill while one boots does nothing and
+/// says so; a take while a refill boots gets the ready machine, never the
+/// booting one; a refill while a take hands a machine over leaves that
+/// machine alone and boots what the pool then lacks. Each machine goes to
+/// one environment, none is retired or lost.
+#[tokio::test]
+async fn refills_and_takes_at_once_hand_nothing_out_twice_and_two_refills_never_run_together() {
+    let rig = Rig::new();
+    let warm = FakeWarm::new(2);
+    assert_eq!(rig.refill(&warm, true).await.launched.len(), 2);
+    let env0 = rig.env();
+    let t0 = take(rig.w(), &warm, &spec(&env0), &env0, &ctx())
+        .await
         .unwrap()
         .unwrap();
-    let r = rig.refill(&FakeWarm::new(1), true).await;
-    assert!(r.skipped.is_some() && r.launched.is_empty(), "{r:?}");
-    drop(held);
+    let ready = rig.entries();
+    assert_eq!(ready.len(), 1);
+    let ready_id = ready[0].id;
+
+    // 1. A refill held in its launch (it holds the pool's refill lock and the
+    //    booting entry's lock); meanwhile another refill and a take.
+    let gate = Arc::new(Gate::default());
+    let booting = FakeWarm {
+        launch_gate: Some(gate.clone()),
+        ..warm.clone()
+    };
+    let env1 = rig.env();
+    let (a, (b, t1)) = tokio::join!(rig.refill(&booting, true), async {
+        gate.arrived.notified().await;
+        let b = rig.refill(&warm, true).await;
+        let t1 = take(rig.w(), &warm, &spec(&env1), &env1, &ctx())
+            .await
+            .unwrap();
+        gate.open.notify_one();
+        (b, t1)
+    });
+    assert!(
+        b.skipped.as_deref() == Some("another refill of this pool is running")
+            && b.launched.is_empty()
+            && b.retired.is_empty(),
+        "{b:?}"
+    );
+    assert_eq!(a.launched.len(), 1, "{a:?}");
+    assert!(a.errors.is_empty() && a.retired.is_empty(), "{a:?}");
+    let t1 = t1.expect("the ready machine is taken while another boots");
+    assert_eq!(t1.warm_id, ready_id, "never the booting one");
+    assert_eq!(
+        rig.entries()
+            .iter()
+            .map(|e| (e.id, e.status.clone()))
+            .collect::<Vec<_>>(),
+        vec![(a.launched[0], WarmStatus::Ready)]
+    );
+
+    // 2. A take held in its hand-over (the entry `taken`, its lock held);
+    //    meanwhile a refill.
+    let gate = Arc::new(Gate::default());
+    let handing = FakeWarm {
+        hand_over_gate: Some(gate.clone()),
+        ..warm.clone()
+    };
+    let env2 = rig.env();
+    let (spec2, ctx2) = (spec(&env2), ctx());
+    let (t2, r) = tokio::join!(take(rig.w(), &handing, &spec2, &env2, &ctx2), async {
+        gate.arrived.notified().await;
+        let r = rig.refill(&warm, true).await;
+        gate.open.notify_one();
+        r
+    });
+    let t2 = t2.unwrap().expect("the hand-over finishes");
+    assert_eq!(t2.warm_id, a.launched[0]);
+    assert!(
+        r.retired.is_empty() && r.errors.is_empty(),
+        "the machine being handed over is left alone: {r:?}"
+    );
+    assert_eq!(r.launched.len(), 2, "the pool lacks two: {r:?}");
+
+    // Each taken machine is its own environment's; the pool holds the two
+    // new ones; nothing was deleted.
+    for (t, env) in [(&t0, &env0), (&t1, &env1), (&t2, &env2)] {
+        assert_eq!(warm.state(t.warm_id), Some(format!("handed to {}", env.id)));
+    }
+    let mut pool: Vec<_> = rig.entries().iter().map(|e| e.id).collect();
+    pool.sort();
+    let mut fresh = r.launched.clone();
+    fresh.sort();
+    assert_eq!(pool, fresh);
+    assert!(fresh
+        .iter()
+        .all(|id| warm.state(*id).as_deref() == Some("running")));
+    assert_eq!(warm.machines.lock().unwrap().len(), 5);
+    let ev = rig.events();
+    assert_eq!(
+        ev.iter().filter(|e| *e == "warm/taken").count(),
+        3,
+        "{ev:?}"
+    );
+    assert!(!ev.iter().any(|e| e == "warm/retired"), "{ev:?}");
 }
 
 #[tokio::test]

@@ -8,7 +8,9 @@
 //! the killed attempt terminates it with the half-made environment and the
 //! retry launches as usual. The instance is never handed to a second job,
 //! none is leaked, and none is left carrying both `dormant:warm` and
-//! `dormant:env`.
+//! `dormant:env`. A refill killed before its launch or after `ready`, and a
+//! retire killed before or after its terminate, leave an entry the next
+//! refill finishes; meanwhile no job gets a retiring instance.
 //!
 //! The same for a new volume-mode environment, which takes the warm
 //! instance before its data volume is made (in the instance's zone): a
@@ -19,7 +21,7 @@
 //!
 //! Network rule: the instance addresses moto hands out are never contacted.
 
-use crate::crash::{arm, assert_killed_at};
+use crate::crash::{arm, assert_killed_at, operator_call};
 use crate::ec2_rig::{data_volumes, instances, is_live, key_field, Ec2Env};
 use crate::harness::{self, assert_result, JobReport, JobResult, Rig};
 
@@ -45,21 +47,9 @@ fn a_kill_during_an_ec2_refill_or_hand_over_leaks_nothing_and_hands_out_nothing_
     );
 
     // 1. A refill killed right after its instance was launched.
-    arm(&mut rig, Some("warm:launched"), false);
-    let out = rig.dormant(&["warm"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    {
-        use std::os::unix::process::ExitStatusExt;
-        assert!(
-            err.contains("dormant: failpoint warm:launched: SIGKILL")
-                && out.status.signal() == Some(9),
-            "{:?}\n{err}",
-            out.status
-        );
-    }
+    killed_at(&mut rig, "warm:launched", &["warm"]);
     let killed = live_warm(&env);
-    assert_eq!(killed.len(), 1, "{err}");
-    arm(&mut rig, None, false);
+    assert_eq!(killed.len(), 1);
     let t = warm_now(&rig);
     assert!(t.contains("its launch was killed"), "{t}");
     let mut warm = live_warm(&env);
@@ -69,11 +59,16 @@ fn a_kill_during_an_ec2_refill_or_hand_over_leaks_nothing_and_hands_out_nothing_
         "the killed launch's instance is not kept"
     );
 
-    // 2-4. A prepare killed at each step of the hand-over; the runner retries.
+    // 2-5. A prepare killed at each step of the hand-over; the runner retries.
     let mut taken: Vec<String> = Vec::new();
-    for (n, point) in ["warm:taken", "warm:ec2-tagged", "warm:handed-over"]
-        .into_iter()
-        .enumerate()
+    for (n, point) in [
+        "warm:taken",
+        "warm:identity-given",
+        "warm:ec2-tagged",
+        "warm:handed-over",
+    ]
+    .into_iter()
+    .enumerate()
     {
         let instance = warm.remove(0);
         arm(&mut rig, Some(point), true);
@@ -115,6 +110,137 @@ fn a_kill_during_an_ec2_refill_or_hand_over_leaks_nothing_and_hands_out_nothing_
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert!(
+        instances(&env).iter().all(|i| !is_live(i)),
+        "no instance left"
+    );
+}
+
+/// Runs `dormant <args>` as an operator would with failpoint `point` armed,
+/// and proves it died there; disarms it.
+fn killed_at(rig: &mut Rig, point: &str, args: &[&str]) {
+    arm(rig, Some(point), false);
+    let out = rig.dormant(args);
+    let call = operator_call(&format!("dormant {}", args.join(" ")), &out);
+    assert_killed_at(rig, &[call], point, 1);
+    arm(rig, None, false);
+}
+
+/// The statuses of the pool's entries.
+fn statuses(rig: &Rig) -> Vec<String> {
+    rig.warm_pool().into_iter().map(|(_, s)| s).collect()
+}
+
+/// kill -9 at the refill's other steps and in the retire path, each followed
+/// by what an operator's timer or the next job runs next:
+/// - `warm:launching` (the entry written, no RunInstances yet): the next
+///   refill retires the entry (nothing to terminate) and boots one;
+/// - `warm:ready` (`ready` written, its event not): the next refill boots
+///   nothing, and a job takes that very instance;
+/// - `warm:retiring` and `warm:retired` (a sweep under `warm = 0` killed
+///   before and after its TerminateInstances): a job meanwhile (`warm = 1`
+///   again) does not get that instance, and the refill its prepare starts
+///   finishes the retire (the instance terminated, the entry gone) and boots
+///   a new one.
+///
+/// At the end `warm = 0` and a sweep leave no instance and no entry.
+#[test]
+fn a_refill_or_a_retire_killed_at_any_other_step_is_finished_by_the_next_run() {
+    let env = Ec2Env::start();
+    let settings =
+        |warm: u32| env.settings(&format!("{}warm = {warm}\n", env.connect_address()), "");
+    let mut rig = env.rig("7", SYSTEM, &settings(1));
+
+    // warm:launching: no instance yet, an entry `launching`.
+    env.proxy.clear_calls();
+    killed_at(&mut rig, "warm:launching", &["warm"]);
+    assert_eq!(env.proxy.count("RunInstances"), 0);
+    let p = rig.warm_pool();
+    assert_eq!(statuses(&rig), ["launching"], "{p:?}");
+    let launching = p[0].0.clone();
+
+    // The next refill retires it and boots one, and is killed at warm:ready.
+    killed_at(&mut rig, "warm:ready", &["warm"]);
+    assert_eq!(
+        env.proxy.count("RunInstances"),
+        1,
+        "{:?}",
+        env.proxy.actions()
+    );
+    let p = rig.warm_pool();
+    assert_eq!(statuses(&rig), ["ready"], "{p:?}");
+    assert_ne!(p[0].0, launching, "the killed launch's entry is gone");
+    let ready = p[0].0.clone();
+    let warm = live_warm(&env);
+    assert_eq!(warm.len(), 1);
+
+    // warm:ready: the next refill boots nothing; a job takes that instance.
+    let t = warm_now(&rig);
+    assert_eq!(env.proxy.count("RunInstances"), 1, "{t}");
+    let r = rig.run(&harness::job(70).script("echo on-warm"));
+    assert_result(&r, JobResult::Success);
+    assert!(
+        r.log().contains(&format!("took warm machine {ready}")),
+        "{}",
+        r.log()
+    );
+    let key = r.key.clone().expect("a key");
+    assert_eq!(
+        key_field(&key, "instance").as_deref(),
+        Some(warm[0].as_str())
+    );
+    warm_now(&rig);
+
+    // warm:retiring and warm:retired: a sweep under warm = 0 killed there.
+    for (n, point) in ["warm:retiring", "warm:retired"].into_iter().enumerate() {
+        let p = rig.warm_pool();
+        let warm = live_warm(&env);
+        assert!(p.len() == 1 && warm.len() == 1, "{point}: {p:?} {warm:?}");
+        let (entry, instance) = (p[0].0.clone(), warm[0].clone());
+        Rig::write_settings(&rig.settings_path, SYSTEM, &settings(0));
+        killed_at(&mut rig, point, &["sweep"]);
+        assert_eq!(statuses(&rig), ["retiring"], "{point}");
+        assert_eq!(
+            live_warm(&env).len(),
+            usize::from(point == "warm:retiring"),
+            "{point}: terminated only after warm:retiring"
+        );
+
+        // A job meanwhile does not get it; its prepare's refill finishes the retire.
+        Rig::write_settings(&rig.settings_path, SYSTEM, &settings(1));
+        let r = rig.run(&harness::job(71 + n as u64).script("echo cold"));
+        assert_result(&r, JobResult::Success);
+        assert!(
+            !r.log().contains("took warm machine"),
+            "{point}: {}",
+            r.log()
+        );
+        let got = key_field(&r.key.clone().expect("a key"), "instance").unwrap_or_default();
+        assert!(!got.is_empty() && got != instance, "{point}: ran on {got}");
+        let t = warm_now(&rig);
+        let p = rig.warm_pool();
+        assert!(
+            p.len() == 1 && p[0].0 != entry && p[0].1 == "ready",
+            "{point}: the entry finished and a new one booted: {p:?}\n{t}"
+        );
+        assert!(
+            instances(&env)
+                .iter()
+                .filter(|i| i.instance_id() == Some(instance.as_str()))
+                .all(|i| !is_live(i)),
+            "{point}: {instance} terminated"
+        );
+    }
+
+    // Nothing left once warm = 0 and a sweep ran.
+    Rig::write_settings(&rig.settings_path, SYSTEM, &settings(0));
+    let out = rig.dormant(&["sweep"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(rig.warm_pool().is_empty());
     assert!(
         instances(&env).iter().all(|i| !is_live(i)),
         "no instance left"
@@ -218,8 +344,9 @@ fn a_kill_while_a_new_volume_mode_environment_takes_a_warm_instance_leaks_nothin
 }
 
 /// What a prepare killed at `point` while taking warm instance `instance`
-/// leaves once the runner's retry ran the job on `got`: at `warm:taken`
-/// (not yet the environment's) the retry finished the same hand-over; at
+/// leaves once the runner's retry ran the job on `got`: at `warm:taken` and
+/// `warm:identity-given` (not yet the environment's: no tag written) the
+/// retry finished the same hand-over; at
 /// any later point the instance already named the environment, so the
 /// runner's cleanup of the killed attempt terminated it with the half-made
 /// environment, and the retry ran elsewhere. Never handed out twice
@@ -238,7 +365,7 @@ fn after_kill(
         .filter(|c| c.name.starts_with("cleanup"))
         .map(|c| format!("{}:\n{}", c.name, c.output))
         .collect();
-    if point == "warm:taken" {
+    if matches!(point, "warm:taken" | "warm:identity-given") {
         assert_eq!(got, instance, "{point}: the same hand-over\n{}", r.log());
     } else {
         assert!(

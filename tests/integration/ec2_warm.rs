@@ -28,7 +28,7 @@ use dormant::provider::ec2::Ec2Provider;
 use dormant::provider::warm::{WarmKind, WarmMachines};
 use dormant::provider::MachineSpec;
 use dormant::settings::Settings;
-use dormant::state::pool::WarmPaths;
+use dormant::state::pool::{Pool, WarmPaths};
 use dormant::state::StateStore;
 use tokio_util::sync::CancellationToken;
 
@@ -476,8 +476,32 @@ async fn a_warm_instance_per_zone_and_a_volume_takes_the_one_in_its_zone() {
         .unwrap()
         .to_string();
 
-    // A spec whose volume is in the second zone takes the warm instance there
-    // (the first zone's is older: without the zone rule it would be taken).
+    // The first zone's is made the older one (both came from one refill, and
+    // `launched_at` has whole seconds: their order would be chance). A take
+    // tries the oldest first, so without the zone rule it would be taken.
+    let pool = Pool::new(&store);
+    for (id, entry) in pool.entries().unwrap() {
+        let mut entry = entry.unwrap().expect("an entry");
+        if entry.machine.as_ref().map(|m| m.id.as_str()) != Some(in_b.as_str()) {
+            let lock = pool.try_lock(id).unwrap().expect("no refill runs");
+            entry.launched_at -= 60;
+            pool.set(&lock, &entry).unwrap();
+        }
+    }
+    let mut by_age: Vec<_> = pool
+        .entries()
+        .unwrap()
+        .into_iter()
+        .map(|(_, e)| e.unwrap().unwrap())
+        .collect();
+    by_age.sort_by_key(|e| e.launched_at);
+    assert_ne!(
+        by_age[0].machine.as_ref().map(|m| m.id.as_str()),
+        Some(in_b.as_str()),
+        "the other zone's is the oldest"
+    );
+
+    // A spec whose volume is in the second zone takes the warm instance there.
     let env_id = uuid::Uuid::new_v4();
     let paths = store.env_paths(env_id);
     std::fs::create_dir_all(&paths.dir).unwrap();

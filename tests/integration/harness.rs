@@ -106,6 +106,28 @@ impl Rig {
             .unwrap()
     }
 
+    /// The warm pool as `dormant list --json` shows it: (id, status) of each
+    /// warm machine.
+    pub fn warm_pool(&self) -> Vec<(String, String)> {
+        let out = self.dormant(&["list", "--json"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["warm"] == true)
+            .map(|v| {
+                (
+                    v["entry"]["id"].as_str().unwrap_or("?").to_string(),
+                    v["entry"]["status"].as_str().unwrap_or("?").to_string(),
+                )
+            })
+            .collect()
+    }
+
     pub fn env_dir(&self, key: &str) -> PathBuf {
         let id = dormant::envkey::EnvironmentKey::parse(key).unwrap().env_id;
         self.state_dir.join("environments").join(id.to_string())

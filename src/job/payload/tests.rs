@@ -13,15 +13,24 @@ fn job(vars: &[(&str, &str)]) -> Job {
 
 #[test]
 fn payload_fields_are_read() {
+    // The job token where GitLab Runner puts it: the payload's `token`, the
+    // masked `CI_JOB_TOKEN` variable and inside `CI_REPOSITORY_URL`, each
+    // listed before the variables that are read, so a reader that takes the
+    // wrong variable (or the first one) would hold it.
     let text = r#"{"id": 77, "token": "glcbt-secret", "job_info": {"project_id": 5, "project_full_path": "g/p"},
         "image": {"name": "ubuntu:24.04"},
-        "variables": [{"key": "CI_RUNNER_ID", "value": "12", "public": true},
+        "variables": [{"key": "CI_JOB_TOKEN", "value": "glcbt-secret", "public": false, "masked": true},
+                      {"key": "CI_REPOSITORY_URL", "value": "https://gitlab-ci-token:glcbt-secret@gitlab.example.com/g/p.git", "public": false, "masked": false},
+                      {"key": "CI_RUNNER_ID", "value": "12", "public": true},
                       {"key": "CI_JOB_URL", "value": "https://gitlab.example.com/g/p/-/jobs/77", "public": true}],
         "suspend_options": {"suspend_on_success": true, "suspend_on_failure": null,
                             "runtime_environment_key": "12/s_x/env=abc"}}"#;
     let input = JobInput::from_payload(text, &Job::default()).unwrap();
+    // No field holds it, whichever field a mistake would have put it in.
+    assert!(!format!("{input:?}").contains("glcbt-secret"), "{input:?}");
     assert_eq!(input.job_id, 77);
     assert_eq!(input.project_id, 5);
+    assert_eq!(input.project_path.as_deref(), Some("g/p"));
     assert_eq!(input.payload_runner_id.as_deref(), Some("12"));
     assert_eq!(input.image.as_deref(), Some("ubuntu:24.04"));
     assert_eq!(
@@ -30,7 +39,6 @@ fn payload_fields_are_read() {
     );
     assert!(input.suspend.on_success && !input.suspend.on_failure);
     assert_eq!(input.suspend.resume_key.as_deref(), Some("12/s_x/env=abc"));
-    assert!(!format!("{input:?}").contains("glcbt-secret"));
 }
 
 #[test]
