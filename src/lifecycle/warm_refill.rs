@@ -97,10 +97,19 @@ pub async fn refill(
                     )),
                     Ok(_) => match machine {
                         None => Some("ready without a machine".into()),
-                        Some(m) if !warm.alive(&wp, &m, ctx).await => {
-                            Some("it stopped running while it waited".into())
-                        }
-                        Some(_) => None,
+                        Some(m) => match warm.alive(&wp, &m, ctx).await {
+                            Ok(true) => None,
+                            Ok(false) => Some("it stopped running while it waited".into()),
+                            // No answer is not "gone": kept (and counted, so
+                            // none is booted in its place); the next refill asks again.
+                            Err(e) => {
+                                report.errors.push(format!(
+                                    "warm machine {id} kept as it is: could not tell whether it still \
+                                     runs ({e:#}); the next refill asks again"
+                                ));
+                                None
+                            }
+                        },
                     },
                 }
             }

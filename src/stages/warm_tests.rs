@@ -114,8 +114,8 @@ impl WarmMachines for FakeWarm {
         self.set(warm.id, "deleted");
         Ok(())
     }
-    async fn alive(&self, warm: &WarmPaths, _m: &Machine, _ctx: &Ctx) -> bool {
-        self.state(warm.id).as_deref() == Some("running")
+    async fn alive(&self, warm: &WarmPaths, _m: &Machine, _ctx: &Ctx) -> Result<bool> {
+        Ok(self.state(warm.id).as_deref() == Some("running"))
     }
 }
 

@@ -44,6 +44,8 @@ mod ec2_volume_mode;
 mod ec2_volume_spot;
 #[cfg(feature = "ec2")]
 mod ec2_warm;
+#[cfg(feature = "ec2")]
+mod ec2_warm_faults;
 mod edge;
 mod events;
 mod harness;
