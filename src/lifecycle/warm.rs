@@ -165,12 +165,25 @@ pub async fn take_for(
             .machine
             .clone()
             .context("a ready warm machine without its machine")?;
-        if !warm.alive(&wp, &machine, ctx).await {
-            entry.status = WarmStatus::Retiring {
-                why: "it stopped running while it waited".into(),
-            };
-            pool.set(&lock, &entry)?;
-            continue; // the next refill deletes it
+        match warm.alive(&wp, &machine, ctx).await {
+            Ok(true) => {}
+            Ok(false) => {
+                entry.status = WarmStatus::Retiring {
+                    why: "it stopped running while it waited".into(),
+                };
+                pool.set(&lock, &entry)?;
+                continue; // the next refill deletes it
+            }
+            Err(e) => {
+                // Neither handed out on a guess nor retired: it stays ready
+                // for the next job, and the next refill asks again.
+                ctx.log.warn(format!(
+                    "warm machine {} not taken: could not tell whether it still runs ({e:#}); it stays \
+                     in the pool",
+                    entry.id
+                ));
+                continue;
+            }
         }
         entry.status = WarmStatus::Taken { env: env.id };
         pool.set(&lock, &entry)?;

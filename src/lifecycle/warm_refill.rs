@@ -68,6 +68,13 @@ pub async fn refill(
             Ok(Visit::Counts(entry)) => kept.push(entry),
             Ok(Visit::Retired(why)) => report.retired.push((id, why)),
             Ok(Visit::Other) => {}
+            Ok(Visit::Unsure(entry, e)) => {
+                kept.push(entry);
+                report.errors.push(format!(
+                    "warm machine {id} kept as it is: could not tell whether it still runs ({e:#}); the \
+                     next refill asks again"
+                ));
+            }
             Err(e) => report.errors.push(format!(
                 "warm machine {id}: {e:#} (the rest of the pool is served; fix or remove {} by hand if this \
                  repeats)",
@@ -151,6 +158,9 @@ enum Visit {
     Retired(String),
     /// Gone, handed over, or on its way out under someone else's lock.
     Other,
+    /// Kept and counted, but whether its machine still runs could not be
+    /// told (the provider's look failed): reported, asked again next time.
+    Unsure(WarmEntry, anyhow::Error),
 }
 
 /// Decides one entry on what it says under its lock, and retires it if it
@@ -209,10 +219,13 @@ async fn visit(
                 )),
                 Ok(_) => match machine {
                     None => Some("ready without a machine".into()),
-                    Some(m) if !warm.alive(&wp, &m, ctx).await => {
-                        Some("it stopped running while it waited".into())
-                    }
-                    Some(_) => None,
+                    Some(m) => match warm.alive(&wp, &m, ctx).await {
+                        Ok(true) => None,
+                        Ok(false) => Some("it stopped running while it waited".into()),
+                        // No answer is not "gone": kept (and counted, so none
+                        // is booted in its place); the next refill asks again.
+                        Err(e) => return Ok(Visit::Unsure(entry, e)),
+                    },
                 },
             }
         }

@@ -108,6 +108,10 @@ pub trait WarmMachines: Send + Sync {
     /// Deletes a warm machine that was never handed over. Already gone is success.
     async fn retire(&self, warm: &WarmPaths, machine: Option<&Machine>, ctx: &Ctx) -> Result<()>;
 
-    /// Whether a ready warm machine still runs (a machine that died while idle is retired).
-    async fn alive(&self, warm: &WarmPaths, machine: &Machine, ctx: &Ctx) -> bool;
+    /// Whether a ready warm machine still runs: `Ok(false)` only on a
+    /// definite answer (gone, terminated, stopped), and such a machine is
+    /// retired; an error (the cloud did not answer, a call was refused)
+    /// says nothing about the machine, so the caller neither retires it nor
+    /// hands it out, and asks again later.
+    async fn alive(&self, warm: &WarmPaths, machine: &Machine, ctx: &Ctx) -> Result<bool>;
 }

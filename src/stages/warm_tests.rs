@@ -173,12 +173,12 @@ impl WarmMachines for FakeWarm {
         self.set(warm.id, "deleted");
         Ok(())
     }
-    async fn alive(&self, warm: &WarmPaths, _m: &Machine, _ctx: &Ctx) -> bool {
+    async fn alive(&self, warm: &WarmPaths, _m: &Machine, _ctx: &Ctx) -> Result<bool> {
         let hook = self.on_alive.lock().unwrap().take();
         if let Some(mut hook) = hook {
             hook(warm.id);
         }
-        self.state(warm.id).as_deref() == Some("running")
+        Ok(self.state(warm.id).as_deref() == Some("running"))
     }
 }
 

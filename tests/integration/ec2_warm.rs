@@ -345,7 +345,7 @@ fn warm_zero_and_a_sweep_terminate_every_warm_instance() {
 /// The EC2 provider's warm side, except that every spec fits (the
 /// provider's `fits` leaves a spec with a volume to `fits_resume`) and the
 /// hand-over is skipped: what is tested through it is the zone choice.
-struct AnyFit<'a>(&'a Ec2Provider);
+pub(crate) struct AnyFit<'a>(pub(crate) &'a Ec2Provider);
 
 #[async_trait]
 impl WarmMachines for AnyFit<'_> {
@@ -408,7 +408,7 @@ impl WarmMachines for AnyFit<'_> {
     ) -> anyhow::Result<()> {
         self.0.retire(warm, machine, ctx).await
     }
-    async fn alive(&self, warm: &WarmPaths, machine: &Machine, ctx: &Ctx) -> bool {
+    async fn alive(&self, warm: &WarmPaths, machine: &Machine, ctx: &Ctx) -> anyhow::Result<bool> {
         self.0.alive(warm, machine, ctx).await
     }
 }

@@ -46,6 +46,8 @@ mod ec2_volume_spot;
 mod ec2_warm;
 #[cfg(feature = "ec2")]
 mod ec2_warm_errors;
+#[cfg(feature = "ec2")]
+mod ec2_warm_faults;
 mod edge;
 mod events;
 mod harness;

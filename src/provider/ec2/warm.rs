@@ -373,19 +373,15 @@ impl WarmMachines for Ec2Provider {
         Ok(())
     }
 
-    async fn alive(&self, _warm: &WarmPaths, machine: &Machine, ctx: &Ctx) -> bool {
-        let Ok((client, _)) = self.client_for(machine).await else {
-            return false;
-        };
-        match instance::describe(&client, &machine.id, ctx).await {
-            Ok(Some(i)) => i.state == MachineState::Running,
-            Ok(None) => false,
-            Err(e) => {
-                // Not handed out on a guess; the next refill asks again.
-                tracing::debug!("describing warm instance {}: {e:#}", machine.id);
-                false
-            }
-        }
+    async fn alive(&self, _warm: &WarmPaths, machine: &Machine, ctx: &Ctx) -> Result<bool> {
+        let (client, _) = self.client_for(machine).await?;
+        // Not found, or in any state but running: a definite answer. An
+        // error is returned as it is: a DescribeInstances outage must not
+        // retire (terminate) a healthy instance.
+        Ok(instance::describe(&client, &machine.id, ctx)
+            .await
+            .with_context(|| format!("asking EC2 whether warm instance {} still runs", machine.id))?
+            .is_some_and(|i| i.state == MachineState::Running))
     }
 }
 
