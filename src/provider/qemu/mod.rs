@@ -17,6 +17,7 @@
 pub mod capacity;
 pub mod guest;
 pub mod hotplug;
+pub mod kept;
 pub mod power;
 pub mod power_off;
 pub mod process;
