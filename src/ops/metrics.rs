@@ -152,9 +152,10 @@ mod tests {
 
     /// Default settings naming `provider`.
     fn settings(provider: &str) -> Settings {
-        let mut s = Settings::default();
-        s.provider = serde_json::from_value(serde_json::json!(provider)).unwrap();
-        s
+        Settings {
+            provider: serde_json::from_value(serde_json::json!(provider)).unwrap(),
+            ..Default::default()
+        }
     }
 
     #[test]
