@@ -14,6 +14,10 @@
 #   warm (warm = 1)     (`dormant warm` booted it before the job; not timed)
 #   volume-mode resume, dormant: prepare of a resuming job that takes a warm VM
 #   warm (warm = 1)     (job 1 took one too; its refill booted the next before job 2)
+#   a warm VM held      what one idle warm VM holds, printed below the table: its
+#   (ROWS=all|held)     QEMU's resident memory (`ps -o rss`) and its directory's
+#                       allocated bytes on disk (overlay, seed, key), HELD_IDLE s
+#                       (default 240) after `dormant warm` booted it
 #   volume mode         resume  machine: a new overlay, boot to the banner, the data disk hot-plugged
 #   (storage="volume")          dormant: prepare of the resuming job (new VM, attach, mount)
 #                       suspend machine: QMP quit to QEMU's exit, the overlay deleted
@@ -24,7 +28,7 @@
 # 127.0.0.1 (the guest's own network is restricted). Under TCG the absolute
 # numbers are slow; dormant's added time is the figure that counts.
 #
-# Usage: [ROWS=new|warm|volume] scripts/bench-qemu.sh [runs]   (DORMANT_BIN=target/release/dormant for a release build;
+# Usage: [ROWS=new|warm|volume|held] [HELD_IDLE=S] scripts/bench-qemu.sh [runs]   (DORMANT_BIN=target/release/dormant for a release build;
 #        QEMU_ACCEL=kvm where KVM works)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,8 +36,10 @@ RUNS=${1:-1}
 # ROWS=new: only the new-environment rows (cold and warm; a shorter run).
 # ROWS=warm: the rows a warm pool changes: new environment and volume-mode
 # resume, each cold and warm. ROWS=volume: the volume-mode resume rows only.
+# ROWS=held: only what an idle warm VM holds (no table rows).
 ROWS=${ROWS:-all}
-case $ROWS in all|new|warm|volume) ;; *) echo "bench-qemu: ROWS is all, new, warm or volume, not '$ROWS'" >&2; exit 2 ;; esac
+case $ROWS in all|new|warm|volume|held) ;; *) echo "bench-qemu: ROWS is all, new, warm, volume or held, not '$ROWS'" >&2; exit 2 ;; esac
+HELD_IDLE=${HELD_IDLE:-240}
 ACCEL=${QEMU_ACCEL:-tcg}
 BIN=${DORMANT_BIN:-target/debug/dormant}
 [ -x "$BIN" ] || cargo build --quiet
@@ -133,7 +139,41 @@ empty_pool() {
   DORMANT_STATE_DIR=$1 "$BIN" --config "$2" sweep >/dev/null 2>&1
   rm -rf "$1"
 }
+# held STATE: after HELD_IDLE s idle, the resident KiB of the pool's one
+# warm VM's QEMU (its pidfile in the pool) and its entry's allocated bytes.
+declare -a HELD_RSS HELD_DISK
+held() {
+  local pidfile
+  sleep "$HELD_IDLE"
+  pidfile=$(ls "$1"/warm/*/vm/qemu.pid)
+  [ "$(echo "$pidfile" | wc -l)" = 1 ] || { echo "bench-qemu: not one warm VM in $1/warm: $pidfile" >&2; exit 1; }
+  HELD_RSS+=("$(ps -o rss= -p "$(cat "$pidfile")" | tr -d ' ')")
+  HELD_DISK+=("$(du -s --block-size=1 "$(dirname "$(dirname "$pidfile")")" | cut -f1)")
+}
 for run in $(seq 1 "$RUNS"); do
+  if [ "$ROWS" = held ]; then
+    # The dormant rows' settings, with one warm VM.
+    cat >"$work/held.toml" <<EOF
+provider = "qemu"
+system_id = "s_bench"
+runner_system_id_file = "/nonexistent"
+[qemu]
+accel = "$ACCEL"
+cpus = 2
+memory_mib = 1024
+restrict_network = true
+boot_timeout = "10m"
+max_environments = 2
+warm = 1
+image = { disk = "$IMG/base.qcow2", kernel = "$IMG/vmlinuz", initrd = "$IMG/initrd.img" }
+EOF
+    st="$work/h$run"
+    DORMANT_STATE_DIR=$st "$BIN" --config "$work/held.toml" warm >/dev/null 2>&1 || {
+      echo "bench-qemu: dormant warm failed (held)" >&2; exit 1; }
+    held "$st"
+    empty_pool "$st" "$work/held.toml"
+    continue
+  fi
   rm -f "$work"/overlay.qcow2 "$work"/state
   ssh-keygen -q -t ed25519 -N "" -f "$work/key" <<<y >/dev/null
   printf '#cloud-config\nssh_authorized_keys:\n  - %s\n' "$(cat "$work/key.pub")" >"$work/user-data"
@@ -227,6 +267,7 @@ EOF
   st="$work/w$run"
   DORMANT_STATE_DIR=$st "$BIN" --config "$work/warm.toml" warm >/dev/null 2>&1 || {
     echo "bench-qemu: dormant warm failed" >&2; exit 1; }
+  if [ "$ROWS" = all ]; then held "$st"; fi
   out=$(DORMANT_STATE_DIR=$st "$BIN" --config "$work/warm.toml" try 2>&1) || {
     echo "$out" >&2; echo "bench-qemu: dormant try failed (warm)" >&2; exit 1; }
   expect_taken "$st" "$work/warm.toml" 1 "$out"
@@ -273,3 +314,9 @@ row "suspend: hibernate" "${M[hibernate]:-}" "${D[suspend-hibernate]:-}"
 row "resume, volume mode" "${M[resume-volume]:-}" "${D[resume-volume]:-}"
 row "resume, volume mode, warm VM" "${M[resume-volume]:-}" "${D[resume-volume-warm]:-}"
 row "suspend, volume mode" "${M[suspend-volume]:-}" "${D[suspend-volume]:-}"
+if [ "${#HELD_RSS[@]}" -gt 0 ]; then
+  echo
+  echo "an idle warm VM, $HELD_IDLE s after its boot (median of ${#HELD_RSS[@]}): QEMU resident" \
+    "$(printf '%s\n' "${HELD_RSS[@]}" | med | awk '{printf "%.0f", $1/1024}') MiB (ps -o rss)," \
+    "its pool entry $(printf '%s\n' "${HELD_DISK[@]}" | med | awk '{printf "%.0f", $1/1048576}') MiB allocated on disk (du)"
+fi

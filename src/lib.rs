@@ -202,8 +202,8 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
         Command::Metrics => {
             let store = state::StateStore::open(&settings.state_dir(&job)?)?;
             Ok(ops::metrics::metrics(
+                &settings,
                 &store,
-                settings.provider.as_str(),
                 &log,
                 &mut std::io::stdout(),
             )?)

@@ -482,3 +482,63 @@ fn zeros_never_hide_or_change_what_was_counted() {
         "the two events folded, nothing more"
     );
 }
+
+/// A `warm` line of machine `id` at `ts_ms`.
+fn warm_line(cause: &str, id: uuid::Uuid, ts_ms: u64) -> Event {
+    let mut e = Event::new(Kind::Warm, cause, "qemu");
+    e.warm = Some(id);
+    e.ts_ms = ts_ms;
+    e
+}
+
+/// A warm machine's idle time runs from its `ready` line to its `taken` or
+/// `retired` one, across metrics runs (the checkpoint remembers which
+/// machines wait); one retired before it was ready, or still waiting, adds
+/// nothing yet.
+#[tokio::test]
+async fn warm_idle_seconds_run_from_ready_to_taken_or_retired_across_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_in(dir.path(), 1 << 20, 4);
+    let [a, b, c, d] = [(); 4].map(|_| uuid::Uuid::new_v4());
+    for e in [
+        warm_line("launched", a, 500),
+        warm_line("ready", a, 1_000),
+        warm_line("ready", b, 2_000),
+        warm_line("retired", c, 2_500), // never ready: its launch was killed
+    ] {
+        log.append(&e, &ctx()).await.unwrap();
+    }
+    let (first, _) = Tally::update(log.dir()).unwrap();
+    assert_eq!(
+        first.warm_idle_s.get("qemu"),
+        None,
+        "none left the pool yet"
+    );
+    for e in [
+        warm_line("taken", a, 61_000),
+        warm_line("retired", b, 3_500),
+        warm_line("ready", d, 4_000), // still waiting
+    ] {
+        log.append(&e, &ctx()).await.unwrap();
+    }
+    let (second, _) = Tally::update(log.dir()).unwrap();
+    assert_eq!(second.warm_idle_s["qemu"], 60.0 + 1.5);
+    assert_eq!(second.warm_waiting.len(), 1, "{:?}", second.warm_waiting);
+    let mut out = Vec::new();
+    second.render(&["qemu"], &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l == "dormant_warm_idle_seconds_total{provider=\"qemu\"} 61.5"),
+        "{text}"
+    );
+    // A fresh install has the series, at zero.
+    let mut out = Vec::new();
+    Tally::default().render(&["ec2"], &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l == "dormant_warm_idle_seconds_total{provider=\"ec2\"} 0"),
+        "{text}"
+    );
+}

@@ -1,7 +1,9 @@
 //! The counters and histograms of `dormant metrics`, folded from the event
 //! log: events by kind and cause, failures by step, prepare time of new and
-//! resumed environments, suspend time, time suspended before a resume, and
-//! the sweeps — per provider.
+//! resumed environments, suspend time, time suspended before a resume, the
+//! sweeps, and the machine-seconds warm machines waited in the pool (from
+//! each one's `warm`/`ready` event to its `taken` or `retired`) — per
+//! provider.
 //!
 //! **Why a metrics run stays cheap as the log grows:** a checkpoint,
 //! `events/metrics.json`, holds the totals so far and the position (file,
@@ -27,7 +29,13 @@ use crate::state::store::{self, FORMAT_VERSION};
 /// The checkpoint's name in the log's directory.
 pub const CHECKPOINT: &str = "metrics.json";
 /// Changes when what is counted changes: an older checkpoint is rebuilt.
-const TALLY_FORMAT: u32 = 1;
+/// 2: warm machines' idle time.
+const TALLY_FORMAT: u32 = 2;
+/// At most this many warm machines waiting for their `taken` or `retired`
+/// line are remembered (a pool is a handful; one whose last line a killed
+/// process never wrote must not grow the checkpoint for ever): the oldest
+/// is forgotten first, its idle time not counted.
+const WARM_WAITING_MAX: usize = 1000;
 
 /// Histogram buckets (upper bounds, seconds) from a tenth of a second to 30
 /// days: a resume takes seconds, a new VM minutes, a suspension days.
@@ -87,6 +95,14 @@ pub struct Tally {
     pub histograms: BTreeMap<String, Histogram>,
     /// provider, scope
     pub sweep_unvisited: BTreeMap<String, u64>,
+    /// provider: seconds warm machines waited ready in the pool, counted
+    /// when each left it (taken or retired).
+    #[serde(default)]
+    pub warm_idle_s: BTreeMap<String, f64>,
+    /// provider, warm machine id: when it became ready (ms), until its
+    /// `taken` or `retired` line.
+    #[serde(default)]
+    pub warm_waiting: BTreeMap<String, u64>,
     pub damaged: u64,
     pub missed_files: u64,
     pub last_full_sweep_ms: u64,
@@ -102,6 +118,8 @@ impl Default for Tally {
             failures: BTreeMap::new(),
             histograms: BTreeMap::new(),
             sweep_unvisited: BTreeMap::new(),
+            warm_idle_s: BTreeMap::new(),
+            warm_waiting: BTreeMap::new(),
             damaged: 0,
             missed_files: 0,
             last_full_sweep_ms: 0,
@@ -177,6 +195,37 @@ impl Tally {
                 }
             }
             "failed" => *self.failures.entry(key(&[provider, &e.cause])).or_default() += 1,
+            "warm" => self.fold_warm(e),
+            _ => {}
+        }
+    }
+
+    /// A warm machine's idle time: from its `ready` line to its `taken` or
+    /// `retired` one (a machine retired before it was ready never waited).
+    fn fold_warm(&mut self, e: &Event) {
+        let provider = label(&e.provider);
+        let Some(id) = e.warm else { return };
+        let k = format!("{provider}\t{id}");
+        match e.cause.as_str() {
+            "ready" => {
+                self.warm_waiting.insert(k, e.ts_ms);
+                while self.warm_waiting.len() > WARM_WAITING_MAX {
+                    let oldest = self
+                        .warm_waiting
+                        .iter()
+                        .min_by_key(|(_, ts)| **ts)
+                        .map(|(k, _)| k.clone());
+                    if let Some(oldest) = oldest {
+                        self.warm_waiting.remove(&oldest);
+                    }
+                }
+            }
+            "taken" | "retired" => {
+                if let Some(since) = self.warm_waiting.remove(&k) {
+                    let secs = e.ts_ms.saturating_sub(since) as f64 / 1000.0;
+                    *self.warm_idle_s.entry(provider.to_string()).or_default() += secs;
+                }
+            }
             _ => {}
         }
     }
@@ -247,6 +296,7 @@ impl Tally {
             .keys()
             .chain(self.failures.keys())
             .chain(self.sweep_unvisited.keys())
+            .chain(self.warm_idle_s.keys())
         {
             all.insert(split::<1>(k)[0].to_string());
         }
@@ -274,6 +324,7 @@ impl Tally {
                 empty("sweep", scope);
                 t.sweep_unvisited.entry(key(&[p, scope])).or_default();
             }
+            t.warm_idle_s.entry(p.clone()).or_default();
         }
         t
     }
@@ -336,6 +387,19 @@ impl Tally {
             writeln!(
                 out,
                 "dormant_sweep_unvisited_total{{provider=\"{p}\",scope=\"{s}\"}} {n}"
+            )?;
+        }
+        family(
+            out,
+            "dormant_warm_idle_seconds_total",
+            "counter",
+            "Machine-seconds warm machines waited ready in the pool, unused (from ready to taken or retired; counted when each leaves the pool).",
+        )?;
+        for (p, s) in &self.warm_idle_s {
+            writeln!(
+                out,
+                "dormant_warm_idle_seconds_total{{provider=\"{p}\"}} {}",
+                (s * 1000.0).round() / 1000.0
             )?;
         }
         family(

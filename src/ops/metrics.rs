@@ -1,9 +1,10 @@
 //! `dormant metrics`: Prometheus text for a node-exporter textfile collector
 //! or a cron job. Gauges of the registry as it is now (environments by status
-//! and provider, the age of the oldest suspended one — what a stopped VM's
-//! disks cost — and unreadable records), then the counters and histograms of
-//! what happened, folded from the event log (`crate::events::tally`, which
-//! says why that stays cheap as the log grows).
+//! and provider, the age of the oldest suspended one, the storage suspended
+//! environments keep — `crate::provider::kept`, from the records it reads
+//! anyway, a few `stat`s on qemu and no call — and unreadable records), then
+//! the counters and histograms of what happened, folded from the event log
+//! (`crate::events::tally`, which says why that stays cheap as the log grows).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -12,25 +13,33 @@ use anyhow::Result;
 
 use crate::context::JobLog;
 use crate::events::tally::Tally;
+use crate::model::StorageMode;
+use crate::settings::Settings;
 use crate::state::{now_unix, EnvStatus, StateStore};
 
 /// Prints every metric to `out`; warnings (a checkpoint that could not be
 /// saved or was rebuilt) go to `log`, never into the Prometheus text.
-/// `provider` is the one the settings name: every series is printed for it
-/// (zeros, empty histograms) even before anything happened, and for every
-/// provider met in the registry or the log (Prometheus' instrumentation
-/// guidance: export a zero for every known label value, or a dashboard's
-/// panels say "No data" on a fresh install and `rate` misses a counter's
-/// first increment).
+/// The provider the settings name gets every series (zeros, empty
+/// histograms) even before anything happened, and so does every provider
+/// met in the registry or the log (Prometheus' instrumentation guidance:
+/// export a zero for every known label value, or a dashboard's panels say
+/// "No data" on a fresh install and `rate` misses a counter's first
+/// increment).
 pub fn metrics(
+    settings: &Settings,
     store: &StateStore,
-    provider: &str,
     log: &JobLog,
     out: &mut dyn Write,
 ) -> Result<()> {
+    let provider = settings.provider.as_str();
     let mut counts: BTreeMap<(String, &'static str), u64> = BTreeMap::new();
     for status in EnvStatus::ALL {
         counts.insert((provider.to_string(), status.as_str()), 0);
+    }
+    // (provider, storage) → (bytes kept, suspended environments not counted)
+    let mut kept: BTreeMap<(String, &'static str), (u64, u64)> = BTreeMap::new();
+    for mode in [StorageMode::Machine, StorageMode::Volume] {
+        kept.insert((provider.to_string(), mode.as_str()), (0, 0));
     }
     let mut oldest_suspended: u64 = 0;
     let mut unreadable = 0u64;
@@ -49,6 +58,13 @@ pub fn metrics(
                 if rec.status() == EnvStatus::Suspended {
                     let age = now.saturating_sub(rec.suspended_at.unwrap_or(rec.created_at));
                     oldest_suspended = oldest_suspended.max(age);
+                    let k = kept
+                        .entry((rec.provider.clone(), rec.storage.as_str()))
+                        .or_default();
+                    match crate::provider::kept::kept_bytes(settings, store, &rec) {
+                        Some(b) => k.0 += b,
+                        None => k.1 += 1,
+                    }
                 }
             }
             Ok(None) => {}
@@ -72,6 +88,31 @@ pub fn metrics(
     )?;
     writeln!(out, "# TYPE dormant_oldest_suspended_seconds gauge")?;
     writeln!(out, "dormant_oldest_suspended_seconds {oldest_suspended}")?;
+    writeln!(
+        out,
+        "# HELP dormant_suspended_storage_bytes Storage suspended environments keep, by provider and storage mode: \
+         EC2 the provisioned EBS bytes of stopped instances' root volumes (machine) and data volumes (volume); \
+         qemu the bytes allocated on disk by overlays, memory images and data disks."
+    )?;
+    writeln!(out, "# TYPE dormant_suspended_storage_bytes gauge")?;
+    for ((provider, storage), (bytes, _)) in &kept {
+        writeln!(
+            out,
+            "dormant_suspended_storage_bytes{{provider=\"{provider}\",storage=\"{storage}\"}} {bytes}"
+        )?;
+    }
+    writeln!(
+        out,
+        "# HELP dormant_suspended_storage_unknown Suspended environments whose storage dormant_suspended_storage_bytes \
+         does not count (local and ssh; an EC2 root volume of unknown size: set ec2.root_volume_size_gb)."
+    )?;
+    writeln!(out, "# TYPE dormant_suspended_storage_unknown gauge")?;
+    for ((provider, storage), (_, unknown)) in &kept {
+        writeln!(
+            out,
+            "dormant_suspended_storage_unknown{{provider=\"{provider}\",storage=\"{storage}\"}} {unknown}"
+        )?;
+    }
     writeln!(out, "# HELP dormant_unreadable_records Environment records that cannot be read (corrupt or newer format).")?;
     writeln!(out, "# TYPE dormant_unreadable_records gauge")?;
     writeln!(out, "dormant_unreadable_records {unreadable}")?;
@@ -109,6 +150,14 @@ pub fn metrics(
 mod tests {
     use super::*;
 
+    /// Default settings naming `provider`.
+    fn settings(provider: &str) -> Settings {
+        Settings {
+            provider: serde_json::from_value(serde_json::json!(provider)).unwrap(),
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn counts_by_status_and_reports_the_oldest_suspension() {
         let dir = tempfile::tempdir().unwrap();
@@ -125,7 +174,7 @@ mod tests {
         std::fs::create_dir(&bad.dir).unwrap();
         std::fs::write(&bad.record, "{").unwrap();
         let mut out = Vec::new();
-        metrics(&store, "local", &JobLog::capture().0, &mut out).unwrap();
+        metrics(&settings("local"), &store, &JobLog::capture().0, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert!(
             text.contains("dormant_environments{provider=\"local\",status=\"suspended\"} 2"),
@@ -238,7 +287,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = StateStore::open(dir.path()).unwrap();
         let mut out = Vec::new();
-        metrics(&store, "ec2", &JobLog::capture().0, &mut out).unwrap();
+        metrics(&settings("ec2"), &store, &JobLog::capture().0, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         let missing = unplotted(&text, "ec2");
         assert!(
@@ -284,7 +333,7 @@ mod tests {
             log.append(&e, &ctx).await.unwrap();
         }
         let mut out = Vec::new();
-        metrics(&store, "local", &JobLog::capture().0, &mut out).unwrap();
+        metrics(&settings("local"), &store, &JobLog::capture().0, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         let missing = unplotted(&text, "local");
         assert!(
@@ -292,13 +341,16 @@ mod tests {
             "the dashboard selects {missing:?}, which dormant metrics does not print:\n{text}"
         );
         // What the dashboard is for: resume latency percentiles, failures,
-        // environments by status, the oldest suspension.
+        // environments by status, the oldest suspension, what suspensions
+        // keep and what the warm pool idles.
         let joined = dashboard_exprs().join("\n");
         for needle in [
             "histogram_quantile(0.9, sum by (le) (rate(dormant_prepare_seconds_bucket{provider=~\"$provider\",mode=\"resume\"}",
             "dormant_failures_total",
             "sum by (status) (dormant_environments",
             "dormant_oldest_suspended_seconds",
+            "sum by (provider, storage) (dormant_suspended_storage_bytes",
+            "increase(dormant_warm_idle_seconds_total",
         ] {
             assert!(joined.contains(needle), "the dashboard does not plot {needle}");
         }

@@ -12,6 +12,7 @@
 pub mod cloud_init;
 #[cfg(feature = "ec2")]
 pub mod ec2;
+pub mod kept;
 pub mod local;
 pub mod qemu;
 pub mod ssh_hosts;

@@ -19,7 +19,12 @@
 //! A new row is a new `Case`: its id (for `--rows`), its labels, its floor,
 //! whether a machine boots in it (the sshd gate), and its setup and job. A
 //! row taking an already-running machine (a warm one) boots nothing: its
-//! floor is the attach hold alone.
+//! floor is the attach hold alone. A warm row's measured job must have taken
+//! a warm instance (one more `warm`/`taken` event; otherwise the row would
+//! time a launch and is an error), and the refill its prepare starts
+//! detached finds the pool's refill lock held by the benchmark and returns
+//! without a call, so the row counts the prepare's calls only (the next
+//! run's `dormant warm` refills).
 //!
 //! Network rule: the instance addresses moto hands out are never contacted.
 
@@ -176,9 +181,44 @@ struct Measured {
     report: JobReport,
 }
 
+/// `warm`/`taken` events in the rig's event log.
+fn warm_taken(rig: &Rig) -> usize {
+    crate::events::events_json(rig, &[])
+        .iter()
+        .filter(|e| e["event"] == "warm" && e["cause"] == "taken")
+        .count()
+}
+
+/// Holds the pool's refill lock (`warm/refill.lock`) while it lives: the
+/// refill a warm row's prepare starts detached returns at once, without an
+/// EC2 call that the row would count as the prepare's.
+fn hold_refill(rig: &Rig) -> std::fs::File {
+    let path = rig.state_dir.join("warm/refill.lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    f.try_lock()
+        .unwrap_or_else(|e| panic!("a refill still holds {}: {e}", path.display()));
+    f
+}
+
 /// Runs `job` with the holds on; with `boots`, sshd is down until the
 /// `pending` hold of the first RunInstances or StartInstances has passed.
-fn measure(env: &mut Ec2Env, rig: &Rig, job: &SimJob, holds: Holds, boots: bool) -> Measured {
+/// With `warm`, the job must take a warm instance, and no refill runs
+/// meanwhile.
+fn measure(
+    env: &mut Ec2Env,
+    rig: &Rig,
+    job: &SimJob,
+    holds: Holds,
+    boots: bool,
+    warm: bool,
+) -> Measured {
+    let taken_before = warm.then(|| warm_taken(rig));
+    let refill_lock = warm.then(|| hold_refill(rig));
     env.proxy.hold_launches(holds.pending);
     env.proxy.hold_transitions(holds.pending, Duration::ZERO);
     env.proxy.hold_attaches(holds.attaching);
@@ -230,6 +270,17 @@ fn measure(env: &mut Ec2Env, rig: &Rig, job: &SimJob, holds: Holds, boots: bool)
     });
     assert_result(&report, JobResult::Success);
     let split = first_stage.expect("a stage ran");
+    drop(refill_lock);
+    if let Some(before) = taken_before {
+        let after = warm_taken(rig);
+        assert_eq!(
+            after,
+            before + 1,
+            "a warm row's job took {} warm instance(s), not 1: it timed something else\n{}",
+            after - before,
+            report.log()
+        );
+    }
     let calls = env
         .proxy
         .calls()
@@ -344,6 +395,7 @@ fn bench_ec2_prepare() {
                     &case.job(key.as_deref()),
                     holds,
                     case.boots(),
+                    case.warm(),
                 );
                 eprintln!(
                     "run {run}: {}: prepare {} s, {} EC2 calls",

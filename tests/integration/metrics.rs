@@ -227,3 +227,159 @@ fn a_fresh_install_prints_zeros_for_every_known_series() {
         );
     }
 }
+
+/// One sample's value in `dormant metrics`' text.
+fn metric(rig: &Rig, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let out = rig.dormant(&["metrics"]);
+    assert!(out.status.success(), "{}", text(&out));
+    parse_with_prometheus_client(&String::from_utf8(out.stdout).unwrap())
+        .into_iter()
+        .find(|(n, l, _)| {
+            n == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|(_, _, v)| v)
+}
+
+/// What suspended EC2 environments keep and what the warm pool spent, on
+/// moto: a machine-mode environment keeps its root volume (the size it was
+/// launched with: `root_volume_size_gb`, else the image's root volume), a
+/// volume-mode one its data volume
+/// (`volume_size_gb`), in bytes by storage mode; a released one keeps
+/// nothing. The warm instance the volume-mode job took waited from its
+/// `ready` event to its `taken` one: exactly that many machine-seconds.
+#[cfg(feature = "ec2")]
+#[test]
+fn suspended_ec2_storage_and_warm_idle_seconds_are_what_the_records_and_events_say() {
+    use crate::ec2_rig::Ec2Env;
+    const GIB: f64 = (1u64 << 30) as f64;
+    let env = Ec2Env::start();
+    let storage = |storage: &'static str| [("provider", "ec2"), ("storage", storage)];
+
+    let machine = env.rig(
+        "7",
+        "s_0123456789ab",
+        &env.settings(
+            &format!("{}root_volume_size_gb = 12\n", env.connect_address()),
+            "",
+        ),
+    );
+    assert_eq!(
+        metric(
+            &machine,
+            "dormant_suspended_storage_bytes",
+            &storage("machine")
+        ),
+        Some(0.0),
+        "nothing suspended yet"
+    );
+    let kept = machine.run(&job(5).suspend_on(true, false));
+    assert_result(&kept, JobResult::Success);
+    assert_result(&machine.run(&job(6)), JobResult::Success); // released
+                                                              // What it was launched with counts, not what the settings say now.
+    Rig::write_settings(
+        &machine.settings_path,
+        "s_0123456789ab",
+        &env.settings(
+            &format!(
+                "{}root_volume_size_gb = 20
+",
+                env.connect_address()
+            ),
+            "",
+        ),
+    );
+    assert_eq!(
+        metric(
+            &machine,
+            "dormant_suspended_storage_bytes",
+            &storage("machine")
+        ),
+        Some(12.0 * GIB)
+    );
+    assert_eq!(
+        metric(
+            &machine,
+            "dormant_suspended_storage_unknown",
+            &storage("machine")
+        ),
+        Some(0.0)
+    );
+    // Without the setting: the image's root volume size, as DescribeImages says it.
+    let image_gib = crate::ec2_rig::block_on(async {
+        crate::moto::direct_client(&env.moto.url())
+            .describe_images()
+            .image_ids(&env.image)
+            .send()
+            .await
+            .unwrap()
+            .images()[0]
+            .block_device_mappings()[0]
+            .ebs()
+            .and_then(|e| e.volume_size())
+            .expect("moto's image has a root volume size")
+    });
+    let image_default = env.rig(
+        "9",
+        "s_0123456789ad",
+        &env.settings(&env.connect_address(), ""),
+    );
+    let r = image_default.run(&job(5).suspend_on(true, false));
+    assert_result(&r, JobResult::Success);
+    assert_eq!(
+        metric(
+            &image_default,
+            "dormant_suspended_storage_bytes",
+            &storage("machine")
+        ),
+        Some(f64::from(image_gib) * GIB)
+    );
+
+    let volume = env.volume_rig(
+        "8",
+        "s_0123456789ac",
+        &env.volume_settings("volume_size_gb = 3\nwarm = 1\n", ""),
+    );
+    crate::ec2_warm::warm_now(&volume);
+    let r = volume.run(&job(7).suspend_on(true, false));
+    assert_result(&r, JobResult::Success);
+    Rig::write_settings(
+        &volume.settings_path,
+        "s_0123456789ac",
+        &env.volume_settings(
+            "volume_size_gb = 5
+warm = 1
+",
+            "",
+        ),
+    );
+    assert_eq!(
+        metric(
+            &volume,
+            "dormant_suspended_storage_bytes",
+            &storage("volume")
+        ),
+        Some(3.0 * GIB)
+    );
+    let events = events_json(&volume, &[]);
+    let at = |cause: &str| {
+        events
+            .iter()
+            .find(|e| e["event"] == "warm" && e["cause"] == cause)
+            .unwrap_or_else(|| panic!("no warm {cause} event: {events:?}"))["ts_ms"]
+            .as_u64()
+            .unwrap()
+    };
+    let idle = (at("taken") - at("ready")) as f64 / 1000.0;
+    assert!(idle > 0.0, "{idle}");
+    assert_eq!(
+        metric(
+            &volume,
+            "dormant_warm_idle_seconds_total",
+            &[("provider", "ec2")]
+        ),
+        Some(idle)
+    );
+}

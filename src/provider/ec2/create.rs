@@ -291,9 +291,13 @@ impl Ec2Provider {
             }
         ));
         let info = wait_for(client, id, Want::Running, ctx).await?;
-        Ok(self
+        let mut machine = self
             .machine(region, &info)?
-            .with(field::INSTANCE_TYPES, instance_types.join(",")))
+            .with(field::INSTANCE_TYPES, instance_types.join(","));
+        if let Some(gib) = self.settings.root_volume_size_gb.or(image.root_volume_gib) {
+            machine = machine.with(field::ROOT_GIB, gib.to_string());
+        }
+        Ok(machine)
     }
 
     /// The subnets a new environment may start in; with more than one, their

@@ -58,6 +58,11 @@ pub struct ImageInfo {
     pub name: Option<String>,
     pub root_device_name: Option<String>,
     pub creation_date: Option<String>,
+    /// The size of the image's root EBS volume (its snapshot's), GiB: what
+    /// an instance launched without `root_volume_size_gb` keeps while
+    /// stopped. Absent from caches written before it was read.
+    #[serde(default)]
+    pub root_volume_gib: Option<u32>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -186,6 +191,12 @@ impl ImageResolver<'_> {
             name: img.name().map(str::to_string),
             root_device_name: img.root_device_name().map(str::to_string),
             creation_date: img.creation_date().map(str::to_string),
+            root_volume_gib: img
+                .block_device_mappings()
+                .iter()
+                .find(|m| m.device_name().is_some() && m.device_name() == img.root_device_name())
+                .and_then(|m| m.ebs()?.volume_size())
+                .and_then(|g| u32::try_from(g).ok()),
         };
         if !by_id {
             ctx.log.info(format!(

@@ -30,6 +30,7 @@ pub mod guest_seam;
 pub mod handover;
 pub mod image;
 pub mod instance;
+pub mod kept;
 pub mod launch;
 mod lifecycle;
 mod machine;
@@ -81,6 +82,9 @@ mod field {
     pub const EPOCH: &str = "epoch";
     /// A warm instance's pool id (`list`: one no environment has taken).
     pub const WARM: &str = "warm";
+    /// The size of the root EBS volume it was launched with, GiB (the
+    /// setting, else the image's): what it keeps while stopped (`kept.rs`).
+    pub const ROOT_GIB: &str = "root_gib";
 }
 
 /// The field of a record's machine (and data volume) that holds the

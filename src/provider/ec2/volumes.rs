@@ -34,6 +34,8 @@ use crate::provider::{MachineState, Refusal, VolumeGone, VolumeSpec, Volumes};
 pub(super) mod vfield {
     pub const REGION: &str = "region";
     pub const ZONE: &str = "zone";
+    /// Its size, GiB, as created or described: what it keeps (`kept.rs`).
+    pub const SIZE_GIB: &str = "size_gib";
 }
 
 impl Ec2Provider {
@@ -105,9 +107,13 @@ impl Ec2Provider {
     }
 
     fn as_volume(region: &str, info: &VolumeInfo) -> Volume {
-        Volume::new(&info.id)
+        let v = Volume::new(&info.id)
             .with(vfield::REGION, region)
-            .with(vfield::ZONE, &info.zone)
+            .with(vfield::ZONE, &info.zone);
+        match info.size_gb {
+            Some(gib) => v.with(vfield::SIZE_GIB, gib.to_string()),
+            None => v,
+        }
     }
 
     /// Never attach or delete a data volume another host has taken over
@@ -254,7 +260,8 @@ impl Volumes for Ec2Provider {
         ));
         Ok(Volume::new(id)
             .with(vfield::REGION, &region)
-            .with(vfield::ZONE, zone))
+            .with(vfield::ZONE, zone)
+            .with(vfield::SIZE_GIB, s.volume_size_gb.to_string()))
     }
 
     async fn find_volume(&self, env_id: Uuid, ctx: &Ctx) -> Result<Option<Volume>> {

@@ -18,6 +18,7 @@
 pub mod capacity;
 pub mod guest;
 pub mod hotplug;
+pub mod kept;
 pub mod pins;
 pub mod power;
 pub mod power_off;
