@@ -10,8 +10,11 @@
 //!
 //! 1. a staging directory with a new SSH key pair and, in machine mode, a
 //!    known_hosts holding the host key pinned at creation (from its tag);
-//! 2. one CreateTags call: the next ownership epoch and, in machine mode, the
-//!    new public key for the boot hook (`adopt:staged` before it);
+//! 2. one CreateTags call: the next ownership epoch with this run's owner id
+//!    and, in machine mode, the new public key for the boot hook
+//!    (`adopt:staged` before it), read back: another owner's value there
+//!    means another host adopted it at the same time and wrote last, and
+//!    this run writes no record (docs/ec2.md, "Two hosts adopting at once");
 //! 3. the record — suspended, its original suspension time, the new epoch —
 //!    written into the staging directory and renamed into place with the
 //!    key files (`adopt:tagged` before it, `adopt:recorded` after);
@@ -101,7 +104,7 @@ mod imp {
     use crate::job::Job;
     use crate::model::{EnvPaths, StorageMode};
     use crate::ops::{open_store, OPERATOR_BUDGET};
-    use crate::provider::ec2::takeover::{Adoptable, Held};
+    use crate::provider::ec2::takeover::{Adoptable, Confirmed, Held};
     use crate::provider::ec2::Ec2Provider;
     use crate::provider::Provider;
     use crate::settings::Settings;
@@ -128,6 +131,9 @@ mod imp {
             bail!("could not take {}", lock_path.display());
         };
         record_pending_events(&store, &events, &ctx).await;
+        // This run's owner id, written with every epoch it takes: a host
+        // adopting the same environment at once writes another one.
+        let owner = crate::provider::ec2::handover::new_owner_id();
         let runner = settings.runner_id.as_deref().map(str::trim);
         log.info(format!(
             "looking for environments of system {system_id}{} to adopt",
@@ -177,6 +183,7 @@ mod imp {
                 &store,
                 &ec2,
                 &system_id,
+                &owner,
                 a,
                 &paths,
                 unreadable.is_some(),
@@ -186,7 +193,7 @@ mod imp {
             {
                 Ok((rec, epoch, quarantined)) => {
                     let mut line = describe(&rec, a);
-                    let mut reason = adopted_reason(&resource, epoch);
+                    let mut reason = adopted_reason(&resource, &epoch);
                     if let (Some(q), Some(why)) = (&quarantined, &unreadable) {
                         line.push_str(&format!(
                             "; its record here could not be read ({why}) and was moved to {} (kept for you \
@@ -245,7 +252,7 @@ mod imp {
 
     /// The reason of an `adopted` event; the epoch makes it that take-over's
     /// (a later adopt looks for it before writing one it finds pending).
-    fn adopted_reason(resource: &str, epoch: u64) -> String {
+    fn adopted_reason(resource: &str, epoch: &str) -> String {
         format!("taken over from the cloud: {resource} (ownership epoch {epoch})")
     }
 
@@ -272,7 +279,10 @@ mod imp {
             };
             let mut lines = text.lines();
             let (Some(epoch), resource) = (
-                lines.next().and_then(|l| l.trim().parse::<u64>().ok()),
+                lines
+                    .next()
+                    .map(str::trim)
+                    .filter(|l| crate::provider::ec2::handover::epoch_number(l).is_some()),
                 lines.next().unwrap_or("?").trim().to_string(),
             ) else {
                 // Cut short by a power loss (markers are not fsynced): what
@@ -359,14 +369,17 @@ mod imp {
         store: &StateStore,
         ec2: &Ec2Provider,
         system_id: &str,
+        owner: &str,
         a: &Adoptable,
         paths: &EnvPaths,
         unreadable: bool,
         ctx: &Ctx,
-    ) -> Result<(EnvironmentRecord, u64, Option<PathBuf>)> {
+    ) -> Result<(EnvironmentRecord, String, Option<PathBuf>)> {
         let staging = store.staging_dir(a.env_id)?;
-        let result =
-            stage_and_record(store, ec2, system_id, a, paths, unreadable, &staging, ctx).await;
+        let result = stage_and_record(
+            store, ec2, system_id, owner, a, paths, unreadable, &staging, ctx,
+        )
+        .await;
         if result.is_err() {
             let _ = store::remove_tree(&staging);
         }
@@ -378,12 +391,13 @@ mod imp {
         store: &StateStore,
         ec2: &Ec2Provider,
         system_id: &str,
+        owner: &str,
         a: &Adoptable,
         paths: &EnvPaths,
         unreadable: bool,
         staging: &Path,
         ctx: &Ctx,
-    ) -> Result<(EnvironmentRecord, u64, Option<PathBuf>)> {
+    ) -> Result<(EnvironmentRecord, String, Option<PathBuf>)> {
         let in_staging = |p: &Path| staging.join(p.file_name().unwrap_or_default());
         let mut public_key = None;
         if let Held::Machine { entry, .. } = &a.what {
@@ -400,7 +414,14 @@ mod imp {
             .with_context(|| format!("writing the pinned host key into {}", staging.display()))?;
         }
         crate::failpoint!("adopt:staged");
-        let epoch = ec2.take_over(a, public_key.as_deref(), ctx).await?;
+        let (epoch, confirmed) = ec2.take_over(a, owner, public_key.as_deref(), ctx).await?;
+        if let Confirmed::Another(now) = confirmed {
+            bail!(
+                "another host adopted it at the same time: its epoch tag is now {} (this run wrote {epoch}), \
+                 so it is that host's; no record written here",
+                now.as_deref().unwrap_or("gone")
+            );
+        }
         crate::failpoint!("adopt:tagged");
         let mut key = EnvironmentKey::new(&a.runner_id, system_id, a.env_id)
             .with_field("provider", ec2.name());
@@ -409,10 +430,7 @@ mod imp {
                 for (k, v) in ec2.key_fields(machine) {
                     key = key.with_field(&k, &v);
                 }
-                (
-                    Some(machine.clone().with(EPOCH_FIELD, epoch.to_string())),
-                    None,
-                )
+                (Some(machine.clone().with(EPOCH_FIELD, epoch.clone())), None)
             }
             Held::Volume { volume } => {
                 key = key.with_field(crate::envkey::STORAGE_FIELD, StorageMode::Volume.as_str());
@@ -421,10 +439,7 @@ mod imp {
                         key = key.with_field(&k, &v);
                     }
                 }
-                (
-                    None,
-                    Some(volume.clone().with(EPOCH_FIELD, epoch.to_string())),
-                )
+                (None, Some(volume.clone().with(EPOCH_FIELD, epoch.clone())))
             }
         };
         let now = crate::state::now_unix();
