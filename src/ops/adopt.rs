@@ -365,6 +365,7 @@ mod imp {
 
     /// Takes `a` over: its record, the epoch written, and where an
     /// unreadable record it replaced went (`unreadable`: one is there).
+    #[allow(clippy::too_many_arguments)]
     async fn adopt_one(
         store: &StateStore,
         ec2: &Ec2Provider,
