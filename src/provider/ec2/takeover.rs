@@ -5,7 +5,7 @@
 //! as found, one CreateTags call that raises the ownership epoch with the
 //! run's owner id and, in machine mode, sets the new host's SSH key for the
 //! boot hook, then the tag read back to see whose write landed last). The
-//! state side (records, keys, events) is `ops/adopt.rs`.
+//! state side (records, keys, events) is `ops/adopt/`.
 //!
 //! What is adopted: a machine-mode environment whose instance is `stopped`
 //! and carries a way back in (`handover::entry`); a volume-mode environment
