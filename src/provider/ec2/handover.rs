@@ -3,7 +3,10 @@
 //! keeps it there: tags on the instance (and on a data volume).
 //!
 //! - `dormant:epoch`: the ownership epoch, `1` at creation. A take-over
-//!   raises it; the record keeps the epoch it was made or adopted with.
+//!   raises it and writes it with the taking host's owner id
+//!   (`<number>/<owner>`, [`epoch_value`]); the record keeps the whole value
+//!   it was made or adopted with, so two hosts that both wrote epoch N+1 do
+//!   not both match it.
 //! - `dormant:suspended-at`: unix seconds of the environment's last
 //!   suspension, written before the instance is stopped (machine mode) and
 //!   after the data volume is detached (volume mode), so the TTL still counts
@@ -183,17 +186,45 @@ pub fn number(tags: &BTreeMap<String, String>, name: &str) -> Result<Option<u64>
     }
 }
 
+/// The number of an epoch tag value (`3`, or `3/<owner>` after a take-over);
+/// `None` when it is not one.
+pub fn epoch_number(value: &str) -> Option<u64> {
+    let v = value.trim();
+    v.split_once('/').map_or(v, |(n, _)| n).parse().ok()
+}
+
+/// The owner id in an epoch tag value written by a take-over, if any.
+pub fn epoch_owner(value: &str) -> Option<&str> {
+    value.trim().split_once('/').map(|(_, o)| o)
+}
+
+/// The epoch tag value a take-over by `owner` writes for epoch `n`.
+pub fn epoch_value(n: u64, owner: &str) -> String {
+    format!("{n}/{owner}")
+}
+
+/// A new owner id for one `dormant adopt` run: random, so two hosts (or two
+/// runs) never write the same epoch value.
+pub fn new_owner_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
 /// Whether a record may act on an instance or data volume: the ownership
 /// epoch it recorded (`recorded`) must be the one the tags carry now
-/// (`tagged`; absent: 0). A record without one (made before epochs, or a
-/// data volume's record from its creation) may act only while nobody has
-/// taken the environment over: a take-over always writes an epoch above
+/// (`tagged`; absent: 0) — the number and, after a take-over, the owner id
+/// (two hosts adopting at once may both write epoch N+1: only the one whose
+/// value the tag kept may act). A record without one (made before epochs,
+/// or a data volume's record from its creation) may act only while nobody
+/// has taken the environment over: a take-over always writes an epoch above
 /// [`FIRST_EPOCH`].
 pub fn epoch_matches(recorded: Option<&str>, tagged: Option<&str>) -> bool {
-    let tagged: u64 = tagged.and_then(|t| t.trim().parse().ok()).unwrap_or(0);
-    match recorded.and_then(|r| r.trim().parse::<u64>().ok()) {
-        Some(r) => r == tagged,
-        None => tagged <= FIRST_EPOCH,
+    let parse = |v: &str| (epoch_number(v), epoch_owner(v).map(str::to_string));
+    let tagged_number = tagged.and_then(epoch_number).unwrap_or(0);
+    match recorded.map(parse) {
+        Some((Some(n), owner)) => {
+            n == tagged_number && owner == tagged.and_then(epoch_owner).map(str::to_string)
+        }
+        _ => tagged_number <= FIRST_EPOCH,
     }
 }
 

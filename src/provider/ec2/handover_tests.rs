@@ -255,3 +255,32 @@ fn a_record_acts_only_with_the_epoch_the_tags_carry() {
     assert_eq!(next_epoch(2), 3);
     assert!(!epoch_matches(None, Some(&next_epoch(0).to_string())));
 }
+
+#[test]
+fn two_hosts_that_wrote_the_same_epoch_number_do_not_both_match() {
+    let (a, b) = (new_owner_id(), new_owner_id());
+    assert_ne!(a, b);
+    let (va, vb) = (epoch_value(2, &a), epoch_value(2, &b));
+    assert_eq!(epoch_number(&va), Some(2));
+    assert_eq!(epoch_owner(&va), Some(a.as_str()));
+    assert_eq!(epoch_number("7"), Some(7));
+    assert_eq!(epoch_owner("7"), None);
+    assert_eq!(epoch_number("x/y"), None);
+    // The tag kept b's write: only b's record may act.
+    assert!(epoch_matches(Some(&vb), Some(&vb)));
+    assert!(
+        !epoch_matches(Some(&va), Some(&vb)),
+        "the same number, another owner"
+    );
+    assert!(
+        !epoch_matches(Some("2"), Some(&vb)),
+        "a number alone is not the owner's"
+    );
+    assert!(!epoch_matches(Some(&va), Some("2")));
+    assert!(
+        !epoch_matches(None, Some(&vb)),
+        "taken over: above the first epoch"
+    );
+    // Values written before owner ids still match themselves.
+    assert!(epoch_matches(Some(" 3"), Some("3")));
+}

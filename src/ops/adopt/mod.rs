@@ -10,8 +10,11 @@
 //!
 //! 1. a staging directory with a new SSH key pair and, in machine mode, a
 //!    known_hosts holding the host key pinned at creation (from its tag);
-//! 2. one CreateTags call: the next ownership epoch and, in machine mode, the
-//!    new public key for the boot hook (`adopt:staged` before it);
+//! 2. one CreateTags call: the next ownership epoch with this run's owner id
+//!    and, in machine mode, the new public key for the boot hook
+//!    (`adopt:staged` before it), read back: another owner's value there
+//!    means another host adopted it at the same time and wrote last, and
+//!    this run writes no record (docs/ec2.md, "Two hosts adopting at once");
 //! 3. the record — suspended, its original suspension time, the new epoch —
 //!    written into the staging directory and renamed into place with the
 //!    key files (`adopt:tagged` before it, `adopt:recorded` after);
@@ -88,6 +91,9 @@ mod imp {
 }
 
 #[cfg(feature = "ec2")]
+mod pending;
+
+#[cfg(feature = "ec2")]
 mod imp {
     use std::path::{Path, PathBuf};
 
@@ -101,7 +107,7 @@ mod imp {
     use crate::job::Job;
     use crate::model::{EnvPaths, StorageMode};
     use crate::ops::{open_store, OPERATOR_BUDGET};
-    use crate::provider::ec2::takeover::{Adoptable, Held};
+    use crate::provider::ec2::takeover::{Adoptable, Confirmed, Held};
     use crate::provider::ec2::Ec2Provider;
     use crate::provider::Provider;
     use crate::settings::Settings;
@@ -109,6 +115,8 @@ mod imp {
     use crate::state::{registry, store, Adopted, EnvironmentRecord, StateStore};
 
     use crate::provider::ec2::EPOCH_FIELD;
+
+    use super::pending::{adopted_reason, record_pending_events};
 
     pub async fn adopt(
         settings: &Settings,
@@ -128,6 +136,9 @@ mod imp {
             bail!("could not take {}", lock_path.display());
         };
         record_pending_events(&store, &events, &ctx).await;
+        // This run's owner id, written with every epoch it takes: a host
+        // adopting the same environment at once writes another one.
+        let owner = crate::provider::ec2::handover::new_owner_id();
         let runner = settings.runner_id.as_deref().map(str::trim);
         log.info(format!(
             "looking for environments of system {system_id}{} to adopt",
@@ -177,6 +188,7 @@ mod imp {
                 &store,
                 &ec2,
                 &system_id,
+                &owner,
                 a,
                 &paths,
                 unreadable.is_some(),
@@ -186,7 +198,7 @@ mod imp {
             {
                 Ok((rec, epoch, quarantined)) => {
                     let mut line = describe(&rec, a);
-                    let mut reason = adopted_reason(&resource, epoch);
+                    let mut reason = adopted_reason(&resource, &epoch);
                     if let (Some(q), Some(why)) = (&quarantined, &unreadable) {
                         line.push_str(&format!(
                             "; its record here could not be read ({why}) and was moved to {} (kept for you \
@@ -243,100 +255,6 @@ mod imp {
         Ok(report)
     }
 
-    /// The reason of an `adopted` event; the epoch makes it that take-over's
-    /// (a later adopt looks for it before writing one it finds pending).
-    fn adopted_reason(resource: &str, epoch: u64) -> String {
-        format!("taken over from the cloud: {resource} (ownership epoch {epoch})")
-    }
-
-    /// Writes the `adopted` events an earlier run was killed before writing:
-    /// every environment here with an `adopted.pending` marker gets its
-    /// event, unless the log already has it (that run was killed between the
-    /// event and the marker's removal); then the marker goes. A failure is a
-    /// warning: the marker stays for the next run.
-    async fn record_pending_events(store: &StateStore, events: &EventLog, ctx: &Ctx) {
-        let ids = match store.environment_ids() {
-            Ok(ids) => ids,
-            Err(e) => {
-                ctx.log.warn(format!(
-                    "looking for adopted events still to be recorded: {e:#}"
-                ));
-                return;
-            }
-        };
-        for id in ids {
-            let paths = store.env_paths(id);
-            let marker = paths.dir.join(PENDING_EVENT);
-            let Ok(text) = std::fs::read_to_string(&marker) else {
-                continue;
-            };
-            let mut lines = text.lines();
-            let (Some(epoch), resource) = (
-                lines.next().and_then(|l| l.trim().parse::<u64>().ok()),
-                lines.next().unwrap_or("?").trim().to_string(),
-            ) else {
-                // Cut short by a power loss (markers are not fsynced): what
-                // is lost is at most this one event.
-                ctx.log.warn(format!(
-                    "{} is not an epoch and a resource: removed; the adopted event of environment {id} \
-                     may be missing from the event log",
-                    marker.display()
-                ));
-                let _ = store::remove_file(&marker);
-                continue;
-            };
-            let reason = adopted_reason(&resource, epoch);
-            let written = match already_recorded(events, id, &reason) {
-                Ok(w) => w,
-                Err(e) => {
-                    ctx.log.warn(format!(
-                        "reading the event log for environment {id}'s adopted event: {e:#}"
-                    ));
-                    continue;
-                }
-            };
-            if !written {
-                let rec = match registry::peek(&paths) {
-                    Ok(Some(rec)) => rec,
-                    _ => continue, // released meanwhile, or unreadable: nothing to say it of
-                };
-                let event = Event::about(Kind::Adopted, "operator", &rec).reason(&format!(
-                    "{reason}; recorded by a later `dormant adopt` (the one that took it over was killed \
-                     before it could)"
-                ));
-                if let Err(e) = events.append(&event, ctx).await {
-                    ctx.log.warn(format!(
-                        "the adopted event of environment {id} is still not recorded ({e:#}): the next \
-                         `dormant adopt` tries again"
-                    ));
-                    continue;
-                }
-                ctx.log.info(format!(
-                    "recorded the adopted event of environment {id} that an earlier `dormant adopt` was \
-                     killed before writing"
-                ));
-            }
-            let _ = store::remove_file(&marker);
-        }
-    }
-
-    /// Whether the log holds environment `id`'s `adopted` event with `reason`
-    /// (a later note may follow it).
-    fn already_recorded(events: &EventLog, id: uuid::Uuid, reason: &str) -> Result<bool> {
-        let mut found = false;
-        crate::events::read::read_from(events.dir(), None, &mut |line| {
-            if let crate::events::read::Line::Event(e, _) = line {
-                if e.env == Some(id)
-                    && e.event == Kind::Adopted.as_str()
-                    && e.reason.as_deref().is_some_and(|r| r.starts_with(reason))
-                {
-                    found = true;
-                }
-            }
-        })?;
-        Ok(found)
-    }
-
     fn describe(rec: &EnvironmentRecord, a: &Adoptable) -> String {
         let what = match &a.what {
             Held::Machine { machine, .. } => format!("machine mode, instance {}", machine.id),
@@ -355,18 +273,22 @@ mod imp {
 
     /// Takes `a` over: its record, the epoch written, and where an
     /// unreadable record it replaced went (`unreadable`: one is there).
+    #[allow(clippy::too_many_arguments)]
     async fn adopt_one(
         store: &StateStore,
         ec2: &Ec2Provider,
         system_id: &str,
+        owner: &str,
         a: &Adoptable,
         paths: &EnvPaths,
         unreadable: bool,
         ctx: &Ctx,
-    ) -> Result<(EnvironmentRecord, u64, Option<PathBuf>)> {
+    ) -> Result<(EnvironmentRecord, String, Option<PathBuf>)> {
         let staging = store.staging_dir(a.env_id)?;
-        let result =
-            stage_and_record(store, ec2, system_id, a, paths, unreadable, &staging, ctx).await;
+        let result = stage_and_record(
+            store, ec2, system_id, owner, a, paths, unreadable, &staging, ctx,
+        )
+        .await;
         if result.is_err() {
             let _ = store::remove_tree(&staging);
         }
@@ -378,12 +300,13 @@ mod imp {
         store: &StateStore,
         ec2: &Ec2Provider,
         system_id: &str,
+        owner: &str,
         a: &Adoptable,
         paths: &EnvPaths,
         unreadable: bool,
         staging: &Path,
         ctx: &Ctx,
-    ) -> Result<(EnvironmentRecord, u64, Option<PathBuf>)> {
+    ) -> Result<(EnvironmentRecord, String, Option<PathBuf>)> {
         let in_staging = |p: &Path| staging.join(p.file_name().unwrap_or_default());
         let mut public_key = None;
         if let Held::Machine { entry, .. } = &a.what {
@@ -400,7 +323,14 @@ mod imp {
             .with_context(|| format!("writing the pinned host key into {}", staging.display()))?;
         }
         crate::failpoint!("adopt:staged");
-        let epoch = ec2.take_over(a, public_key.as_deref(), ctx).await?;
+        let (epoch, confirmed) = ec2.take_over(a, owner, public_key.as_deref(), ctx).await?;
+        if let Confirmed::Another(now) = confirmed {
+            bail!(
+                "another host adopted it at the same time: its epoch tag is now {} (this run wrote {epoch}), \
+                 so it is that host's; no record written here",
+                now.as_deref().unwrap_or("gone")
+            );
+        }
         crate::failpoint!("adopt:tagged");
         let mut key = EnvironmentKey::new(&a.runner_id, system_id, a.env_id)
             .with_field("provider", ec2.name());
@@ -409,10 +339,7 @@ mod imp {
                 for (k, v) in ec2.key_fields(machine) {
                     key = key.with_field(&k, &v);
                 }
-                (
-                    Some(machine.clone().with(EPOCH_FIELD, epoch.to_string())),
-                    None,
-                )
+                (Some(machine.clone().with(EPOCH_FIELD, epoch.clone())), None)
             }
             Held::Volume { volume } => {
                 key = key.with_field(crate::envkey::STORAGE_FIELD, StorageMode::Volume.as_str());
@@ -421,10 +348,7 @@ mod imp {
                         key = key.with_field(&k, &v);
                     }
                 }
-                (
-                    None,
-                    Some(volume.clone().with(EPOCH_FIELD, epoch.to_string())),
-                )
+                (None, Some(volume.clone().with(EPOCH_FIELD, epoch.clone())))
             }
         };
         let now = crate::state::now_unix();
