@@ -109,7 +109,9 @@ async fn describe_errors_never_retire_a_ready_warm_instance_in_the_refill_or_the
     );
     assert_eq!(r.ready, 1);
 
-    // A prepare's take: its one DescribeInstances fails. Not taken, not retired.
+    // A prepare's take: its look at the warm instance fails (the take's first
+    // DescribeInstances, `Provider::find` asking whether the environment
+    // already has a machine, answers). Not taken, not retired.
     let env_id = uuid::Uuid::new_v4();
     let paths = store.env_paths(env_id);
     std::fs::create_dir_all(&paths.dir).unwrap();
@@ -128,13 +130,14 @@ async fn describe_errors_never_retire_a_ready_warm_instance_in_the_refill_or_the
     };
     let any = AnyFit(&provider);
     env.proxy.clear_calls();
-    one_describe_fails(&env);
+    env.proxy
+        .fail("DescribeInstances", 1, 4, 503, "Unavailable");
     let taken = take(w, &any, &spec, &paths, &ctx).await.unwrap();
     assert!(taken.is_none(), "not handed out on a guess");
     assert_eq!(
         env.proxy.count("DescribeInstances"),
-        4,
-        "the fault was used"
+        5,
+        "the find, then the fault used on the look at the warm instance"
     );
     assert_eq!(ready(), Some(WarmStatus::Ready), "{}", logged());
     assert!(
