@@ -76,6 +76,9 @@ pub enum Kind {
     /// was taken by an environment, or retired; or a prepare found none
     /// (`missed`). Its cause says which ([`WARM_CAUSES`]).
     Warm,
+    /// Someone joined a running job: `dormant attach` to watch it, or
+    /// `dormant shell` beside it ([`JOINED_CAUSES`]); `user` says who.
+    Joined,
 }
 
 impl Kind {
@@ -92,6 +95,7 @@ impl Kind {
             Kind::NotifyFailed => "notify_failed",
             Kind::Adopted => "adopted",
             Kind::Warm => "warm",
+            Kind::Joined => "joined",
         }
     }
 }
@@ -285,6 +289,8 @@ pub const NOTIFY_EVENTS: [&str; 4] = ["suspend", "resume", "release", "expire"];
 pub const RECOVERED_CAUSES: [&str; 3] = ["release", "suspend", "resuspend"];
 /// The causes of a `warm` line.
 pub const WARM_CAUSES: [&str; 5] = ["launched", "ready", "taken", "missed", "retired"];
+/// The causes of a `joined` line: how someone joined a running job.
+pub const JOINED_CAUSES: [&str; 2] = ["attach", "shell"];
 /// The scopes of a `sweep` line (its cause).
 pub const SWEEP_SCOPES: [&str; 2] = ["full", "slice"];
 
@@ -332,6 +338,7 @@ pub fn known_causes() -> Vec<(&'static str, &'static str)> {
     // `dormant adopt` is the one source of adoptions.
     out.push((Kind::Adopted.as_str(), "operator"));
     out.extend(WARM_CAUSES.iter().map(|c| (Kind::Warm.as_str(), *c)));
+    out.extend(JOINED_CAUSES.iter().map(|c| (Kind::Joined.as_str(), *c)));
     out
 }
 
@@ -404,6 +411,10 @@ pub struct Event {
     /// `warm`: the warm machine's id (`dormant list` shows it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm: Option<uuid::Uuid>,
+    /// `joined`: the local user who ran the command (`alice`; under sudo
+    /// `root (sudo by alice)`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 impl Event {
@@ -436,6 +447,7 @@ impl Event {
             from: None,
             sweep: None,
             warm: None,
+            user: None,
         }
     }
 
@@ -460,6 +472,18 @@ impl Event {
         if let Some(job) = holder.job_id() {
             self.job = Some(job);
         }
+        self
+    }
+
+    /// Who did it, in words, when it is not a holder (`dormant attach (pid 9)`).
+    pub fn by_text(mut self, by: &str) -> Event {
+        self.by = Some(by.to_string());
+        self
+    }
+
+    /// The local user who did it.
+    pub fn user(mut self, user: &str) -> Event {
+        self.user = Some(cut(user, REASON_MAX));
         self
     }
 
