@@ -35,6 +35,17 @@ pub struct Mark {
     path: PathBuf,
 }
 
+impl Mark {
+    /// Whether the job's cleanup has begun ending the joined shells (it
+    /// marks each before, and removes the marks after).
+    pub fn ended_by_cleanup(&self) -> bool {
+        std::fs::read_to_string(&self.path).map_or(true, |t| t.starts_with(ENDING))
+    }
+}
+
+/// What cleanup writes into each mark before it ends the shells.
+const ENDING: &str = "ending";
+
 impl Drop for Mark {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
@@ -70,6 +81,15 @@ pub fn any(paths: &EnvPaths) -> bool {
 pub async fn end_all(paths: &EnvPaths, transport: Option<&dyn Transport>, job: u64, ctx: &Ctx) {
     if !any(paths) {
         return;
+    }
+    // Each join learns why its shell ended (the mark stays until they are).
+    if let Ok(entries) = std::fs::read_dir(dir(paths)) {
+        for e in entries.flatten() {
+            let _ = crate::state::store::write_private(
+                &e.path(),
+                format!("{ENDING} job {job}\n").as_bytes(),
+            );
+        }
     }
     if let Some(t) = transport {
         let ctx = ctx.uncancellable().within(END_BOUND);

@@ -230,13 +230,10 @@ async fn join(
             128 + s.number()
         }
     };
-    drop(mark);
-    let still = registry::peek(&found.paths)?
-        .and_then(|r| super::find::running_job(&r))
-        .is_some_and(|(_, j)| j == job_id);
-    if !still {
+    if mark.ended_by_cleanup() {
         log.info(format!("job {job_id} ended: its cleanup ended this shell"));
     }
+    drop(mark);
     Ok(code)
 }
 
