@@ -4,7 +4,7 @@
 //!
 //! The environment is claimed by a shell holder first (a job that tries to
 //! resume it meanwhile is refused "in use by a shell"; an environment a job
-//! holds is refused here), started if it was suspended (the provider's progress
+//! holds is joined instead, see [`join`]), started if it was suspended (the provider's progress
 //! lines, as in prepare), and entered through its own transport: an
 //! interactive login shell with the terminal in the job's project directory
 //! (`CI_PROJECT_DIR`), over the environment's own SSH key and pinned host key

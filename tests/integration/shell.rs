@@ -3,7 +3,8 @@
 //! code through; an interactive shell runs what is typed in the job's project
 //! directory; a job's resume is refused while a shell holds the environment;
 //! afterwards it is suspended again; SIGHUP leaves it suspended; `--release`
-//! releases; an environment a job holds is refused. On `local` and on `ssh`
+//! releases; an environment a job holds on `local` is not entered (the job's
+//! directory is named; joining beside a job on ssh: join.rs). On `local` and on `ssh`
 //! against the test sshd (`ec2` in ec2_shell.rs).
 
 #![allow(dead_code)]
