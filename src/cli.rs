@@ -82,6 +82,19 @@ pub enum Command {
         #[arg(last = true, value_name = "COMMAND")]
         command: Vec<String>,
     },
+    /// Watch a running job, live and read-only: the running stage's output
+    /// from its first byte, then each next stage, until the job ends (exit 0)
+    /// or Ctrl-C (exit 0, the job runs on). An environment that runs no job
+    /// shows what its last stage printed and exits 5. Exit 3: no such
+    /// environment or job here; 4: another runner manager's key.
+    Attach {
+        /// The environment's key or id, or the job's id.
+        #[arg(value_name = "KEY|ID|JOB_ID")]
+        key: String,
+        /// Start at the running stage's current end, not its first byte.
+        #[arg(long)]
+        from_now: bool,
+    },
     /// Delete suspended environments past the TTL; report machines with no record.
     Sweep {
         /// Also delete machines the provider manages that have no record (lost state).

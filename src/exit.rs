@@ -35,6 +35,53 @@ impl Failure {
     }
 }
 
+/// An operator command refused what it was asked (`dormant attach`, `dormant
+/// shell`): its own exit code, so a script can tell the cases apart. Raised
+/// as the error of a bare `?` (a system failure) and picked out of it by
+/// [`ExitCodes::exit_code`].
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct Refusal {
+    pub why: Refused,
+    pub message: String,
+}
+
+/// Why an operator command refused; each has its own exit code (README,
+/// "Operator commands"), apart from the runner's 1 and 2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// No environment or job of this runner manager by that key, id or job id.
+    NotFound,
+    /// A key of another runner manager (another system id or runner id).
+    OtherRunner,
+    /// The environment is not running a job (suspended, paused, being
+    /// released): `attach` showed what its last stage printed.
+    NotRunning,
+    /// Not on this provider (`shell` beside a job on `local`: the job's
+    /// directory is on this host, the message says where).
+    NotOnThisProvider,
+}
+
+impl Refused {
+    pub fn code(self) -> i32 {
+        match self {
+            Refused::NotFound => 3,
+            Refused::OtherRunner => 4,
+            Refused::NotRunning => 5,
+            Refused::NotOnThisProvider => 6,
+        }
+    }
+
+    /// The error to return.
+    pub fn because(self, message: impl std::fmt::Display) -> anyhow::Error {
+        Refusal {
+            why: self,
+            message: message.to_string(),
+        }
+        .into()
+    }
+}
+
 /// The two exit codes the runner told us to use (today 1 and 2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExitCodes {
@@ -80,7 +127,10 @@ impl ExitCodes {
             }
             Err(Failure::System(e)) => {
                 let _ = writeln!(err, "dormant: {e:#}");
-                self.system_failure
+                match e.downcast_ref::<Refusal>() {
+                    Some(r) => r.why.code(),
+                    None => self.system_failure,
+                }
             }
         }
     }
@@ -125,6 +175,21 @@ mod tests {
         let text = String::from_utf8(sink).unwrap();
         assert!(text.contains("dormant: boom"), "{text}");
         assert!(text.contains("dormant: no"), "{text}");
+    }
+
+    #[test]
+    fn an_operator_refusal_has_its_own_code_and_its_message() {
+        let codes = ExitCodes::default();
+        let mut sink = Vec::new();
+        let e = Refused::NotFound.because("no environment 7");
+        assert_eq!(codes.exit_code(&Err(Failure::System(e)), &mut sink), 3);
+        let e = Refused::OtherRunner
+            .because("another's")
+            .context("attaching");
+        assert_eq!(codes.exit_code(&Err(Failure::System(e)), &mut sink), 4);
+        let text = String::from_utf8(sink).unwrap();
+        assert!(text.contains("dormant: no environment 7"), "{text}");
+        assert!(text.contains("dormant: attaching: another's"), "{text}");
     }
 
     #[test]

@@ -191,6 +191,12 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
             }
             Ok(())
         }
+        Command::Attach { key, from_now } => {
+            let req = ops::attach::AttachRequest { key, from_now };
+            let mut out = std::io::stdout();
+            ops::attach::attach(&settings, &job, &req, log, cancel, &mut out).await?;
+            Ok(())
+        }
         Command::Sweep { delete_orphans } => {
             Ok(ops::sweep::sweep(&settings, &job, delete_orphans, log, cancel).await?)
         }

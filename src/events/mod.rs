@@ -32,7 +32,7 @@ use uuid::Uuid;
 pub use append::EventLog;
 pub use vocabulary::{
     known_causes, Kind, RefuseCause, ReleaseCause, Step, SuspendCause, NOTIFY_EVENTS,
-    RECOVERED_CAUSES, SWEEP_SCOPES, WARM_CAUSES,
+    JOINED_CAUSES, RECOVERED_CAUSES, SWEEP_SCOPES, WARM_CAUSES,
 };
 
 /// The event log's directory in a state dir.
@@ -121,6 +121,10 @@ pub struct Event {
     /// `warm`: the warm machine's id (`dormant list` shows it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm: Option<uuid::Uuid>,
+    /// `joined`: the local user who ran the command (`alice`; under sudo
+    /// `root (sudo by alice)`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 impl Event {
@@ -153,6 +157,7 @@ impl Event {
             from: None,
             sweep: None,
             warm: None,
+            user: None,
         }
     }
 
@@ -177,6 +182,18 @@ impl Event {
         if let Some(job) = holder.job_id() {
             self.job = Some(job);
         }
+        self
+    }
+
+    /// Who did it, in words, when it is not a holder (`dormant attach (pid 9)`).
+    pub fn by_text(mut self, by: &str) -> Event {
+        self.by = Some(by.to_string());
+        self
+    }
+
+    /// The local user who did it.
+    pub fn user(mut self, user: &str) -> Event {
+        self.user = Some(cut(user, REASON_MAX));
         self
     }
 

@@ -33,6 +33,9 @@ pub enum Kind {
     /// was taken by an environment, or retired; or a prepare found none
     /// (`missed`). Its cause says which ([`WARM_CAUSES`]).
     Warm,
+    /// Someone joined a running job: `dormant attach` to watch it, or
+    /// `dormant shell` beside it ([`JOINED_CAUSES`]); `user` says who.
+    Joined,
 }
 
 impl Kind {
@@ -49,6 +52,7 @@ impl Kind {
             Kind::NotifyFailed => "notify_failed",
             Kind::Adopted => "adopted",
             Kind::Warm => "warm",
+            Kind::Joined => "joined",
         }
     }
 }
@@ -242,6 +246,8 @@ pub const NOTIFY_EVENTS: [&str; 4] = ["suspend", "resume", "release", "expire"];
 pub const RECOVERED_CAUSES: [&str; 3] = ["release", "suspend", "resuspend"];
 /// The causes of a `warm` line.
 pub const WARM_CAUSES: [&str; 5] = ["launched", "ready", "taken", "missed", "retired"];
+/// The causes of a `joined` line: how someone joined a running job.
+pub const JOINED_CAUSES: [&str; 2] = ["attach", "shell"];
 /// The scopes of a `sweep` line (its cause).
 pub const SWEEP_SCOPES: [&str; 2] = ["full", "slice"];
 
@@ -289,5 +295,6 @@ pub fn known_causes() -> Vec<(&'static str, &'static str)> {
     // `dormant adopt` is the one source of adoptions.
     out.push((Kind::Adopted.as_str(), "operator"));
     out.extend(WARM_CAUSES.iter().map(|c| (Kind::Warm.as_str(), *c)));
+    out.extend(JOINED_CAUSES.iter().map(|c| (Kind::Joined.as_str(), *c)));
     out
 }

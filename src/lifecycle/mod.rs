@@ -12,6 +12,7 @@
 //! and retires warm machines, `warm_refill` refills the pool.
 
 pub mod guest;
+pub mod joined;
 pub mod lost;
 pub mod recover;
 pub mod sweep;

@@ -167,6 +167,9 @@ pub fn detail(e: &Event) -> String {
     if let Some(by) = &e.by {
         parts.push(format!("by {by}"));
     }
+    if let Some(user) = &e.user {
+        parts.push(format!("user {user}"));
+    }
     if let Some(from) = &e.from {
         parts.push(format!("from {from}"));
     }

@@ -1,10 +1,12 @@
 //! Operator commands beside the four stages: `list`, `inspect`, `events`,
 //! `release`, `sweep`, `adopt` (take over a lost host's EC2 environments),
-//! `metrics`, `shell`, `warm` (top up the warm pool), and `try`, which drives a whole job like GitLab Runner
+//! `metrics`, `shell`, `attach` (watch a running job), `warm` (top up the warm pool), and `try`, which drives a whole job like GitLab Runner
 //! would. They use the lifecycle (`crate::lifecycle`), never a stage.
 
 pub mod adopt;
+pub mod attach;
 pub mod events;
+pub mod find;
 pub mod list;
 pub mod metrics;
 pub mod release;

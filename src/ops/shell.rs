@@ -4,7 +4,7 @@
 //!
 //! The environment is claimed by a shell holder first (a job that tries to
 //! resume it meanwhile is refused "in use by a shell"; an environment a job
-//! holds is refused here), started if it was suspended (the provider's progress
+//! holds is joined instead, see [`join`]), started if it was suspended (the provider's progress
 //! lines, as in prepare), and entered through its own transport: an
 //! interactive login shell with the terminal in the job's project directory
 //! (`CI_PROJECT_DIR`), over the environment's own SSH key and pinned host key
@@ -26,7 +26,9 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::context::{Ctx, JobLog};
 use crate::events::{Event, EventLog, Kind, ReleaseCause, Step, SuspendCause};
+use crate::exit::Refused;
 use crate::job::Job;
+use crate::lifecycle::joined;
 use crate::lifecycle::recover::{self, Found};
 use crate::lifecycle::volume::{self, Relaunch};
 use crate::lifecycle::{self, update_error, Reason, World};
@@ -35,10 +37,10 @@ use crate::notify::{self, Audience, Notification};
 use crate::settings::Settings;
 use crate::state::lock::LiveLock;
 use crate::state::registry::{self, UpdateError};
-use crate::state::{EnvironmentRecord, Holder};
+use crate::state::{EnvStatus, EnvironmentRecord, Holder};
 use crate::transport::Transport;
 
-use super::{env_id, open_store, OPERATOR_BUDGET};
+use super::{open_store, OPERATOR_BUDGET};
 
 /// What the person asked for.
 #[derive(Debug, Clone, Default)]
@@ -54,7 +56,11 @@ pub struct ShellRequest {
 /// or the login shell's).
 pub async fn shell(settings: &Settings, job: &Job, req: &ShellRequest, log: JobLog) -> Result<i32> {
     let store = open_store(settings, job)?;
-    let id = env_id(&req.key)?;
+    let found = super::find::find(settings, &store, &req.key)?;
+    if found.running_job().is_some() || found.job.is_some() {
+        return join(settings, job, &store, &found, req, log).await;
+    }
+    let id = found.paths.id;
     let paths = store.env_paths(id);
     let provider = crate::provider::from_settings(settings, &store)?;
     let events = EventLog::new(store.root(), &settings.events);
@@ -116,6 +122,119 @@ pub async fn shell(settings: &Settings, job: &Job, req: &ShellRequest, log: JobL
         (Ok(_), Err(e)) => Err(e),
         (Err(e), Err(s)) => Err(e.context(format!("and settling environment {id}: {s:#}"))),
     }
+}
+
+/// `dormant shell` on an environment a job holds: a shell (or the command)
+/// on the job's machine, in its project directory, beside the job, over a
+/// connection of its own. It claims nothing (the job's exit suspends or
+/// releases the environment as it would have); the job's cleanup ends it
+/// (`lifecycle::joined`). A `local` environment has no machine to join: the
+/// message says where the job's directory is on this host.
+async fn join(
+    settings: &Settings,
+    job: &Job,
+    store: &crate::state::StateStore,
+    found: &super::find::Found,
+    req: &ShellRequest,
+    log: JobLog,
+) -> Result<i32> {
+    let id = found.paths.id;
+    let rec = &found.record;
+    let job_id = match (found.running_job(), found.job) {
+        (Some((_, running)), asked) if asked.is_none_or(|a| a == running) => running,
+        _ => {
+            return Err(Refused::NotRunning.because(format!(
+                "job {} runs no stage: its environment {id} is {}; `dormant shell` with the \
+                 environment's key opens it once it is suspended",
+                found.job.unwrap_or_default(),
+                rec.status().as_str()
+            )))
+        }
+    };
+    if rec.status() != EnvStatus::Active {
+        return Err(Refused::NotRunning.because(format!(
+            "job {job_id} is still preparing environment {id} ({}): retry once its first stage runs",
+            rec.status().as_str()
+        )));
+    }
+    if req.release {
+        bail!(
+            "--release cannot be used beside a running job: environment {id} belongs to job \
+             {job_id} until it ends (its triggers decide what becomes of it)"
+        );
+    }
+    let machine = rec
+        .machine
+        .clone()
+        .with_context(|| format!("environment {id} has no machine"))?;
+    let provider = crate::provider::from_settings(settings, store)?;
+    let target = provider.target(&machine)?;
+    let dir = project_dir(settings, &found.paths, rec)?;
+    if matches!(target, crate::model::Target::Local { .. }) {
+        return Err(Refused::NotOnThisProvider.because(format!(
+            "environment {id} is a local one: job {job_id} runs on this host, in {dir}; look \
+             there as the runner's user (`cd {dir}`): there is no machine to open a shell on"
+        )));
+    }
+    let events = EventLog::new(store.root(), &settings.events);
+    let ctx = Ctx::new(log.clone(), Default::default(), OPERATOR_BUDGET);
+    let user = super::attach::local_user(job);
+    let event = Event::about(Kind::Joined, "shell", rec)
+        .by_text(&format!("dormant shell (pid {})", std::process::id()))
+        .job(Some(job_id))
+        .user(&user);
+    events.record(event, &ctx).await;
+    let nonce = format!("{:016x}", fastrand::u64(..));
+    // Intent before effect: the job's cleanup finds the mark and ends the
+    // shell, whatever becomes of this process.
+    let mark = joined::mark(&found.paths, &nonce)?;
+    let transport = crate::transport::open(&target, &found.paths, settings, job)?;
+    let line = (!req.command.is_empty()).then(|| req.command.join(" "));
+    // SAFETY: isatty only inspects the descriptor.
+    let tty = line.is_none() && unsafe { libc::isatty(0) } == 1;
+    if line.is_none() {
+        log.info(format!(
+            "opening a shell in {dir} beside job {job_id} (it runs on; this shell holds nothing \
+             and ends when the job does, at most {} s into its cleanup)",
+            joined::END_BOUND.as_secs()
+        ));
+    }
+    let mut cmd = transport
+        .join_command(&dir, line.as_deref(), tty, &nonce, &ctx)
+        .await?;
+    // SAFETY: prctl only sets this child's parent-death signal: a `dormant
+    // shell` killed outright takes its ssh client (and the connection) along.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
+    let mut child = cmd
+        .stdin(Stdio::inherit())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting ssh for the shell")?;
+    let signals = Signals::new()?;
+    let code = tokio::select! {
+        status = child.wait() => {
+            let status = status.context("waiting for the shell")?;
+            status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+        }
+        s = signals.any(false) => {
+            log.info(format!("{s}: ending the shell; job {job_id} runs on"));
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+            128 + s.number()
+        }
+    };
+    if mark.ended_by_cleanup() {
+        log.info(format!("job {job_id} ended: its cleanup ended this shell"));
+    }
+    drop(mark);
+    Ok(code)
 }
 
 /// Claims the environment as a shell: a suspended one becomes `resuming`

@@ -225,6 +225,10 @@ async fn settle_environment(
             stop_leftovers(s, rec, paths, transport, ctx).await;
         }
     }
+    if settle != Settle::Nothing {
+        // Shells joined beside the job (`dormant shell`) end with it.
+        lifecycle::joined::end_all(paths, transport, state.job_id, ctx).await;
+    }
     let w = s.world();
     let result = match settle {
         Settle::Nothing => Ok(()),

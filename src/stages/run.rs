@@ -16,6 +16,7 @@ use crate::exit::{write_build_exit_code, Failure};
 use crate::lifecycle::lost::{self, MACHINE_LOST};
 use crate::model::StorageMode;
 use crate::state::job::{hold_job_alive, LockedJob};
+use crate::state::stage_output::{self, StageNow};
 use crate::state::{registry, JobState, Mode, Phase, StageRecord, StageResult};
 use crate::transport::{MachineLost, Ran, Script, ScriptExit};
 
@@ -105,6 +106,26 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
     let marked_before = paths.stages_left.exists();
     crate::transport::write_private(&paths.stages_left, b"")
         .with_context(|| format!("marking {} (a stage runs)", paths.stages_left.display()))?;
+    // The job log's copy for `dormant attach`: a watcher learns of the stage
+    // here. Never fails the stage (it would run unwatched).
+    let now = StageNow {
+        version: crate::state::store::FORMAT_VERSION,
+        runner: s.runner_id.clone(),
+        job: s.job_id(),
+        stage: stage.to_string(),
+        id: id.clone(),
+        started_ms: stage_output::now_ms(),
+        ended: None,
+    };
+    let copy = match stage_output::begin(&paths, &now) {
+        Ok(copy) => Some(copy),
+        Err(e) => {
+            s.log.warn(format!(
+                "{stage} runs without a copy of its output for `dormant attach`: {e:#}"
+            ));
+            None
+        }
+    };
     let started = Instant::now();
     let result = transport
         .run_script(
@@ -115,11 +136,24 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
                 watch: job_code.then_some(request_file.as_str()),
                 id: &id,
                 machine: Some(&check),
+                copy: copy.as_ref(),
             },
             &ctx,
         )
         .await;
     tracing::debug!(stage, elapsed = ?started.elapsed(), "stage finished");
+    if let Some(copy) = &copy {
+        let code = match &result {
+            Ok(Ran {
+                exit: ScriptExit::Code(c),
+                ..
+            }) => Some(*c),
+            _ => None,
+        };
+        if let Err(e) = stage_output::end(&paths, now, code, copy) {
+            tracing::debug!("recording the end of {stage} for `dormant attach`: {e:#}");
+        }
+    }
     if !marked_before && matches!(&result, Ok(ran) if !ran.left_running) {
         let _ = std::fs::remove_file(&paths.stages_left);
     }

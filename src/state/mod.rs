@@ -10,6 +10,8 @@
 //!   entry of one environment ([`record::EnvironmentRecord`]), beside its SSH key,
 //!   known_hosts and, for the `local` provider, its work directory.
 //! - `environments/.new-*`: a record being created (renamed into place).
+//! - `environments/<id>/output/`: a copy of what the running (or last) stage
+//!   printed, for `dormant attach` ([`stage_output`]).
 //! - `warm/<id>/`: a warm machine booted ahead of any job ([`pool`]).
 //! - `trash/`: directories being deleted (renamed here first).
 
@@ -18,6 +20,7 @@ pub mod lock;
 pub mod pool;
 pub mod record;
 pub mod registry;
+pub mod stage_output;
 pub mod store;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

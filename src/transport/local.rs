@@ -164,7 +164,7 @@ impl Transport for LocalTransport {
             .with_context(|| format!("starting {} for {}", self.shell.display(), script.stage))?;
         let out_read = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(out_read))
             .context("reading the script's output")?;
-        let copy = relay::copy_to_stdout(out_read);
+        let copy = relay::copy_to_stdout(out_read, script.copy);
         tokio::pin!(copy);
         let mut copying = true;
         let status = loop {

@@ -94,6 +94,9 @@ pub struct Script<'a> {
     pub id: &'a str,
     /// Whether the machine can still come back while its connection is lost.
     pub machine: Option<&'a dyn MachineCheck>,
+    /// Where the stage's job log is copied as it is written, for `dormant
+    /// attach` (`crate::state::stage_output`); `None`: nowhere.
+    pub copy: Option<&'a crate::state::stage_output::OutputCopy>,
 }
 
 /// How one of dormant's own commands in the environment ended ([`Transport::exec`]).
@@ -160,6 +163,30 @@ pub trait Transport: Send + Sync {
     ) -> Result<tokio::process::Command> {
         let _ = (dir, command, tty, ctx);
         anyhow::bail!("this transport cannot open a shell in the environment")
+    }
+
+    /// `dormant shell` beside a running job: like [`Self::shell_command`],
+    /// but over a connection of its own (the job's is not touched), and
+    /// registered on the machine under `nonce` so the job's cleanup can end
+    /// it ([`Self::end_joined`]).
+    async fn join_command(
+        &self,
+        dir: &str,
+        command: Option<&str>,
+        tty: bool,
+        nonce: &str,
+        ctx: &Ctx,
+    ) -> Result<tokio::process::Command> {
+        let _ = (dir, command, tty, nonce, ctx);
+        anyhow::bail!("this transport cannot open a shell beside a running job")
+    }
+
+    /// The job's cleanup: tells every shell joined beside the job
+    /// (`message`), ends it with everything it started, and removes what it
+    /// left on the machine. Bounded by `ctx`.
+    async fn end_joined(&self, message: &str, ctx: &Ctx) -> Result<()> {
+        let _ = (message, ctx);
+        Ok(())
     }
 }
 

@@ -22,9 +22,13 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 /// pipe open that long; output in flight takes milliseconds).
 pub const DRAIN_GRACE: Duration = Duration::from_secs(1);
 
-/// Copies `from` to dormant's stdout until end of file or a read error.
-/// Each chunk is flushed as it comes, so the job log stays live.
-pub async fn copy_to_stdout<R: AsyncRead + Unpin>(mut from: R) {
+/// Copies `from` to dormant's stdout (and to `copy`, for `dormant attach`)
+/// until end of file or a read error. Each chunk is flushed as it comes, so
+/// the job log stays live.
+pub async fn copy_to_stdout<R: AsyncRead + Unpin>(
+    mut from: R,
+    copy: Option<&crate::state::stage_output::OutputCopy>,
+) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         match from.read(&mut buf).await {
@@ -34,6 +38,9 @@ pub async fn copy_to_stdout<R: AsyncRead + Unpin>(mut from: R) {
                 // The runner stopped reading: nothing left to show the output to.
                 if out.write_all(&buf[..n]).and_then(|()| out.flush()).is_err() {
                     return;
+                }
+                if let Some(copy) = copy {
+                    copy.append(&buf[..n]);
                 }
             }
         }

@@ -3,6 +3,7 @@
 //! provider, a private sshd on loopback, an EC2 emulator on loopback, or real
 //! QEMU virtual machines forwarding SSH to loopback.
 
+mod attach;
 mod core;
 #[cfg(feature = "testing")]
 mod crash;
@@ -56,6 +57,7 @@ mod harness;
 mod hygiene;
 mod job_request;
 mod job_variables;
+mod join;
 #[cfg(feature = "testing")]
 mod lifecycle;
 mod metrics;

@@ -120,7 +120,7 @@ pub async fn run_once(
         }
         reports
     };
-    let copy = relay::copy_to_stdout(stdout);
+    let copy = relay::copy_to_stdout(stdout, script.copy);
     tokio::pin!(writer, reader, copy);
 
     // The stage ends with the wrapper's reports. SIGTERM escalates: `TERM`

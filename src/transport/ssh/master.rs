@@ -94,6 +94,46 @@ impl Master {
         format!("dormant-{}", self.paths.id)
     }
 
+    /// A plain `ssh` to the machine on a connection of its own (no master:
+    /// a `dormant shell` beside a running job must not share, start or hold
+    /// the job's), with the environment's key, config and pinned host key;
+    /// the remote command and `-t`/`-T` are the caller's to add.
+    pub fn own_connection(&self) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new("ssh");
+        let o = |k: &str, v: String| ["-o".to_string(), format!("{k}={v}")];
+        cmd.arg("-F")
+            .arg(self.config_file())
+            .arg("-i")
+            .arg(self.identity())
+            .args(o("IdentitiesOnly", "yes".into()))
+            .args(o(
+                "UserKnownHostsFile",
+                self.paths.known_hosts.display().to_string(),
+            ))
+            .args(o("StrictHostKeyChecking", "yes".into()))
+            .args(o("BatchMode", "yes".into()))
+            .args(o("ControlMaster", "no".into()))
+            .args(o("ControlPath", "none".into()))
+            .args(o(
+                "ConnectTimeout",
+                self.settings.connect_timeout.as_secs().max(1).to_string(),
+            ))
+            .args(o(
+                "ServerAliveInterval",
+                self.settings
+                    .server_alive_interval
+                    .as_secs()
+                    .max(1)
+                    .to_string(),
+            ))
+            .arg("-p")
+            .arg(self.target.port.to_string())
+            .arg("-l")
+            .arg(&self.target.user)
+            .arg(&self.target.host);
+        cmd
+    }
+
     /// The ssh config file every ssh process of this environment reads (`-F`).
     pub fn config_file(&self) -> PathBuf {
         self.paths.dir.join("ssh_config")

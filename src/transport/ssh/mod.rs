@@ -207,6 +207,34 @@ impl Transport for SshTransport {
         })
     }
 
+    async fn join_command(
+        &self,
+        dir: &str,
+        command: Option<&str>,
+        tty: bool,
+        nonce: &str,
+        ctx: &Ctx,
+    ) -> Result<tokio::process::Command> {
+        let _ = ctx;
+        // The config file (`-F`) prepare wrote is there while the job runs.
+        Ok(self.join(dir, command, tty, nonce))
+    }
+
+    async fn end_joined(&self, message: &str, ctx: &Ctx) -> Result<()> {
+        // Over the job's master while it runs (cleanup, before the stop).
+        let session = self.master.session(ctx, Purpose::Reconnect).await?;
+        let dest = self.master.destination();
+        let env = self.master.paths.id.simple().to_string();
+        run_checked(
+            &session,
+            &remote::join_end_command(&env, message),
+            ctx.remaining().min(JOIN_END_BOUND),
+            &format!("ending the shells joined beside the job on {dest}"),
+        )
+        .await
+        .map(drop)
+    }
+
     async fn shell_command(
         &self,
         dir: &str,
@@ -232,6 +260,28 @@ impl Transport for SshTransport {
         Ok(cmd)
     }
 }
+
+impl SshTransport {
+    /// `dormant shell` beside a running job (see [`Transport::join_command`]).
+    pub fn join(
+        &self,
+        dir: &str,
+        command: Option<&str>,
+        tty: bool,
+        nonce: &str,
+    ) -> tokio::process::Command {
+        let env = self.master.paths.id.simple().to_string();
+        let mut cmd = self.master.own_connection();
+        cmd.arg(if tty { "-t" } else { "-T" })
+            .arg("--")
+            .arg(remote::join_command(&env, nonce, dir, command));
+        cmd
+    }
+}
+
+/// The most the command ending joined shells may take (it ends them within
+/// 6 s; `crate::lifecycle::joined::END_BOUND` bounds the whole step).
+const JOIN_END_BOUND: Duration = Duration::from_secs(9);
 
 /// The remote side of `shell_command`: into the job's project dir (or say why
 /// not), then a login shell or the command line.

@@ -100,6 +100,37 @@ pub const KEPT_OWNER: &str = include_str!("remote/kept_owner.sh");
 /// whether output can be kept there (`keep:ok` / `keep:no <why>`).
 pub const LEFTOVERS: &str = include_str!("remote/leftovers.sh");
 
+/// The wrapper of a shell joined beside a running job (`$1` = the
+/// environment, `$2` = the join's nonce, `$3` = the directory, `$4` = a
+/// command line or `''` for a login shell): registers its session on the
+/// machine for [`JOIN_END`].
+pub const JOIN: &str = include_str!("remote/join.sh");
+
+/// Ends the shells joined beside environment `$1`'s job, telling them `$2`.
+pub const JOIN_END: &str = include_str!("remote/join_end.sh");
+
+/// The remote command of a joined shell (in bash, whatever the login shell).
+pub fn join_command(env: &str, nonce: &str, dir: &str, command: Option<&str>) -> String {
+    format!(
+        "exec bash -c {} dormant {} {} {} {}",
+        shell_quote(JOIN),
+        shell_quote(env),
+        shell_quote(nonce),
+        shell_quote(dir),
+        shell_quote(command.unwrap_or(""))
+    )
+}
+
+/// The command that ends the shells joined beside environment `env`'s job.
+pub fn join_end_command(env: &str, message: &str) -> String {
+    format!(
+        "bash -c {} dormant {} {}",
+        shell_quote(JOIN_END),
+        shell_quote(env),
+        shell_quote(message)
+    )
+}
+
 /// How a session takes part in a stage with kept output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {

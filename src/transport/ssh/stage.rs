@@ -15,6 +15,7 @@ use super::master::{Master, Purpose};
 use super::{channel, remote};
 use crate::context::{Ctx, JobLog};
 use crate::settings::ssh::SshSettings;
+use crate::state::stage_output::JobLogOut;
 use crate::transport::{MachineLost, Ran, Script, ScriptExit};
 
 /// Sessions in a row that broke at once over a master that still answers
@@ -64,7 +65,7 @@ pub async fn run(
         ),
         bound: settings.kept_output_bytes(),
     };
-    let mut st = Stage::new(std::io::stdout());
+    let mut st = Stage::new(JobLogOut::new(script.copy));
     let mut futile = 0;
     loop {
         let before = (st.started, st.stream.offset());

@@ -1,0 +1,25 @@
+# dormant's wrapper of a shell joined beside a running job (`dormant shell`
+# on an active environment; see ../remote.rs). $1 = the environment, $2 =
+# the join's nonce, $3 = the job's project directory, $4 = a command line
+# ('' = a login shell). It registers its session as
+# <dir>/dormant-<uid>/<env>.join.<nonce> (holding that file open as fd 9,
+# so the job's cleanup can tell it from a process that got its pid back),
+# runs the shell as its child, and removes the file when the shell ends.
+umask 077
+if [ "${TMPDIR#/}" != "${TMPDIR-}" ]; then t=$TMPDIR; elif [ "$UID" -lt 1000 ] && [ -d /dev/shm ]; then t=/dev/shm; else t=/tmp; fi
+t=$t/dormant-$UID
+mkdir -p -- "$t" 2>/dev/null
+if [ ! -d "$t" ] || [ ! -O "$t" ] || [ -L "$t" ]; then echo "dormant: $t is not a directory of $USER's own: not joining" >&2; exit 97; fi
+j=$t/$1.join.$2
+echo "$$" > "$j" && exec 9<"$j" || { echo "dormant: could not register the shell in $j" >&2; exit 97; }
+trap 'rm -f -- "$j"' EXIT
+c=
+trap 'if [ -n "$c" ]; then kill -s HUP "$c" 2>/dev/null; fi' HUP TERM
+if ! cd -- "$3" 2>/dev/null; then
+  if [ -n "$4" ]; then echo "dormant: $3 does not exist" >&2; exit 1; fi
+  echo "dormant: $3 does not exist, starting in $HOME" >&2
+fi
+if [ -n "$4" ]; then "${SHELL:-/bin/sh}" -c "$4" 9<&- & c=$!; else "${SHELL:-/bin/sh}" -l 9<&- & c=$!; fi
+# (A trapped signal ends `wait` early: wait again until the shell is gone.)
+while :; do wait "$c"; r=$?; kill -0 "$c" 2>/dev/null || break; done
+exit "$r"

@@ -1,0 +1,174 @@
+//! `dormant shell` beside a running job (ssh, against the test sshd): a
+//! joined shell runs while the job runs (the job waits for what the shell
+//! does), claims nothing, and leaves the job's exit code as it was; a job
+//! that ends with a shell joined has its cleanup end it (told first) and
+//! nothing of it is left on the machine. On `local` it says where the job's
+//! directory is, exit 6.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::harness::*;
+use crate::sshd::{alive, Sshd};
+
+fn wait_for(path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn ssh_rig(sshd: &Sshd) -> Rig {
+    Rig::new(
+        "73",
+        "s_73aa73aa73aa",
+        &format!(
+            "provider = \"ssh\"\n[ssh]\nworkspace_root = \"{}\"\nready_timeout = \"20s\"\n\
+             [[ssh.hosts]]\nname = \"h\"\naddress = \"127.0.0.1\"\nport = {}\nuser = \"root\"\n\
+             identity_file = \"{}\"\nslots = 4\n",
+            sshd.dir.path().join("ws").display(),
+            sshd.port,
+            sshd.client_key.display()
+        ),
+    )
+}
+
+/// The job: says it started, waits for the joined shell's flag, then for
+/// `go`; exits 3 (so the job's own exit code is visible).
+fn script(f: &Path) -> String {
+    let f = f.display();
+    format!(
+        "echo job-file > job-file; touch {f}/started\n\
+         i=0; while [ ! -e {f}/joined ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done\n\
+         echo saw-the-joined-shell\n\
+         i=0; while [ ! -e {f}/go ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done\n\
+         exit 3\n"
+    )
+}
+
+#[test]
+fn ssh_a_shell_beside_the_job_runs_with_it_and_ends_with_it() {
+    let sshd = Sshd::start();
+    let rig = ssh_rig(&sshd);
+    let flags = rig.dir.path().join("flags");
+    std::fs::create_dir_all(&flags).unwrap();
+    let f = flags.display().to_string();
+    let j = job(73);
+    let job_id = j.id;
+    let sim = j.suspend_on(false, true).script(&script(&flags));
+    std::thread::scope(|s| {
+        let running = s.spawn(|| rig.run(&sim));
+        wait_for(&flags.join("started"));
+        let env = dormant::identity::new_env_id(&rig.runner.runner_id, job_id);
+        // A command beside the job: in its project dir, while it runs.
+        let line = format!("pwd; cat job-file; touch {f}/joined");
+        let out = rig.dormant(&["shell", &job_id.to_string(), "--", &line]);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+        assert!(
+            stdout.contains("/group/project") && stdout.contains("job-file"),
+            "{stdout}"
+        );
+        let rec = rig
+            .state_dir
+            .join(format!("environments/{env}/record.json"));
+        let rec: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&rec).unwrap()).unwrap();
+        assert_eq!(rec["status"], "active", "{rec}");
+        assert_eq!(
+            rec["claim"]["holder"]["job_id"], job_id,
+            "still the job's: {rec}"
+        );
+        // A second one stays open (a process in the background too) until
+        // the job ends: the job's cleanup ends it.
+        let joined = rig.dir.path().join("joined.out");
+        let mut child = Command::new(BIN)
+            .args(["shell", &env.to_string(), "--"])
+            .arg(format!("sleep 300 & echo $! > {f}/sleeper; wait"))
+            .env_clear()
+            .envs(&rig.runner.env)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&joined).unwrap())
+            .stderr(std::fs::File::create(rig.dir.path().join("joined.err")).unwrap())
+            .spawn()
+            .unwrap();
+        wait_for(&flags.join("sleeper"));
+        let sleeper: u32 = std::fs::read_to_string(flags.join("sleeper"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(alive(sleeper));
+        std::fs::write(flags.join("go"), "").unwrap();
+        let report = running.join().unwrap();
+        // The job's own exit code and log, as without the shells.
+        assert_result(&report, JobResult::BuildFailure(Some(3)));
+        assert!(
+            report.log().contains("saw-the-joined-shell"),
+            "{}",
+            report.log()
+        );
+        // Its cleanup ended the shell (bounded wait here: it is over already).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the joined shell outlived the job"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let said = std::fs::read_to_string(rig.dir.path().join("joined.err")).unwrap();
+        assert_ne!(status.code(), Some(0), "{said}");
+        assert!(said.contains(&format!("job {job_id} ended")), "{said}");
+        assert!(
+            !alive(sleeper),
+            "the shell's background process was left running"
+        );
+        assert!(sshd.kept_files().is_empty(), "{:?}", sshd.kept_files());
+        assert!(!rig
+            .state_dir
+            .join(format!("environments/{env}/joined"))
+            .exists());
+        assert_eq!(
+            rig.status(report.key.as_deref().unwrap()).as_deref(),
+            Some("suspended"),
+            "the job's failure trigger decided, not the shells"
+        );
+    });
+}
+
+#[test]
+fn local_a_shell_beside_the_job_says_where_its_directory_is() {
+    let rig = Rig::local("74", "s_74aa74aa74aa");
+    let flags = rig.dir.path().join("flags");
+    std::fs::create_dir_all(&flags).unwrap();
+    let f = flags.display();
+    let j = job(74);
+    let job_id = j.id;
+    let sim = j.script(&format!(
+        "touch {f}/started; i=0; while [ ! -e {f}/go ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done"
+    ));
+    std::thread::scope(|s| {
+        let running = s.spawn(|| rig.run(&sim));
+        wait_for(&flags.join("started"));
+        let out = rig.dormant(&["shell", &job_id.to_string(), "--", "true"]);
+        std::fs::write(flags.join("go"), "").unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(6), "{stderr}");
+        assert!(
+            stderr.contains("runs on this host, in ") && stderr.contains("/group/project"),
+            "{stderr}"
+        );
+        assert_result(&running.join().unwrap(), JobResult::Success);
+    });
+}
