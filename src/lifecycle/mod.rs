@@ -13,6 +13,7 @@
 
 pub mod guest;
 pub mod lost;
+pub mod pause;
 pub mod recover;
 pub mod sweep;
 mod sweep_slice;

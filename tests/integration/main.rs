@@ -58,6 +58,7 @@ mod moto;
 #[cfg(feature = "ec2")]
 mod moto_refusals;
 mod notify;
+mod pause;
 mod qemu;
 mod qemu_reattach;
 #[cfg(feature = "testing")]
