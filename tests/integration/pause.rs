@@ -194,3 +194,26 @@ fn ask_fails_at_once_naming_the_setting_where_a_script_cannot_be_kept() {
         "{log}"
     );
 }
+
+/// `dormant run` SIGKILLed right after it recorded the pause (`pause:recorded`):
+/// the runner fails the job, but the question is not lost — cleanup still
+/// suspends the environment keeping the script — and a resumed job answers it.
+#[cfg(feature = "testing")]
+#[test]
+fn a_run_killed_after_recording_the_pause_loses_no_question() {
+    let sshd = Sshd::start();
+    let (mut rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    crate::crash::arm(&mut rig, Some("pause:recorded"), true);
+    let r = rig.run(&job(86).script(&asking(d.path(), "kept?")));
+    crate::crash::assert_killed_at(&rig, &r.calls, "pause:recorded", 1);
+    let key = r.key.clone().expect("suspended: the pause was recorded");
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert_eq!(rig.record(&key).unwrap()["paused"]["question"], "kept?");
+    let pid = pid_in(&d.path().join("pid"));
+    assert!(alive(pid));
+    crate::crash::arm(&mut rig, None, false);
+    let r2 = rig.run(&job(86).resume(&key).script("dormant-continue ok"));
+    assert_result(&r2, JobResult::BuildFailure(Some(7)));
+    assert!(r2.log().contains("answer=[ok]"), "{}", r2.log());
+}
