@@ -74,16 +74,19 @@ pub enum SuspendCause {
     Unused,
     /// A stale claim (its holder gone) settled to suspended.
     Recovered,
+    /// A job's script asked (`dormant-ask`) and waits, kept alive.
+    Paused,
 }
 
 impl SuspendCause {
-    pub const ALL: [SuspendCause; 6] = [
+    pub const ALL: [SuspendCause; 7] = [
         SuspendCause::Triggers,
         SuspendCause::JobRequest,
         SuspendCause::Shell,
         SuspendCause::MachineLost,
         SuspendCause::Unused,
         SuspendCause::Recovered,
+        SuspendCause::Paused,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -94,6 +97,7 @@ impl SuspendCause {
             SuspendCause::MachineLost => "machine_lost",
             SuspendCause::Unused => "unused",
             SuspendCause::Recovered => "recovered",
+            SuspendCause::Paused => "paused",
         }
     }
 }

@@ -14,6 +14,7 @@
 pub mod guest;
 pub mod joined;
 pub mod lost;
+pub mod pause;
 pub mod recover;
 pub mod sweep;
 mod sweep_slice;

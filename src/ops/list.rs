@@ -46,11 +46,25 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
                     .holder()
                     .map(|h| h.describe())
                     .unwrap_or_else(|| "-".into());
+                // A suspended environment whose script waits for an answer
+                // (docs/pause.md) says so, and what it asks, after its key.
+                let (status, asks) = match &rec.paused {
+                    Some(p) if rec.status() == EnvStatus::Suspended => (
+                        "paused",
+                        format!(
+                            "  asks: {}",
+                            serde_json::Value::String(crate::lifecycle::pause::summary(
+                                &p.question
+                            ))
+                        ),
+                    ),
+                    _ => (rec.status().as_str(), String::new()),
+                };
                 writeln!(
                     out,
-                    "{:<36}  {:<10}  {:<8}  {:<7}  {:>7}  {:>10}  {:>4}  {:<10}  {}",
+                    "{:<36}  {:<10}  {:<8}  {:<7}  {:>7}  {:>10}  {:>4}  {:<10}  {}{asks}",
                     rec.id,
-                    rec.status().as_str(),
+                    status,
                     rec.provider,
                     rec.storage.as_str(),
                     rec.project_id,

@@ -86,8 +86,9 @@ async fn cleanup_job(s: &Session, ctx: &Ctx) -> Result<()> {
         let outcome = Outcome::of(&state, s.job.job_status());
         let request = honoured_request(s, &state, outcome);
         // A job's own request suspends on any outcome but a cancel or timeout.
+        // So does a script that asked (`dormant-ask`): it waits for its answer.
         let suspends = outcome.suspends(state.suspend_on_success, state.suspend_on_failure)
-            || (request.is_some() && outcome.suspends(true, true));
+            || ((request.is_some() || state.paused.is_some()) && outcome.suspends(true, true));
         let settle = at_cleanup(
             rec.status(),
             state.mode,
@@ -102,6 +103,7 @@ async fn cleanup_job(s: &Session, ctx: &Ctx) -> Result<()> {
             outcome,
             request,
             machine_lost: state.machine_lost.clone(),
+            paused: state.paused.clone(),
             suspends,
         };
         settle_environment(s, &state, &paths, &rec, &holder, why, settle, ctx).await?;
@@ -118,12 +120,20 @@ struct Why {
     request: Option<String>,
     /// Volume mode: what became of the machine that went away under a stage.
     machine_lost: Option<String>,
+    /// The question of a script that asked and waits (docs/pause.md).
+    paused: Option<String>,
     /// Whether the outcome matched a trigger or the request.
     suspends: bool,
 }
 
 impl Why {
     fn suspend_reason(&self) -> Reason<SuspendCause> {
+        if let (None, Some(q)) = (&self.machine_lost, &self.paused) {
+            return Reason::new(
+                SuspendCause::Paused,
+                format!("paused: {}", crate::lifecycle::pause::summary(q)),
+            );
+        }
         match (&self.machine_lost, &self.request) {
             (Some(_), _) => Reason::new(SuspendCause::MachineLost, MACHINE_LOST),
             (None, Some(r)) => Reason::new(
@@ -246,7 +256,10 @@ async fn settle_environment(
             }
             done.map(drop)
         }
-        Settle::Suspend => suspend(s, state, paths, holder, &why, rec, transport, ctx).await,
+        Settle::Suspend => {
+            keep_question(state, paths, rec, ctx).await;
+            suspend(s, state, paths, holder, &why, rec, transport, ctx).await
+        }
         Settle::Release => {
             let words = if state.terminated {
                 "was terminated".to_string()
@@ -314,6 +327,32 @@ async fn stop_leftovers(
             "environment {}: what the job's stages left running could not be stopped: {e:#}",
             paths.id
         )),
+    }
+}
+
+/// The record keeps the question of a script that asked (`list`, `inspect`);
+/// a resumed job that ran stages and did not end paused clears it (its
+/// script was continued — or left waiting: `dormant-continue` still finds it).
+async fn keep_question(state: &JobState, paths: &EnvPaths, rec: &EnvironmentRecord, ctx: &Ctx) {
+    let paused = state.paused.as_ref().map(|question| crate::state::Paused {
+        question: question.clone(),
+        job_id: state.job_id,
+        at: crate::state::now_unix(),
+    });
+    let ran = !state.stages.is_empty();
+    if paused.is_none() && (rec.paused.is_none() || !ran) {
+        return;
+    }
+    let updated = registry::update(paths, &ctx.uncancellable(), |r| {
+        r.paused = paused;
+        Ok::<_, std::convert::Infallible>(())
+    })
+    .await;
+    if let Err(e) = updated {
+        tracing::warn!(
+            "environment {}: recording its paused question: {e}",
+            paths.id
+        );
     }
 }
 

@@ -73,7 +73,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
             "skipping {stage}: environment {} was resumed and keeps the working tree the suspended job left",
             state.env_id
         ));
-        record_stage(s, stage, StageResult::Skipped, None, None, &ctx).await?;
+        record_stage(s, stage, StageResult::Skipped, None, None, None, &ctx).await?;
         return Ok(());
     }
     let body = std::fs::read(script_path)
@@ -91,6 +91,10 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
             record.key.clone().unwrap_or_default(),
         ),
         (crate::job_request::VAR.to_string(), request_file.clone()),
+        (
+            crate::lifecycle::pause::VAR.to_string(),
+            crate::lifecycle::pause::refusal(&s.settings, &record).unwrap_or_else(|| "ok".into()),
+        ),
     ];
     let job_code = crate::job_request::runs_job_code(stage);
     let id = format!("{stage}.{:016x}", fastrand::u64(..));
@@ -185,13 +189,34 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         },
         Ok(_) => None,
     };
+    // The script asked and waits (docs/pause.md): the job log ends with the
+    // question, the stage succeeds, cleanup keeps the script.
+    let paused = match &result {
+        Ok(Ran {
+            paused: Some(question),
+            ..
+        }) => {
+            let question = crate::lifecycle::pause::question_text(question);
+            let key = record.key.clone().unwrap_or_default();
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(crate::lifecycle::pause::log_line(&key, &question).as_bytes());
+            let _ = out.flush();
+            Some(question)
+        }
+        _ => None,
+    };
     let volume = record.storage == StorageMode::Volume;
     let (recorded, outcome) = classify(s, &state, stage, result, lost.as_ref(), volume)?;
     // Cleanup settles it by volume mode's rules (the volume kept as the
     // triggers say); a machine mode environment has nothing to keep of a
     // machine that is gone, and follows the usual rules.
     let lost = lost.filter(|_| volume).map(|l| l.what);
-    record_stage(s, stage, recorded, request, lost, &ctx).await?;
+    let was_paused = paused.is_some();
+    record_stage(s, stage, recorded, request, lost, paused, &ctx).await?;
+    if was_paused {
+        crate::failpoint!("pause:recorded");
+    }
     outcome
 }
 
@@ -263,6 +288,7 @@ async fn record_stage(
     result: StageResult,
     request: Option<String>,
     machine_lost: Option<String>,
+    paused: Option<String>,
     ctx: &Ctx,
 ) -> Result<()> {
     // Deaf to SIGTERM: a termination must still be recorded, so cleanup releases.
@@ -283,6 +309,9 @@ async fn record_stage(
     }
     if machine_lost.is_some() {
         state.machine_lost = machine_lost;
+    }
+    if paused.is_some() {
+        state.paused = paused;
     }
     locked.save_stage(&state)
 }

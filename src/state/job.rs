@@ -100,6 +100,10 @@ pub struct JobState {
     /// `transitions::at_cleanup` says, and says why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub machine_lost: Option<String>,
+    /// A stage's script asked (`dormant-ask`, docs/pause.md) and waits in
+    /// the environment: the question (bounded). Cleanup suspends, keeping it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused: Option<String>,
     /// The process that runs the job's stages (their parent), recorded by
     /// prepare. `None` for a job state of an older dormant, or a prepare
     /// whose parent could not be read.
@@ -134,6 +138,7 @@ impl JobState {
             stages: Vec::new(),
             job_request: None,
             machine_lost: None,
+            paused: None,
             runner_process: None,
             created_at: super::now_unix(),
             claimed: false,

@@ -31,7 +31,7 @@ pub mod volume_state;
 pub use crate::model::EnvPaths;
 pub use job::{JobState, Phase, StageRecord, StageResult};
 pub use lock::FileLock;
-pub use record::{Claim, EnvStatus, EnvironmentRecord, Holder, Mode, NewEnvironment};
+pub use record::{Claim, EnvStatus, EnvironmentRecord, Holder, Mode, NewEnvironment, Paused};
 pub use store::StateStore;
 pub use transitions::{Adopted, NotAllowed, Settle};
 pub use volume_state::{HostKeyChange, VolumeState, VolumeStep};

@@ -167,6 +167,11 @@ pub struct EnvironmentRecord {
     /// mode), oldest first, the last few kept: what changed and when.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub host_key_changes: Vec<HostKeyChange>,
+    /// The question a paused script asks (`dormant-ask`, docs/pause.md),
+    /// written by the cleanup of the job that ended paused, cleared by the
+    /// cleanup of a later job that did not: what `list` and `inspect` show.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused: Option<Paused>,
 }
 
 /// What a new environment's record is made from.
@@ -211,6 +216,7 @@ impl EnvironmentRecord {
             storage: n.storage,
             volume,
             host_key_changes: Vec::new(),
+            paused: None,
         }
     }
 
@@ -304,4 +310,14 @@ mod tests {
         let text = serde_json::to_string(&rec).unwrap();
         assert!(!text.contains("current_job"), "{text}");
     }
+}
+
+/// A paused script's question (see [`EnvironmentRecord::paused`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Paused {
+    pub question: String,
+    /// The job whose stage asked.
+    pub job_id: u64,
+    /// When that job's cleanup kept it (Unix seconds).
+    pub at: u64,
 }

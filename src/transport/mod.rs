@@ -29,7 +29,7 @@ pub enum ScriptExit {
 
 /// How a stage ended: the script's exit, and whether the file the caller
 /// asked to watch ([`Script::watch`]) exists afterwards.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ran {
     pub exit: ScriptExit,
     /// `Some(exists)` when the transport looked on its way out of the stage
@@ -40,6 +40,9 @@ pub struct Ran {
     /// must stop it ([`Transport::stop_leftovers`]) before it suspends or
     /// releases the environment.
     pub left_running: bool,
+    /// The script asked a question (`dormant-ask`, docs/pause.md) and waits,
+    /// alive, for a later job's answer: the stage is over for the runner.
+    pub paused: Option<Vec<u8>>,
 }
 
 impl Ran {
@@ -49,6 +52,7 @@ impl Ran {
             exit,
             watched: None,
             left_running: false,
+            paused: None,
         }
     }
 }

@@ -75,8 +75,8 @@ impl Where {
 }
 
 /// Walks `root`: files holding any of `needles`, and (with `modes`) files
-/// not 0600 or dirs not 0700 — except inside an environment's `work` dir,
-/// the job's own tree.
+/// not 0600 (the pause tools: not 0700) or dirs not 0700 — except inside an
+/// environment's `work` dir, the job's own tree.
 fn scan(root: &Path, needles: &[&str], modes: bool, found: &mut Vec<String>) {
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
@@ -95,8 +95,15 @@ fn scan(root: &Path, needles: &[&str], modes: bool, found: &mut Vec<String>) {
             scan(&path, needles, modes && !job_tree, found);
             continue;
         }
+        // dormant-ask and dormant-continue (docs/pause.md) are programs:
+        // 0700, the user's own like everything here.
+        let tool = root
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("bin-"));
         let private = if meta.file_type().is_socket() {
             mode & 0o077 == 0
+        } else if tool {
+            mode == 0o700
         } else {
             mode == 0o600
         };

@@ -66,6 +66,7 @@ mod moto;
 #[cfg(feature = "ec2")]
 mod moto_refusals;
 mod notify;
+mod pause;
 mod qemu;
 mod qemu_pins;
 mod qemu_reattach;

@@ -195,12 +195,15 @@ impl Sshd {
         self.tmp_dir().join(format!("dormant-{uid}"))
     }
 
-    /// The files kept there, by name.
+    /// The files kept there, by name; not the directory of `dormant-ask`
+    /// and `dormant-continue` (`bin-<version>`, docs/pause.md), which holds
+    /// nothing of a job and stays for the next stage.
     pub fn kept_files(&self) -> Vec<String> {
         let mut names: Vec<String> = std::fs::read_dir(self.kept_dir())
             .map(|d| {
                 d.flatten()
                     .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| !n.starts_with("bin-"))
                     .collect()
             })
             .unwrap_or_default();

@@ -201,7 +201,12 @@ impl Provider for SshHostsProvider {
             &master,
             ctx,
             "removing the workspace",
-            &format!("rm -rf -- {}", shell_quote(&ws)),
+            // A script paused in the environment (docs/pause.md) goes with it.
+            &format!(
+                "{}; rm -rf -- {}",
+                crate::transport::ssh::release_command(&env.simple().to_string()),
+                shell_quote(&ws)
+            ),
         )
         .await?;
         // The sweep and `dormant release` delete without a transport that

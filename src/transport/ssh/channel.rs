@@ -202,6 +202,7 @@ pub async fn run_once(
             // Without the end, the script may run on (the direct wrapper
             // stops it when its session goes; cleanup makes sure).
             left_running: reports.as_ref().is_none_or(|r| r.exit.is_none()),
+            paused: None,
         }));
     }
     let reports = reports.unwrap_or_default();
@@ -210,6 +211,7 @@ pub async fn run_once(
             exit: ScriptExit::Code(code),
             watched: reports.watched,
             left_running: false,
+            paused: None,
         }));
     }
     if let Some(e) = reports.error {
@@ -247,7 +249,7 @@ impl Reports {
             Report::Watched(present) => self.watched = Some(present),
             Report::Error(e) => self.error = Some(e),
             // The kept wrapper's reports; the direct one never says them.
-            Report::Kept | Report::At(_) => {}
+            Report::Kept | Report::At(_) | Report::Paused(..) => {}
             Report::Warn(text) => eprintln!("dormant: warning: {text}"),
             Report::Other(l) => {
                 // The remote shell. Before the script starts it is held back

@@ -130,6 +130,11 @@ pub async fn run_once<W: std::io::Write>(
     let (mut stdout_done, mut stderr_done) = (false, false);
     let mut escalation: Option<(tokio::time::Instant, &'static str)> = None;
     let ended = loop {
+        if let Some((at, _)) = &s.paused {
+            if st.stream.offset() >= *at {
+                break Some(0);
+            }
+        }
         if let Some((code, len)) = s.exit {
             if s.cancelled || st.stream.offset() >= len.unwrap_or(0) {
                 break Some(code);
@@ -187,10 +192,12 @@ pub async fn run_once<W: std::io::Write>(
         } else {
             ScriptExit::Code(code)
         };
+        let paused = s.paused.take().map(|(_, question)| question);
         return Ok(Once::Done(Ran {
             exit,
             watched: s.watched,
             left_running: false,
+            paused,
         }));
     }
     if !s.cancelled && s.error.is_none() {
@@ -222,6 +229,7 @@ pub async fn run_once<W: std::io::Write>(
             exit: ScriptExit::Cancelled,
             watched: None,
             left_running: true,
+            paused: None,
         }));
     }
     let e = s.error.unwrap_or_default();
@@ -235,6 +243,8 @@ struct Heard {
     /// The session's stdout carries the stage's output (it said where from).
     attached: bool,
     exit: Option<(i32, Option<u64>)>,
+    /// The script asked: this round's output ends at the offset.
+    paused: Option<(u64, Vec<u8>)>,
     watched: Option<bool>,
     error: Option<String>,
     other: Vec<String>,
@@ -287,6 +297,7 @@ impl Heard {
                 }
             }
             Report::Exit(code, len) => self.exit = Some((code, len)),
+            Report::Paused(at, question) => self.paused = Some((at, question)),
             Report::Watched(present) => self.watched = Some(present),
             Report::Warn(text) => st.stream.note(format!("warning: {text}")),
             Report::Error(e) => self.error = Some(e),

@@ -14,6 +14,7 @@ mod channel;
 mod hostkey;
 mod kept;
 mod master;
+mod pause;
 pub mod ready;
 mod remote;
 pub mod repin;
@@ -24,6 +25,13 @@ mod stream;
 // `ssh` provider removes workspaces over an environment's master); providers
 // never reach into the modules themselves.
 pub use master::{Master, Purpose};
+
+/// The command that stops every stage of environment `env` left on the
+/// machine, paused ones included, and removes their files: the `ssh`
+/// provider runs it before it removes a released workspace (docs/pause.md).
+pub fn release_command(env: &str) -> String {
+    remote::release_command(env)
+}
 pub use remote::shell_quote;
 
 use std::time::Duration;

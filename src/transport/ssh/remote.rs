@@ -225,12 +225,14 @@ pub fn command_line(
             (
                 sent(Text::Kept),
                 format!(
-                    " {} {} {mode} {offset} {} {} {}",
+                    " {} {} {mode} {offset} {} {} {} {} {}",
                     shell_quote(k.env),
                     shell_quote(k.stage),
                     k.linger_secs,
                     k.bound,
-                    shell_quote(sent(Text::KeptOwner))
+                    shell_quote(sent(Text::KeptOwner)),
+                    super::pause::tools_dir(),
+                    shell_quote(super::pause::install_command()),
                 ),
             )
         }
@@ -252,7 +254,17 @@ pub fn leftovers_command(env: &str, check: bool) -> String {
         "bash -c {} dormant {} {}",
         shell_quote(LEFTOVERS),
         shell_quote(env),
-        if check { "check" } else { "" }
+        if check { "check" } else { "''" }
+    )
+}
+
+/// [`leftovers_command`] for the environment's release: paused stages too
+/// (docs/pause.md), nothing of the environment stays.
+pub fn release_command(env: &str) -> String {
+    format!(
+        "bash -c {} dormant {} '' all",
+        shell_quote(LEFTOVERS),
+        shell_quote(env)
     )
 }
 
@@ -293,6 +305,9 @@ pub enum Report {
     /// Whether the watched file exists after the script.
     Watched(bool),
     Error(String),
+    /// Kept: the script asked (`dormant-ask`); this round's output ends at
+    /// this offset; the question (docs/pause.md).
+    Paused(u64, Vec<u8>),
     /// Anything else: the wrapper's shell complaining (e.g. no bash).
     Other(String),
 }
@@ -321,6 +336,12 @@ pub fn parse_report(line: &str) -> Report {
             (Some(Ok(c)), Some(Ok(n)), None) => return Report::Exit(c, Some(n)),
             _ => {}
         }
+    }
+    if let Some((at, question)) = line
+        .strip_prefix("dormant-paused ")
+        .and_then(super::pause::parse_paused)
+    {
+        return Report::Paused(at, question);
     }
     if let Some(rest) = line.strip_prefix("dormant-warn ") {
         return Report::Warn(rest.to_string());

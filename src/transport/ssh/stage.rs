@@ -116,6 +116,7 @@ pub async fn run(
                             exit: ScriptExit::Cancelled,
                             watched: None,
                             left_running: true,
+                            paused: None,
                         });
                     }
                     Err(Lost::Failed(e)) => {

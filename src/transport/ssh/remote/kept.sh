@@ -4,7 +4,9 @@
 # $6 = start | retry | follow, $7 = the offset to follow from,
 # $8 = how long a stage nobody follows is kept, $9 = the output bound,
 # ${10} = the owner's functions (kept_owner.sh): defined only where they run,
-# in the owner and in a re-attach, so a stage's own path does not parse them.
+# in the owner and in a re-attach, so a stage's own path does not parse them;
+# ${11} = the name of the directory of dormant-ask and dormant-continue in
+# $t (versioned), ${12} = a command that writes them there (docs/pause.md).
 umask 077
 K=$9 L=$8
 # Where the output is kept: $TMPDIR, else /dev/shm (a tmpfs) for users below
@@ -47,6 +49,9 @@ unset -f claim unclaim
 if [ -z "$c" ] && [ "$6" = start ]; then echo "dormant-error could not create $o.out to keep the stage's output" >&2; exit 97; fi
 if [ -n "$c" ]; then
   m=$$ rep=
+  # dormant-ask and dormant-continue, on the script's PATH: written once per
+  # boot (tmpfs) and version, made whole before their directory's rename.
+  [ -z "${11}" ] || [ -d "$t/${11}" ] || eval "${12}"
   # The owner, forked beside the script's start. It first starts the
   # follower that copies the output into this session as it is written (the
   # one program a stage starts), then defines its functions; the session's
@@ -66,7 +71,7 @@ if [ -n "$c" ]; then
   trap "x=1; if [ -n \"\$p\" ]; then kill -s INT -- -\$p; else q=INT; fi 2>/dev/null" INT
   # The script writes into the file, never into the connection: it runs on
   # whatever happens to the connection.
-  { set -m; ( set +m; trap : QUIT; unset w p q g x r o f t m c K L rep; set --; eval "$s" ) </dev/null >&3 2>&3 & p=$!; set +m; } 2>/dev/null
+  { set -m; ( set +m; trap : QUIT; [ -z "${11}" ] || export DORMANT_STAGE=$o PATH=$t/${11}:$PATH; unset w p q g x r o f t m c K L rep; set --; eval "$s" ) </dev/null >&3 2>&3 & p=$!; set +m; } 2>/dev/null
   unset s
   # A signal that came before the script's pid was known (the script may run
   # first after the fork): passed on now as its trap would have, INT too.

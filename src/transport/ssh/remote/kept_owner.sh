@@ -11,6 +11,25 @@ pos() { local l; z=; [ "/proc/$1/fd/$2" -ef "$o.out" ] || return; { while read -
 # A sleep that starts no program: a read that times out on a pipe no one writes.
 nap() { [ -n "$n" ] || { exec 8< <(:); exec 8<>/dev/fd/8; n=1; }; read -r -t "$1" -u 8 _; }
 n=
+# The script asked (dormant-ask wrote $o.ask, docs/pause.md): the output's
+# length now is where this round's job log stops. Recorded in $o.paused
+# before it is reported, so an owner that takes over after a lost connection
+# reports the same round and offset. From then on the end of the session
+# leaves the script alone (pz).
+asked() {
+  local n pr=0 at z q
+  { read -r n < "$o.ask"; } 2>/dev/null || return
+  { read -r pr at < "$o.paused"; } 2>/dev/null
+  if [ "$n" != "$pr" ]; then
+    pos "$m" 3
+    [ -n "$z" ] || return
+    echo "$n $z" > "$o.paused.t" && mv -f -- "$o.paused.t" "$o.paused" || return
+    at=$z
+  fi
+  q=$(tail -n +2 -- "$o.ask" | head -c 4096 | base64 -w0)
+  echo "dormant-paused $at $q" >&2
+  pz=1
+}
 # Stops what is left of the stage, drops its files, and goes.
 fin() {
   local i=0 x y
@@ -50,7 +69,7 @@ up() {
 # connection, the script runs on and the stage is kept $L s for dormant to
 # come back. A newer owner (a re-attach) takes over.
 own() {
-  local me=$BASHPID c x y k=0 fp e= keep= dl pend=
+  local me=$BASHPID c x y k=0 fp e= keep= dl pend= pz=
   [ "$1" = start ] && echo "$me $f" > "$o.own"
   # A lost connection must not end the owner when it says something.
   trap '' PIPE
@@ -72,11 +91,14 @@ own() {
         esac
       elif [ -z "$e" ]; then
         e=1 dl=$((SECONDS + L)); nap 0; exec 0<&8
+        # Paused: dormant has this round's output; the script waits on.
+        [ -n "$pz" ] && { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
         [ -z "$keep" ] && up && fin
       fi
     else
       nap 0.05
     fi
+    [ -z "$pz" ] && [ -e "$o.ask" ] && asked
     read -r x y < "$o.own" 2>/dev/null
     [ "$x" = "$me" ] || { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
     z=; [ -e "$o.exit" ] && read -r x z < "$o.exit"

@@ -1,5 +1,7 @@
 # Stops every stage of environment $1 left on this machine and removes what
 # was kept of them; with $2 = check, also makes sure output can be kept here.
+# A paused stage (its script waits in dormant-ask: `.paused`, its wrapper
+# holding the output) is spared, unless $3 = all (the environment's release).
 # Run by prepare (in its one probe command) and by cleanup when a stage did
 # not end cleanly. Prints `keep:ok`, or `keep:no <why>` when stages here
 # cannot keep their output (then they run without re-attaching).
@@ -22,12 +24,15 @@ if [ -d "$t" ] && [ -O "$t" ] && [ ! -L "$t" ]; then
     return 1
   }
   # The stages to wait for, as wrapper:group:owner:stage.
-  g=
+  g= k=
   for s in "$t/$1".*.out; do
     [ -e "$s" ] || continue
     o=${s%.out} w= f= m= p=
     read -r w f < "$o.own" 2>/dev/null
     read -r m p < "$o.pid" 2>/dev/null
+    if [ "$3" != all ] && [ -e "$o.paused" ] && [ -n "$m" ] && [ "/proc/$m/fd/3" -ef "$s" ]; then
+      k="$k $o"; continue
+    fi
     { holds "$w" && kill -s TERM "$w" 2>/dev/null; } || w=
     holds "$f" && kill -s KILL "$f" 2>/dev/null
     # The wrapper that ran the script holds fd 3 while the script's group may
@@ -55,7 +60,10 @@ if [ -d "$t" ] && [ -O "$t" ] && [ ! -L "$t" ]; then
     g=$l
     [ -z "$g" ] || sleep 0.1
   done
-  rm -f -- "$t/$1".*
+  for s in "$t/$1".*; do
+    case " $k " in *" ${s%.*} "*) continue;; esac
+    rm -f -- "$s"
+  done
 fi
 if [ "$2" = check ]; then
   mkdir -p -- "$t" 2>/dev/null

@@ -1,0 +1,71 @@
+#!/bin/bash
+# dormant-continue [ANSWER...]: in a job that resumed the environment, hands
+# the answer (the arguments joined by spaces; with none, stdin) to the
+# script paused in `dormant-ask`, prints that script's output from the byte
+# where the earlier job's log stopped, and exits with its exit code. If it
+# asks again, this stage ends paused with the new question (docs/pause.md).
+# Exit 3: nothing is paused here, or the paused script is gone; exit 2: usage
+# or an answer over the bound.
+umask 077
+LC_ALL=C
+max=65536
+T=${DORMANT_STAGE-}
+if [ -z "$T" ] || [ ! -e "$T.out" ]; then
+  echo "dormant-continue: this stage's output is not kept on the machine (ssh.reconnect_timeout = \"0s\", or the host cannot keep it): nothing can be continued here" >&2; exit 3
+fi
+d=${T%/*} b=${T##*/}; e=${b%%.*}
+# The position of the paused script's output (its wrapper's fd 3) -> z.
+pos() { local l; z=; [ "/proc/$m/fd/3" -ef "$P.out" ] || return; { while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$m/fdinfo/3"; } 2>/dev/null; }
+P= gone=
+for x in "$d/$e".*.paused; do
+  [ -e "$x" ] || continue
+  c=${x%.paused}
+  [ "$c" = "$T" ] && continue
+  m=; { read -r m _ < "$c.pid"; } 2>/dev/null
+  if [ -n "$m" ] && [ "/proc/$m/fd/3" -ef "$c.out" ]; then P=$c; break; fi
+  gone=1
+done
+if [ -z "$P" ]; then
+  if [ -n "$gone" ]; then echo "dormant-continue: the paused script is gone (it was stopped, or the machine restarted or lost its memory): nothing to continue" >&2
+  else echo "dormant-continue: nothing is paused in this environment" >&2; fi
+  exit 3
+fi
+read -r pr at < "$P.paused"
+if [ $# -gt 0 ]; then a=$(printf '%s' "$*" | base64 -w0); else a=$(head -c $((max + 1)) | base64 -w0); fi
+pad=${a##*[!=]}; size=$(( ${#a} / 4 * 3 - ${#pad} ))
+if [ "$size" -gt "$max" ]; then echo "dormant-continue: the answer is over $max bytes: not sent (the script still waits)" >&2; exit 2; fi
+# Deliver once: only to a question still asked, of the round the job log showed.
+if [ -e "$P.ask" ]; then
+  { read -r n; } < "$P.ask"
+  if [ "$n" = "$pr" ]; then
+    if ! printf '%s %s\n%s\n' "$n" "${#a}" "$a" | timeout 10 tee -- "$P.fifo" >/dev/null 2>&1; then
+      if [ -e "$P.ask" ]; then echo "dormant-continue: the paused dormant-ask does not take the answer (its process is gone?)" >&2; exit 3; fi
+    fi
+  fi
+fi
+copy() { [ "$1" -gt "$at" ] || return 0; tail -c +$((at + 1)) -- "$P.out" | head -c $(($1 - at)); at=$1; }
+nap() { [ -n "$nn" ] || { exec 8< <(:); exec 8<>/dev/fd/8; nn=1; }; read -r -t "$1" -u 8 _; }
+nn=
+while :; do
+  pos
+  if { read -r rc len < "$P.exit"; } 2>/dev/null && [ -n "$len" ]; then
+    copy "$len"; rm -f -- "$P".*; exit "$rc"
+  fi
+  if [ -z "$z" ]; then
+    [ -e "$P.exit" ] && continue
+    echo "dormant-continue: the paused script's wrapper on the machine was killed before its end was recorded" >&2; exit 3
+  fi
+  if [ -e "$P.ask" ] && { read -r n; } < "$P.ask" 2>/dev/null && [ "$n" -gt "$pr" ] 2>/dev/null; then
+    # Asked again: this job's log ends here, paused with the new question.
+    copy "$z"
+    echo "$n $z" > "$P.paused.t" && mv -f -- "$P.paused.t" "$P.paused"
+    { echo 1; tail -n +2 -- "$P.ask"; } > "$T.ask.t" && mv -f -- "$T.ask.t" "$T.ask"
+    i=0
+    until [ -e "$T.paused" ] || [ $((i += 1)) -gt 600 ]; do nap 0.05; done
+    read -r _ _ _ _ g _ < /proc/$$/stat
+    kill -s KILL -- "-$g"
+    exit 0
+  fi
+  copy "$z"
+  nap 0.05
+done

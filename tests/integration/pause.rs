@@ -1,0 +1,219 @@
+//! Pausing a job (docs/pause.md) on the `ssh` provider against the test
+//! sshd: a script that asks (`dormant-ask`) ends its job's stage
+//! successfully with the question in the job log, its environment is
+//! suspended whatever the triggers say, and the script waits on the host,
+//! alive; a later job that resumed the environment answers it with
+//! `dormant-continue`, which prints the script's output from where the first
+//! job's log stopped and exits with the script's exit code — the same
+//! process, what it held in memory, nothing before the ask run again. Two
+//! rounds; `dormant-continue` with nothing paused; a release ends the paused
+//! script; a provider that cannot keep one makes `dormant-ask` fail at once.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::harness::*;
+use crate::reattach::assert_nothing_kept;
+use crate::ssh::ssh_rig_with;
+use crate::sshd::{alive, Sshd};
+
+/// The pid the script wrote into `file` (its own shell's).
+fn pid_in(file: &Path) -> u32 {
+    std::fs::read_to_string(file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// The script of the first job: a value only its memory holds, its pid, one
+/// line that must never run again, then the ask.
+fn asking(d: &Path, question: &str) -> String {
+    format!(
+        "v=mem-$RANDOM$RANDOM; echo $v > '{mem}'; echo $BASHPID > '{pid}'; echo \"before the ask\" >> '{runs}'; \
+         echo 'line before'; a=$(dormant-ask '{question}'); \
+         echo \"answer=[$a] v=$v pid=$BASHPID\"; exit 7",
+        pid = d.join("pid").display(),
+        mem = d.join("mem").display(),
+        runs = d.join("runs").display(),
+    )
+}
+
+#[track_caller]
+fn assert_paused_line(log: &str, key: &str, question_json: &str) {
+    let want = format!("dormant-ask: paused key={key} question={question_json}");
+    assert!(
+        log.lines().any(|l| l == want),
+        "the job log shows the question and the key on one line ({want}):\n{log}"
+    );
+}
+
+#[test]
+fn a_script_that_asks_waits_alive_and_a_resumed_job_continues_it_with_the_answer() {
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    // No trigger: the ask alone keeps the environment.
+    let first = job(81).script(&asking(d.path(), "Deploy to prod?"));
+    let r = rig.run(&first);
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().expect("the ask suspends the environment");
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    let log = r.log();
+    assert_paused_line(&log, &key, "\"Deploy to prod?\"");
+    assert!(log.contains("line before\n"), "{log}");
+    assert!(!log.contains("answer="), "{log}");
+    let pid = pid_in(&d.path().join("pid"));
+    assert!(alive(pid), "the asking script waits on the host");
+    let rec = rig.record(&key).unwrap();
+    assert_eq!(rec["paused"]["question"], "Deploy to prod?", "{rec}");
+
+    let second = job(81)
+        .resume(&key)
+        .script("dormant-continue \"$(printf 'yes\\n second line')\"");
+    let r2 = rig.run(&second);
+    let log2 = r2.log();
+    assert_result(&r2, JobResult::BuildFailure(Some(7)));
+    // `answer=[yes\n second line] v=<value> pid=<pid>`: the answer byte for
+    // byte, then what the process held in memory and its pid.
+    let rest = log2
+        .split("answer=[yes\n second line] v=")
+        .nth(1)
+        .unwrap_or_else(|| panic!("the answer byte for byte:\n{log2}"));
+    let rest = rest.lines().next().unwrap();
+    let (v, p) = rest.split_once(" pid=").unwrap();
+    let held = std::fs::read_to_string(d.path().join("mem")).unwrap();
+    assert_eq!(v, held.trim(), "the value the process held in memory");
+    assert_eq!(p, pid.to_string(), "the same process");
+    assert!(!log2.contains("line before"), "nothing twice:\n{log2}");
+    assert_eq!(
+        std::fs::read_to_string(d.path().join("runs")).unwrap(),
+        "before the ask\n",
+        "nothing before the ask ran again"
+    );
+    let t = Instant::now();
+    while alive(pid) {
+        assert!(t.elapsed() < Duration::from_secs(10), "the script ended");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_nothing_kept(&sshd);
+}
+
+#[test]
+fn two_rounds_in_one_process_then_its_end() {
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    let script = format!(
+        "echo $BASHPID > '{pid}'; n=41; a=$(dormant-ask 'first?'); n=$((n+1)); echo \"got [$a] n=$n\"; \
+         b=$(dormant-ask 'second?'); echo \"got [$b] n=$((n+1)) pid=$BASHPID\"; exit 0",
+        pid = d.path().join("pid").display()
+    );
+    let r = rig.run(&job(82).script(&script));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    assert_paused_line(&r.log(), &key, "\"first?\"");
+    let pid = pid_in(&d.path().join("pid"));
+
+    let r2 = rig.run(
+        &job(82)
+            .resume(&key)
+            .script("dormant-continue one; echo 'not reached'"),
+    );
+    assert_result(&r2, JobResult::Success);
+    let log2 = r2.log();
+    assert!(log2.contains("got [one] n=42\n"), "{log2}");
+    assert_paused_line(&log2, &key, "\"second?\"");
+    assert!(
+        !log2.contains("not reached"),
+        "the resuming job ends paused:\n{log2}"
+    );
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert!(alive(pid));
+    assert_eq!(rig.record(&key).unwrap()["paused"]["question"], "second?");
+
+    let r3 = rig.run(&job(82).resume(&key).script("printf two | dormant-continue"));
+    assert_result(&r3, JobResult::Success);
+    let log3 = r3.log();
+    assert!(
+        log3.contains(&format!("got [two] n=43 pid={pid}\n")),
+        "{log3}"
+    );
+    assert!(!log3.contains("got [one]"), "nothing twice:\n{log3}");
+}
+
+#[test]
+fn continue_with_nothing_paused_fails_at_once_and_a_release_ends_a_paused_script() {
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    let r = rig.run(
+        &job(83)
+            .suspend_on(true, true)
+            .script("dormant-continue x || echo \"rc=$?\""),
+    );
+    assert_result(&r, JobResult::Success);
+    let log = r.log();
+    assert!(
+        log.contains("dormant-continue: nothing is paused in this environment\nrc=3\n"),
+        "{log}"
+    );
+
+    let first = job(84).script(&asking(d.path(), "q"));
+    let r = rig.run(&first);
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    let pid = pid_in(&d.path().join("pid"));
+    assert!(alive(pid));
+    let out = rig.dormant(&["release", &key]);
+    assert!(out.status.success(), "{out:?}");
+    let t = Instant::now();
+    while alive(pid) {
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "the release ended the paused script"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_nothing_kept(&sshd);
+}
+
+#[test]
+fn ask_fails_at_once_naming_the_setting_where_a_script_cannot_be_kept() {
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig_with(&sshd, "");
+    let mut settings = std::fs::read_to_string(&rig.settings_path).unwrap();
+    settings.push_str("\n[suspend]\nenabled = false\n");
+    std::fs::write(&rig.settings_path, settings).unwrap();
+    let r = rig.run(&job(85).script("dormant-ask 'q?' || echo \"rc=$? went on\""));
+    assert_result(&r, JobResult::Success);
+    let log = r.log();
+    assert!(
+        log.contains("dormant-ask: cannot pause here: suspend.enabled = false")
+            && log.contains("rc=2 went on"),
+        "{log}"
+    );
+}
+
+/// `dormant run` SIGKILLed right after it recorded the pause (`pause:recorded`):
+/// the runner fails the job, but the question is not lost — cleanup still
+/// suspends the environment keeping the script — and a resumed job answers it.
+#[cfg(feature = "testing")]
+#[test]
+fn a_run_killed_after_recording_the_pause_loses_no_question() {
+    let sshd = Sshd::start();
+    let (mut rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    crate::crash::arm(&mut rig, Some("pause:recorded"), true);
+    let r = rig.run(&job(86).script(&asking(d.path(), "kept?")));
+    crate::crash::assert_killed_at(&rig, &r.calls, "pause:recorded", 1);
+    let key = r.key.clone().expect("suspended: the pause was recorded");
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert_eq!(rig.record(&key).unwrap()["paused"]["question"], "kept?");
+    let pid = pid_in(&d.path().join("pid"));
+    assert!(alive(pid));
+    crate::crash::arm(&mut rig, None, false);
+    let r2 = rig.run(&job(86).resume(&key).script("dormant-continue ok"));
+    assert_result(&r2, JobResult::BuildFailure(Some(7)));
+    assert!(r2.log().contains("answer=[ok]"), "{}", r2.log());
+}
