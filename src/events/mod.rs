@@ -31,8 +31,8 @@ use uuid::Uuid;
 
 pub use append::EventLog;
 pub use vocabulary::{
-    known_causes, Kind, RefuseCause, ReleaseCause, Step, SuspendCause, NOTIFY_EVENTS,
-    JOINED_CAUSES, RECOVERED_CAUSES, SWEEP_SCOPES, WARM_CAUSES,
+    known_causes, Kind, RefuseCause, ReleaseCause, Step, SuspendCause, JOINED_CAUSES,
+    NOTIFY_EVENTS, RECOVERED_CAUSES, SWEEP_SCOPES, WARM_CAUSES,
 };
 
 /// The event log's directory in a state dir.
