@@ -277,7 +277,7 @@ impl Watch<'_> {
                 }
             }
             idle += 1;
-            if idle % RECORD_EVERY == 0 && !self.job_runs()? {
+            if idle.is_multiple_of(RECORD_EVERY) && !self.job_runs()? {
                 // (The run that wrote it was killed: its end is never recorded.)
                 while copy_out(&file, &mut offset, out, Some(self.log)).map_err(|_| ()) == Ok(true)
                 {
