@@ -68,6 +68,7 @@ mod moto_refusals;
 mod notify;
 mod pause;
 mod qemu;
+mod qemu_attach;
 mod qemu_pins;
 mod qemu_reattach;
 #[cfg(feature = "testing")]
