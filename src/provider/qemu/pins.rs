@@ -329,6 +329,11 @@ fn used_pins(root: &Path) -> Result<Vec<String>> {
             continue;
         };
         for entry in entries.flatten() {
+            // Only directories hold a VM: `warm/` also has the pool's
+            // `refill.lock` and `refill.log`.
+            if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
             let vm = entry.path().join("vm");
             let image = vm.join("image.json");
             match read_json::<PinnedImage>(&image) {

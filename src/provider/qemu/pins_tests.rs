@@ -215,6 +215,9 @@ async fn tidy_removes_only_pins_no_vm_uses() {
         .unwrap();
     // A copy a killed pin left behind.
     fs::write(d.root.join("images/tmp-leftover"), "half").unwrap();
+    // The pool's own files beside its entries hold no VM.
+    fs::write(d.root.join("warm/refill.lock"), "").unwrap();
+    fs::write(d.root.join("warm/refill.log"), "x").unwrap();
 
     let removed = pins.tidy(&ctx()).await.unwrap();
     assert_eq!(removed, vec![d.root.join("images/tmp-leftover")]);
