@@ -134,7 +134,7 @@ impl Ec2Settings {
                         format!("{} must be an absolute path inside the instance", quoted(d)),
                     );
                 } else if self.storage == StorageMode::Volume
-                    && !super::qemu::inside(d, &self.volume_mount)
+                    && !super::mount_point::inside(d, &self.volume_mount)
                 {
                     p(
                         key,
@@ -200,7 +200,7 @@ impl Ec2Settings {
                 "must not be empty (leave it out for the account's EBS key)".into(),
             );
         }
-        if let Some(problem) = super::qemu::mount_problem(&self.volume_mount) {
+        if let Some(problem) = super::mount_point::mount_problem(&self.volume_mount) {
             p("volume_mount", problem);
         }
     }

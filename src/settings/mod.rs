@@ -7,22 +7,26 @@
 //! do not parse (`Settings::parse_str`) as well as those out of range. `examples/dormant.toml` documents every setting
 //! and a test parses it. Sections of a provider live in their own file.
 
+pub mod boot_image;
 pub mod bounds;
+mod disk_size;
 pub mod duration;
 pub mod ec2;
 mod ec2_checks;
 pub mod events;
+mod load;
+mod mount_point;
+mod parse;
 pub mod qemu;
 pub mod ssh;
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 
 pub use duration::HumanDuration;
 
-use crate::text::{excerpt, excerpt_ends};
+use crate::text::excerpt;
 
 /// Where the settings file is when neither `--config` nor `DORMANT_CONFIG` says.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/dormant/config.toml";
@@ -177,115 +181,6 @@ impl SuspendSettings {
 }
 
 impl Settings {
-    /// Finds and parses the settings file. Returns the settings and the file they came from.
-    pub fn load(
-        cli_path: Option<&Path>,
-        job: &dyn DriverEnv,
-    ) -> Result<(Settings, Option<PathBuf>)> {
-        let explicit = cli_path.map(Path::to_path_buf).or_else(|| {
-            job.driver_var("DORMANT_CONFIG")
-                .filter(|s| !s.is_empty())
-                .map(PathBuf::from)
-        });
-        let path = match explicit {
-            Some(p) => {
-                if !p.exists() {
-                    bail!(
-                        "settings file {} does not exist (from --config or DORMANT_CONFIG)",
-                        p.display()
-                    );
-                }
-                p
-            }
-            None => {
-                let p = PathBuf::from(DEFAULT_CONFIG_PATH);
-                if !p.exists() {
-                    return Ok((Settings::default(), None));
-                }
-                p
-            }
-        };
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("reading settings file {}", path.display()))?;
-        let settings = Settings::parse_str(&text)
-            .with_context(|| format!("settings file {}", path.display()))?;
-        Ok((settings, Some(path)))
-    }
-
-    /// Parses settings text, reporting every unknown key and bad value at once.
-    ///
-    /// serde stops at the first value that does not parse (a duration, an
-    /// enum), so the file is parsed as a tree first: each value that fails is
-    /// reported, taken out of the tree and the rest parsed again — the default
-    /// stands in for it — until all of it parses. Then the unknown keys of
-    /// that last pass and the checks of `validate` (minus those about a key
-    /// already reported) join the list.
-    pub fn parse_str(text: &str) -> Result<Settings> {
-        // The parsed document, before any value is read from it: a syntax
-        // error ends here (toml quotes the offending line: keep each line of
-        // its message short).
-        let mut tree = toml::de::DeTable::parse(text).map_err(|e| {
-            let msg: Vec<String> = e.to_string().trim_end().lines().map(excerpt).collect();
-            anyhow::anyhow!("{}", msg.join("\n"))
-        })?;
-        let mut bad_values = Vec::new();
-        let (parsed, unknown) = loop {
-            let mut unknown = Vec::new();
-            // serde_ignored collects every unknown key; serde_path_to_error
-            // names the key of a value that does not parse (`suspend.ttl`).
-            let mut record = |path: serde_ignored::Path<'_>| unknown.push(path.to_string());
-            let parsed: Result<Settings, _> =
-                serde_path_to_error::deserialize(serde_ignored::Deserializer::new(
-                    toml::Deserializer::from(tree.clone()),
-                    &mut record,
-                ));
-            match parsed {
-                Ok(settings) => break (Some(settings), unknown),
-                Err(e) => {
-                    let taken_out = take_out(tree.get_mut(), e.path()).is_some();
-                    // serde's message may quote the whole bad value.
-                    let key = excerpt(&e.path().to_string());
-                    let msg = excerpt_ends(e.into_inner().message().trim_end());
-                    bad_values.push((key, msg));
-                    // Nothing to take out (no key to name): report what is known.
-                    if !taken_out {
-                        break (None, unknown);
-                    }
-                }
-            }
-        };
-        let mut problems: Vec<String> = unknown
-            .into_iter()
-            .map(|k| {
-                format!(
-                    "{}: unknown setting (see examples/dormant.toml for every setting)",
-                    excerpt(&k)
-                )
-            })
-            .collect();
-        problems.extend(bad_values.iter().map(|(key, msg)| format!("{key}: {msg}")));
-        if let Some(settings) = &parsed {
-            let mut checks = Vec::new();
-            settings.validate(&mut checks);
-            // A bad value's key holds its default now: a check of that
-            // default would report the key twice.
-            problems.extend(checks.into_iter().filter(|p| {
-                !bad_values.iter().any(|(key, _)| {
-                    p.strip_prefix(key.as_str())
-                        .is_some_and(|rest| rest.starts_with([':', '.', '[']))
-                })
-            }));
-        }
-        match parsed {
-            Some(settings) if problems.is_empty() => Ok(settings),
-            _ => bail!(
-                "{} problem(s):\n  {}",
-                problems.len(),
-                problems.join("\n  ")
-            ),
-        }
-    }
-
     fn validate(&self, problems: &mut Vec<String>) {
         for (key, value) in [
             ("runner_id", &self.runner_id),
@@ -355,104 +250,6 @@ impl Settings {
         }
         self.qemu
             .validate(self.provider == ProviderKind::Qemu, problems);
-    }
-
-    /// The state dir: `DORMANT_STATE_DIR`, else `state_dir`, else the system default.
-    /// Never inside the runner's per-job TMPDIR, which is deleted after cleanup.
-    pub fn state_dir(&self, job: &dyn DriverEnv) -> Result<PathBuf> {
-        let dir = match job
-            .driver_var("DORMANT_STATE_DIR")
-            .filter(|s| !s.is_empty())
-        {
-            Some(d) => PathBuf::from(d),
-            None => match &self.state_dir {
-                Some(d) => d.clone(),
-                None => default_state_dir()?,
-            },
-        };
-        if !dir.is_absolute() {
-            bail!(
-                "state dir {} (DORMANT_STATE_DIR) must be an absolute path",
-                dir.display()
-            );
-        }
-        if self.provider == ProviderKind::Qemu && dir.as_os_str().len() > qemu::max_state_dir_len()
-        {
-            bail!(
-                "state dir {} is {} bytes long; the qemu provider needs one of at most {} bytes (each VM's \
-                 QMP socket, <state dir>/environments/<id>/{}, must fit in a Unix socket path of {} bytes): \
-                 set state_dir (or DORMANT_STATE_DIR) to a shorter path such as /var/lib/dormant",
-                dir.display(),
-                dir.as_os_str().len(),
-                qemu::max_state_dir_len(),
-                qemu::QMP_SOCKET,
-                qemu::MAX_SOCKET_PATH
-            );
-        }
-        let runner_tmp = job
-            .driver_var("TMPDIR")
-            .filter(|s| !s.is_empty())
-            .map(PathBuf::from);
-        if let Some(tmp) = runner_tmp {
-            if dir.starts_with(&tmp) {
-                bail!(
-                    "state dir {} is inside the runner's per-job temp dir {} which is deleted after \
-                     every job: set state_dir to a durable place such as /var/lib/dormant",
-                    dir.display(),
-                    tmp.display()
-                );
-            }
-        }
-        Ok(dir)
-    }
-}
-
-fn default_state_dir() -> Result<PathBuf> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
-        return Ok(PathBuf::from("/var/lib/dormant"));
-    }
-    let dirs = directories::ProjectDirs::from("", "", "dormant")
-        .context("no home directory to put the state dir in: set state_dir or DORMANT_STATE_DIR")?;
-    Ok(dirs
-        .state_dir()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| dirs.data_local_dir().to_path_buf()))
-}
-
-/// Takes the value a parse error points at out of the parsed document; None
-/// when the path leads to no key. A bad element of a list takes the whole
-/// list with it, so that the index of a later bad element in another list is
-/// still the one in the file.
-fn take_out(tree: &mut toml::de::DeTable<'_>, path: &serde_path_to_error::Path) -> Option<()> {
-    use serde_path_to_error::Segment;
-    use std::borrow::BorrowMut;
-    use toml::de::DeValue;
-    let segments: Vec<&Segment> = path.iter().collect();
-    let last = segments
-        .iter()
-        .rposition(|s| matches!(s, Segment::Map { .. }))?;
-    let Segment::Map { key } = segments[last] else {
-        return None;
-    };
-    let Some((Segment::Map { key: first }, within)) = segments[..last].split_first() else {
-        return tree.remove(key.as_str()).map(drop);
-    };
-    let mut at = tree.get_mut(first.as_str())?.get_mut();
-    for segment in within {
-        at = match (segment, at) {
-            (Segment::Map { key }, DeValue::Table(t)) => t.get_mut(key.as_str()),
-            (Segment::Seq { index }, DeValue::Array(a)) => {
-                let items: &mut [_] = a.borrow_mut();
-                items.get_mut(*index)
-            }
-            _ => None,
-        }?
-        .get_mut();
-    }
-    match at {
-        DeValue::Table(t) => t.remove(key.as_str()).map(drop),
-        _ => None,
     }
 }
 

@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use super::boot_image::BootImage;
+use super::disk_size::{size_bytes, valid_size, MAX_VOLUME_BYTES};
+use super::mount_point::{inside, mount_problem};
 use super::HumanDuration;
 use crate::model::{Dirs, EnvPaths, StorageMode};
 use uuid::Uuid;
@@ -15,11 +18,6 @@ use uuid::Uuid;
 /// At most this many warm VMs (each holds its memory while it waits).
 pub const MAX_WARM: u32 = 16;
 const MIN_WARM_AGE: std::time::Duration = std::time::Duration::from_secs(600);
-
-/// The kernel command line when `kernel` is set and `kernel_args` is not: root
-/// on the whole first virtio disk, console on the serial port (the console
-/// log), `quiet` because printing to an emulated UART costs seconds under TCG.
-pub const DEFAULT_KERNEL_ARGS: &str = "root=/dev/vda rw console=ttyS0 quiet";
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default)]
@@ -107,81 +105,6 @@ impl Default for QemuSettings {
     }
 }
 
-/// A base image: a path, or a table with a kernel and initrd for direct boot
-/// (faster than firmware and bootloader; needed by images without a bootloader).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
-pub enum BootImage {
-    Path(PathBuf),
-    Full(FullBootImage),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FullBootImage {
-    pub disk: PathBuf,
-    pub kernel: Option<PathBuf>,
-    pub initrd: Option<PathBuf>,
-    pub kernel_args: Option<String>,
-}
-
-impl BootImage {
-    pub fn disk(&self) -> &Path {
-        match self {
-            BootImage::Path(p) => p,
-            BootImage::Full(f) => &f.disk,
-        }
-    }
-    pub fn kernel(&self) -> Option<&Path> {
-        match self {
-            BootImage::Path(_) => None,
-            BootImage::Full(f) => f.kernel.as_deref(),
-        }
-    }
-    pub fn initrd(&self) -> Option<&Path> {
-        match self {
-            BootImage::Path(_) => None,
-            BootImage::Full(f) => f.initrd.as_deref(),
-        }
-    }
-    pub fn kernel_args(&self) -> &str {
-        match self {
-            BootImage::Full(FullBootImage {
-                kernel_args: Some(a),
-                ..
-            }) => a,
-            _ => DEFAULT_KERNEL_ARGS,
-        }
-    }
-
-    fn validate(&self, key: &str, p: &mut impl FnMut(&str, String)) {
-        let mut files = vec![("disk", Some(self.disk()))];
-        files.push(("kernel", self.kernel()));
-        files.push(("initrd", self.initrd()));
-        for (what, path) in files {
-            if let Some(path) = path {
-                if !path.is_absolute() {
-                    p(
-                        key,
-                        format!("{what} {} must be an absolute path", path.display()),
-                    );
-                }
-            }
-        }
-        if self.initrd().is_some() && self.kernel().is_none() {
-            p(key, "initrd without kernel: set both or neither".into());
-        }
-        if let BootImage::Full(f) = self {
-            if f.kernel_args.is_some() && f.kernel.is_none() {
-                p(
-                    key,
-                    "kernel_args without kernel: set both or neither".into(),
-                );
-            }
-        }
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Accel {
@@ -202,74 +125,6 @@ pub enum QemuSuspendMode {
 
 pub const DEFAULT_VOLUME_SIZE: &str = "20G";
 pub const DEFAULT_VOLUME_MOUNT: &str = "/dormant";
-/// The largest data disk: far beyond any job's files, and far from what
-/// qcow2 and ext4 can address.
-const MAX_VOLUME_BYTES: u64 = 16 << 40;
-
-/// `qemu-img` sizes in bytes: digits and one of K, M, G, T.
-fn size_bytes(s: &str) -> Option<u64> {
-    let unit = s.chars().last()?;
-    let digits = &s[..s.len() - unit.len_utf8()];
-    let shift = match unit {
-        'K' => 10,
-        'M' => 20,
-        'G' => 30,
-        'T' => 40,
-        _ => return None,
-    };
-    if digits.is_empty() || !digits.chars().all(|c| c.is_ascii_digit()) {
-        return None;
-    }
-    digits
-        .parse::<u64>()
-        .ok()
-        .filter(|n| *n > 0)
-        .and_then(|n| n.checked_mul(1 << shift))
-}
-
-fn valid_size(s: &str) -> bool {
-    size_bytes(s).is_some()
-}
-
-/// Directories a data disk must not be mounted on: the guest's own system.
-const SYSTEM_DIRS: &[&str] = &[
-    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/opt", "/proc", "/root", "/run",
-    "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var",
-];
-
-/// Why `path` cannot be a data disk's mount point, if it cannot: it goes
-/// into fstab and a shell script, so plain characters only.
-pub(super) fn mount_problem(path: &str) -> Option<String> {
-    if !path.starts_with('/') || path == "/" || path.ends_with('/') {
-        return Some(format!(
-            "{path:?} must be an absolute path below / without a trailing slash (e.g. \"/dormant\")"
-        ));
-    }
-    if !path
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '/' | '-' | '_' | '.'))
-        || path.split('/').any(|c| c == "." || c == "..")
-        || path.contains("//")
-    {
-        return Some(format!(
-            "{path:?} may hold only letters, digits, '-', '_', '.' and '/' (it goes into the guest's fstab)"
-        ));
-    }
-    if SYSTEM_DIRS.contains(&path) {
-        return Some(format!(
-            "{path:?} is a system directory of the guest: mount the data disk on a directory of its own"
-        ));
-    }
-    None
-}
-
-/// Whether `dir` is `mount` or inside it.
-pub(super) fn inside(dir: &str, mount: &str) -> bool {
-    dir == mount
-        || dir
-            .strip_prefix(mount)
-            .is_some_and(|rest| rest.starts_with('/'))
-}
 
 /// Where a VM's QMP socket lives, inside its environment dir.
 pub const QMP_SOCKET: &str = "vm/qmp.sock";

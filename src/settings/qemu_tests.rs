@@ -3,6 +3,8 @@
 use crate::settings::{ProviderKind, Settings};
 
 use super::*;
+use crate::settings::boot_image::DEFAULT_KERNEL_ARGS;
+use crate::settings::disk_size::valid_size;
 
 #[test]
 fn a_minimal_section_parses_with_documented_defaults() {

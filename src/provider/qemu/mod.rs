@@ -42,7 +42,8 @@ use super::{
     StorageMode, Target, Volumes,
 };
 use crate::context::Ctx;
-use crate::settings::qemu::{BootImage, QemuSettings};
+use crate::settings::boot_image::BootImage;
+use crate::settings::qemu::QemuSettings;
 use crate::settings::Settings;
 use crate::state::{EnvPaths, StateStore};
 

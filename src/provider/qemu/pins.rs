@@ -48,7 +48,7 @@ use sha2::{Digest, Sha256};
 
 use super::vm::VmDir;
 use crate::context::Ctx;
-use crate::settings::qemu::{BootImage, FullBootImage};
+use crate::settings::boot_image::{BootImage, FullBootImage};
 use crate::state::lock::FileLock;
 use crate::state::store::{ensure_private_dir, read_json, sync_dir, write_json};
 

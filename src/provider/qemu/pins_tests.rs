@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::context::JobLog;
-use crate::settings::qemu::BootImage;
+use crate::settings::boot_image::BootImage;
 
 fn ctx() -> Ctx {
     Ctx::new(

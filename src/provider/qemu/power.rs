@@ -26,7 +26,7 @@ use super::qmp::Qmp;
 use super::vm::{self, Launch, VmDir};
 use super::{capacity, power_off, tools, QemuProvider};
 use crate::context::Ctx;
-use crate::settings::qemu::BootImage;
+use crate::settings::boot_image::BootImage;
 use crate::wait::{Poll, Schedule, Wait};
 /// Loading a memory image takes seconds; a stuck one is given up after this.
 const RESTORE_LIMIT: Duration = Duration::from_secs(300);

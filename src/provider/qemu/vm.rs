@@ -29,7 +29,8 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::settings::qemu::{Accel, BootImage, QemuSettings, MAX_SOCKET_PATH};
+use crate::settings::boot_image::BootImage;
+use crate::settings::qemu::{Accel, QemuSettings, MAX_SOCKET_PATH};
 use crate::state::EnvPaths;
 
 #[derive(Debug, Clone)]

@@ -241,7 +241,7 @@ mod tests {
     use super::super::process::fake::FakeQemu;
     use super::*;
     use crate::context::JobLog;
-    use crate::settings::qemu::BootImage;
+    use crate::settings::boot_image::BootImage;
     use crate::settings::Settings;
     use crate::state::StateStore;
 

@@ -18,7 +18,7 @@ use crate::context::Ctx;
 use crate::model::{EnvPaths, Machine};
 use crate::provider::warm::{WarmKind, WarmMachines};
 use crate::provider::MachineSpec;
-use crate::settings::qemu::BootImage;
+use crate::settings::boot_image::BootImage;
 use crate::state::pool::WarmPaths;
 
 impl QemuProvider {

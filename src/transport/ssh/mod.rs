@@ -11,6 +11,7 @@
 //! closing the session alone would leave it running on the host.
 
 mod channel;
+mod client;
 mod hostkey;
 mod kept;
 mod master;
