@@ -221,23 +221,13 @@ impl Ec2Settings {
     /// every environment of a storage mode — on the instance's own disk, or
     /// (volume mode) on the data volume mounted at `volume_mount`.
     pub fn dirs(&self, _paths: &EnvPaths, storage: StorageMode) -> Result<Dirs> {
-        Ok(match storage {
-            StorageMode::Machine => super::own_disk_dirs(
-                &self.ssh_user,
-                self.builds_dir.as_deref(),
-                self.cache_dir.as_deref(),
-            ),
-            StorageMode::Volume => Dirs {
-                builds: self
-                    .builds_dir
-                    .clone()
-                    .unwrap_or_else(|| format!("{}/builds", self.volume_mount)),
-                cache: self
-                    .cache_dir
-                    .clone()
-                    .unwrap_or_else(|| format!("{}/cache", self.volume_mount)),
-            },
-        })
+        Ok(super::own_machine_dirs(
+            &self.ssh_user,
+            self.builds_dir.as_deref(),
+            self.cache_dir.as_deref(),
+            storage,
+            &self.volume_mount,
+        ))
     }
 }
 

@@ -258,20 +258,24 @@ impl Settings {
 mod tests;
 
 /// builds_dir / cache_dir on a machine of its own (an EC2 instance, a qemu
-/// VM): the configured paths, else `builds` and `cache` in the ssh user's
-/// home on a cloud image. The same paths serve every environment.
-fn own_disk_dirs(
+/// VM), the same paths for every environment of a storage mode: the
+/// configured paths, else in machine mode `builds` and `cache` in the ssh
+/// user's home on a cloud image, in volume mode on the data volume mounted
+/// at `volume_mount`.
+fn own_machine_dirs(
     ssh_user: &str,
     builds_dir: Option<&str>,
     cache_dir: Option<&str>,
+    storage: crate::model::StorageMode,
+    volume_mount: &str,
 ) -> crate::model::Dirs {
-    let home = if ssh_user == "root" {
-        "/root".to_string()
-    } else {
-        format!("/home/{ssh_user}")
+    let base = match storage {
+        crate::model::StorageMode::Machine if ssh_user == "root" => "/root".to_string(),
+        crate::model::StorageMode::Machine => format!("/home/{ssh_user}"),
+        crate::model::StorageMode::Volume => volume_mount.to_string(),
     };
     crate::model::Dirs {
-        builds: builds_dir.map_or_else(|| format!("{home}/builds"), str::to_string),
-        cache: cache_dir.map_or_else(|| format!("{home}/cache"), str::to_string),
+        builds: builds_dir.map_or_else(|| format!("{base}/builds"), str::to_string),
+        cache: cache_dir.map_or_else(|| format!("{base}/cache"), str::to_string),
     }
 }

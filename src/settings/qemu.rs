@@ -297,23 +297,13 @@ impl QemuSettings {
     /// builds_dir / cache_dir for config (no I/O): every VM has its own
     /// disk; in volume mode they are on the data disk.
     pub fn dirs(&self, _paths: &EnvPaths, storage: StorageMode) -> Dirs {
-        match storage {
-            StorageMode::Machine => super::own_disk_dirs(
-                &self.ssh_user,
-                self.builds_dir.as_deref(),
-                self.cache_dir.as_deref(),
-            ),
-            StorageMode::Volume => Dirs {
-                builds: self
-                    .builds_dir
-                    .clone()
-                    .unwrap_or_else(|| format!("{}/builds", self.volume_mount)),
-                cache: self
-                    .cache_dir
-                    .clone()
-                    .unwrap_or_else(|| format!("{}/cache", self.volume_mount)),
-            },
-        }
+        super::own_machine_dirs(
+            &self.ssh_user,
+            self.builds_dir.as_deref(),
+            self.cache_dir.as_deref(),
+            storage,
+            &self.volume_mount,
+        )
     }
 }
 
