@@ -146,18 +146,8 @@ pub async fn sweep(
             let started = std::time::Instant::now();
             provider.delete(&m.machine, &ctx).await?;
             // An orphan has no record: the event says what the machine's tags say.
-            let mut event = Event::new(
-                Kind::Released,
-                ReleaseCause::Orphan.as_str(),
-                provider.name(),
-            )
-            .by(&recover::operator("dormant sweep --delete-orphans"))
-            .duration(started.elapsed())
-            .reason(&format!(
-                "machine {} belongs to no environment in the registry",
-                m.machine.id
-            ));
-            event.env = m.env_id;
+            let what = format!("machine {}", m.machine.id);
+            let event = orphan_released(provider.name(), &what, m.env_id, started);
             events.record(event, &ctx).await;
         } else {
             log.warn(format!(
@@ -192,18 +182,8 @@ pub async fn sweep(
                 vols.delete_volume(&v.volume, &ctx).await?;
                 // As for an orphan machine: no record, so the event says what
                 // the volume's tags say (its environment) and names the volume.
-                let mut event = Event::new(
-                    Kind::Released,
-                    ReleaseCause::Orphan.as_str(),
-                    provider.name(),
-                )
-                .by(&recover::operator("dormant sweep --delete-orphans"))
-                .duration(started.elapsed())
-                .reason(&format!(
-                    "data volume {} belongs to no environment in the registry",
-                    v.volume.id
-                ));
-                event.env = v.env_id;
+                let what = format!("data volume {}", v.volume.id);
+                let event = orphan_released(provider.name(), &what, v.env_id, started);
                 events.record(event, &ctx).await;
             } else {
                 log.warn(format!(
@@ -230,4 +210,20 @@ pub async fn sweep(
         );
     }
     Ok(())
+}
+
+/// The `released` event of an orphan `sweep --delete-orphans` deleted: no
+/// record, so it names the thing and the environment its tags name.
+fn orphan_released(
+    provider: &str,
+    what: &str,
+    env: Option<uuid::Uuid>,
+    started: std::time::Instant,
+) -> Event {
+    let mut event = Event::new(Kind::Released, ReleaseCause::Orphan.as_str(), provider)
+        .by(&recover::operator("dormant sweep --delete-orphans"))
+        .duration(started.elapsed())
+        .reason(&format!("{what} belongs to no environment in the registry"));
+    event.env = env;
+    event
 }
