@@ -44,11 +44,13 @@ pub enum Command {
         json: bool,
     },
     /// Show one environment's record and its last events, by key or id.
+    /// Exit 3: no such environment here; 4: another runner manager's key.
     Inspect { key: String },
     /// The event history (created, resumed, suspended, released, failed,
     /// recovered, sweep) of one environment or of all, oldest first.
     Events {
-        /// Only this environment (its key or id).
+        /// Only this environment (its key or id; exit 3 when it is neither,
+        /// 4 for another runner manager's key).
         key: Option<String>,
         /// Only events of the last DURATION ("90s", "10m", "2h", "7d").
         #[arg(long, value_name = "DURATION")]
@@ -62,7 +64,8 @@ pub enum Command {
         json: bool,
     },
     /// Release (delete) an environment, by key or id: a suspended one, or one
-    /// whose holder (job or shell) is gone.
+    /// whose holder (job or shell) is gone. Exit 3: no such environment here;
+    /// 4: another runner manager's key (nothing is released).
     Release {
         key: String,
         /// Do not wait for the claim grace of a holder that has no process

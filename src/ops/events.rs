@@ -16,7 +16,7 @@ use crate::job::Job;
 use crate::settings::{HumanDuration, Settings};
 use crate::text::excerpt;
 
-use super::{env_id, open_store};
+use super::open_store;
 
 /// How often `--follow` looks for new lines: a person watching sees a line
 /// within half a second; each look lists the log's directory and reads only
@@ -43,7 +43,11 @@ pub async fn events(
     out: &mut dyn Write,
 ) -> Result<()> {
     let store = open_store(settings, job)?;
-    let id = req.key.as_deref().map(env_id).transpose()?;
+    let id = req
+        .key
+        .as_deref()
+        .map(|k| super::find::env_id(settings, &store, k))
+        .transpose()?;
     let since_ms = match &req.since {
         None => None,
         Some(text) => {

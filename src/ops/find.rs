@@ -1,7 +1,9 @@
-//! What `dormant attach` and `dormant shell` are pointed at: an environment
-//! key, an environment id, or a job id (a job between its prepare and its
-//! cleanup, found by its state file `jobs/<runner>-<job>.json`). Each way of
-//! missing has its own exit code ([`crate::exit::Refused`]).
+//! What an operator command is pointed at: `dormant attach` and `dormant
+//! shell` take an environment key, an environment id, or a job id (a job
+//! between its prepare and its cleanup, found by its state file
+//! `jobs/<runner>-<job>.json`); `release`, `inspect` and `events --key` a key
+//! or an id (`env_id`). Each way of missing has its own exit code
+//! ([`crate::exit::Refused`]): the same for every command.
 
 use anyhow::Result;
 use uuid::Uuid;
@@ -62,12 +64,50 @@ pub fn find(settings: &Settings, store: &StateStore, text: &str) -> Result<Found
             job: Some(job),
         });
     }
-    let id = match Uuid::parse_str(text) {
+    let id = parse_id(
+        settings,
+        store,
+        text,
+        "an environment key, an environment id nor a job id",
+    )?;
+    let paths = store.env_paths(id);
+    let record = registry::peek(&paths)?.ok_or_else(|| {
+        Refused::NotFound.because(format!(
+            "environment {id} is not in this runner manager's registry ({}): it was released or \
+             expired, or never was here; `dormant list` shows what is",
+            store.environments_dir().display()
+        ))
+    })?;
+    Ok(Found {
+        paths,
+        record,
+        job: None,
+    })
+}
+
+/// The environment id `text` names (a key or an id; not a job id), refused
+/// with [`Refused::NotFound`] when it is neither and [`Refused::OtherRunner`]
+/// for a key another runner manager made. Whether the environment exists is
+/// the caller's to look up (`release`, `inspect`).
+pub fn env_id(settings: &Settings, store: &StateStore, text: &str) -> Result<Uuid> {
+    parse_id(
+        settings,
+        store,
+        text,
+        "an environment key nor an environment id",
+    )
+}
+
+/// `accepted`: what the message says `text` is not ("an environment key nor …").
+fn parse_id(settings: &Settings, store: &StateStore, text: &str, accepted: &str) -> Result<Uuid> {
+    let shown = crate::text::quoted(text);
+    let text = text.trim();
+    Ok(match Uuid::parse_str(text) {
         Ok(id) => id,
         Err(_) => {
             let key = EnvironmentKey::parse(text).map_err(|e| {
                 Refused::NotFound.because(format!(
-                    "{shown} is neither an environment key, an environment id nor a job id ({e}); \
+                    "{shown} is neither {accepted} ({e}); \
                      `dormant list` shows the keys and ids of this runner manager's environments"
                 ))
             })?;
@@ -91,19 +131,6 @@ pub fn find(settings: &Settings, store: &StateStore, text: &str) -> Result<Found
             }
             key.env_id
         }
-    };
-    let paths = store.env_paths(id);
-    let record = registry::peek(&paths)?.ok_or_else(|| {
-        Refused::NotFound.because(format!(
-            "environment {id} is not in this runner manager's registry ({}): it was released or \
-             expired, or never was here; `dormant list` shows what is",
-            store.environments_dir().display()
-        ))
-    })?;
-    Ok(Found {
-        paths,
-        record,
-        job: None,
     })
 }
 

@@ -6,7 +6,7 @@
 
 use std::io::Write;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde_json::json;
 
 use crate::job::Job;
@@ -14,7 +14,7 @@ use crate::lifecycle::human_age;
 use crate::settings::Settings;
 use crate::state::{now_unix, registry, EnvStatus, EnvironmentRecord};
 
-use super::{env_id, open_store};
+use super::open_store;
 
 pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> Result<()> {
     let store = open_store(settings, job)?;
@@ -167,7 +167,7 @@ impl<'a> Shown<'a> {
 
 pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -> Result<()> {
     let store = open_store(settings, job)?;
-    let id = env_id(key)?;
+    let id = super::find::env_id(settings, &store, key)?;
     if !store.env_paths(id).exists() {
         if let Some(entry) = crate::state::pool::Pool::new(&store).peek(id)? {
             let doc = json!({"warm": true, "age_s": entry.age_secs(now_unix()), "entry": entry});
@@ -175,11 +175,12 @@ pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -
             return Ok(());
         }
     }
-    let rec = registry::peek(&store.env_paths(id))?.with_context(|| {
-        format!(
-            "environment {id} is not in the registry under {}",
+    let rec = registry::peek(&store.env_paths(id))?.ok_or_else(|| {
+        crate::exit::Refused::NotFound.because(format!(
+            "environment {id} is not in the registry under {} (it was released or expired, or never \
+             was here; `dormant list` shows what is)",
             store.environments_dir().display()
-        )
+        ))
     })?;
     // The record's fields (with its storage mode, which a machine-mode
     // record's file leaves out), then its last events: one JSON document.

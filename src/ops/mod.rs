@@ -16,9 +16,7 @@ pub mod try_job;
 pub mod warm;
 
 use anyhow::Result;
-use uuid::Uuid;
 
-use crate::envkey::EnvironmentKey;
 use crate::job::Job;
 use crate::settings::Settings;
 use crate::state::StateStore;
@@ -28,17 +26,4 @@ pub const OPERATOR_BUDGET: std::time::Duration = std::time::Duration::from_secs(
 
 pub fn open_store(settings: &Settings, job: &Job) -> Result<StateStore> {
     StateStore::open(&settings.state_dir(job)?)
-}
-
-/// An environment id from a key or a bare id.
-pub fn env_id(text: &str) -> Result<Uuid> {
-    if let Ok(id) = Uuid::parse_str(text.trim()) {
-        return Ok(id);
-    }
-    EnvironmentKey::parse(text).map(|k| k.env_id).map_err(|e| {
-        anyhow::anyhow!(
-            "{} is neither an environment id nor a key: {e}; `dormant list` shows both",
-            crate::text::quoted(text)
-        )
-    })
 }

@@ -16,7 +16,7 @@ use crate::notify::{self, Audience, Event, Notification};
 use crate::settings::Settings;
 use crate::state::registry;
 
-use super::{env_id, open_store, OPERATOR_BUDGET};
+use super::{open_store, OPERATOR_BUDGET};
 
 pub async fn release(
     settings: &Settings,
@@ -27,7 +27,7 @@ pub async fn release(
     cancel: CancellationToken,
 ) -> Result<()> {
     let store = open_store(settings, job)?;
-    let id = env_id(key)?;
+    let id = super::find::env_id(settings, &store, key)?;
     let paths = store.env_paths(id);
     let provider = crate::provider::from_settings(settings, &store)?;
     let events = EventLog::new(store.root(), &settings.events);
@@ -46,10 +46,11 @@ pub async fn release(
             ));
             return Ok(());
         }
-        bail!(
-            "environment {id} is not in the registry under {}: nothing to release",
+        return Err(crate::exit::Refused::NotFound.because(format!(
+            "environment {id} is not in the registry under {}: nothing to release (it was released \
+             or expired, or never was here; `dormant list` shows what is)",
             store.environments_dir().display()
-        );
+        )));
     }
     match recover::recover(w, &paths, &me, &settings.suspend, force, &ctx).await? {
         Found::NoEnvironment => {

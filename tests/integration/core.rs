@@ -633,6 +633,58 @@ fn operator_commands_list_inspect_and_release() {
 }
 
 #[test]
+fn release_inspect_and_events_refuse_bad_input_with_the_exit_codes_of_attach() {
+    let rig = rig();
+    let key = suspended_env(&rig, 6);
+    // The same environment id under another system's key: a key another
+    // runner manager made must never act on an environment here.
+    let other = key.replacen(SYSTEM, "s_other0000000", 1);
+    assert_ne!(other, key);
+    let code = |args: &[&str]| {
+        let out = rig.dormant(args);
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for args in [
+        &["release", other.as_str()][..],
+        &["inspect", other.as_str()],
+        &["events", other.as_str()],
+    ] {
+        let (c, e) = code(args);
+        assert_eq!(c, Some(4), "{args:?}: {e}");
+        assert!(
+            e.contains("run this command on the runner manager that made the key"),
+            "{args:?}: {e}"
+        );
+    }
+    assert_eq!(
+        rig.status(&key).as_deref(),
+        Some("suspended"),
+        "another runner manager's key released the environment"
+    );
+    let unknown = "5e5c1c3e-0000-4000-8000-000000000002";
+    for args in [
+        &["release", "not a key"][..],
+        &["inspect", "not a key"],
+        &["events", "not a key"],
+        &["release", unknown],
+        &["inspect", unknown],
+    ] {
+        let (c, e) = code(args);
+        assert_eq!(c, Some(3), "{args:?}: {e}");
+        assert!(
+            e.contains("neither an environment key nor an environment id")
+                || e.contains("is not in the registry"),
+            "{args:?}: {e}"
+        );
+    }
+    let (c, e) = code(&["release", &key]);
+    assert_eq!(c, Some(0), "{e}");
+}
+
+#[test]
 fn dormant_try_passes_on_the_local_provider() {
     let rig = rig();
     let out = rig.dormant(&["try"]);
