@@ -43,7 +43,8 @@ fn build_script(flags: &Path) -> String {
 
 const AFTER: &str = "echo after-script-ran\n";
 
-fn wait_for(path: &Path) {
+/// Waits (bounded) for `path` to appear.
+pub(crate) fn wait_for(path: &Path) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !path.exists() {
         assert!(

@@ -10,20 +10,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::attach::wait_for;
 use crate::harness::*;
 use crate::sshd::{alive, Sshd};
-
-fn wait_for(path: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !path.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "{} never appeared",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 /// The job: says it started, waits for the joined shell's flag, then for
 /// `go`; exits 3 (so the job's own exit code is visible).
