@@ -289,6 +289,43 @@ fn attach_on(rig: &Rig, by_job_id: bool) {
     let (report, seen, interrupted) = watched_job(rig, by_job_id, &|| {});
     check(&report, &seen, &interrupted, false);
     suspended_shows_its_last_stage(rig, report.key.as_deref().unwrap());
+    each_attach_is_an_event_and_counted(rig, 6);
+}
+
+/// Each of the job's `n` watchers wrote a `joined` event (cause `attach`)
+/// naming the local user, and `metrics` counts them; a look at a suspended
+/// environment is no join.
+fn each_attach_is_an_event_and_counted(rig: &Rig, n: usize) {
+    let out = rig.dormant(&["events", "--json"]);
+    let events = String::from_utf8_lossy(&out.stdout).into_owned();
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    let user = if uid == 0 {
+        "root".to_string()
+    } else {
+        format!("uid {uid}")
+    };
+    let joins: Vec<&str> = events
+        .lines()
+        .filter(|l| l.contains("\"joined\"") && l.contains("\"attach\""))
+        .collect();
+    assert_eq!(joins.len(), n, "{events}");
+    if uid == 0 {
+        assert!(
+            joins
+                .iter()
+                .all(|l| l.contains(&format!("\"user\":\"{user}\""))),
+            "{events}"
+        );
+    }
+    let out = rig.dormant(&["metrics"]);
+    let metrics = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.contains("joined") && l.contains("attach") && l.ends_with(&format!(" {n}"))),
+        "{metrics}"
+    );
 }
 
 /// After the job: a suspended environment prints its last stage, says it is
@@ -347,6 +384,7 @@ fn ssh_watchers_see_every_byte_and_open_no_connection() {
     // Each stage's files go once dormant has read its end: waited for, bounded.
     crate::reattach::assert_nothing_kept(&sshd);
     suspended_shows_its_last_stage(&rig, report.key.as_deref().unwrap());
+    each_attach_is_an_event_and_counted(&rig, 6);
 }
 
 #[test]
