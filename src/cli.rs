@@ -74,11 +74,19 @@ pub enum Command {
         force: bool,
     },
     /// Open a shell in an environment (starting it if suspended); on exit it
-    /// is suspended again.
+    /// is suspended again. On an environment a job is running in it joins
+    /// the job instead: the shell runs on the job's machine, in its project
+    /// directory, beside the job, claims nothing, and is ended by the job's
+    /// cleanup (told first, at most 10 s). Exit 3: no such environment or job
+    /// here; 4: another runner manager's key; 5: the job is still preparing
+    /// its environment; 6: beside a job on `local` (the message says where
+    /// its directory is); otherwise the shell's or command's own code.
     Shell {
-        /// The environment's key or id.
+        /// The environment's key or id, or the id of a job running in it.
+        #[arg(value_name = "KEY|ID|JOB_ID")]
         key: String,
-        /// Release the environment on exit instead of suspending it.
+        /// Release the environment on exit instead of suspending it (refused
+        /// beside a running job).
         #[arg(long)]
         release: bool,
         /// Run this command line there without a terminal, and exit with its code.

@@ -47,6 +47,7 @@ use settings::Settings;
 /// Parses the command line, runs it, and returns the process exit code. A
 /// panic becomes a system failure, never the 101 the runner would call unknown.
 pub fn main_entry() -> i32 {
+    hold_termination_signals();
     let job = Job::from_env();
     scrub_job_variables();
     failpoint::init(
@@ -125,6 +126,7 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
     let log = JobLog::stderr();
     let cancel = CancellationToken::new();
     listen_for_termination(cancel.clone());
+    release_termination_signals();
     match cli.command {
         Command::Config => {
             let mut out = std::io::stdout().lock();
@@ -225,7 +227,12 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
 }
 
 /// SIGTERM (and SIGINT) become a cancellation every wait selects on. The
-/// runner sends SIGTERM to the whole process group on cancel and timeout.
+/// runner sends SIGTERM to the whole process group on cancel and timeout;
+/// Ctrl-C sends SIGINT to the terminal's foreground process group (an
+/// operator's `dormant attach` detaches on it, exit 0). Installing the
+/// handler sets the disposition whatever dormant inherited: a runner or a
+/// shell that started dormant in the background (SIGINT ignored, as a
+/// non-interactive shell's `&` does) or under `nohup` changes nothing.
 fn listen_for_termination(cancel: CancellationToken) {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut term), Ok(mut int)) = (
@@ -241,6 +248,36 @@ fn listen_for_termination(cancel: CancellationToken) {
         }
         cancel.cancel();
     });
+}
+
+/// The termination signals, blocked from dormant's first line until their
+/// handler is installed ([`release_termination_signals`]): one that comes
+/// meanwhile (a Ctrl-C right after starting `dormant attach`, the runner's
+/// SIGTERM right after starting a stage) waits and is then handled like any
+/// other, instead of killing dormant or, inherited as ignored, being lost.
+/// Called before any thread exists; children never inherit the mask (Rust's
+/// `Command` and `transport::signals::reset_in_child` clear it).
+fn hold_termination_signals() {
+    set_termination_mask(libc::SIG_BLOCK);
+}
+
+/// Unblocks what [`hold_termination_signals`] blocked (and a SIGINT or
+/// SIGTERM blocked by whoever started dormant): a pending one is delivered
+/// now, to the handler.
+fn release_termination_signals() {
+    set_termination_mask(libc::SIG_UNBLOCK);
+}
+
+fn set_termination_mask(how: libc::c_int) {
+    // SAFETY: sigemptyset/sigaddset fill a zeroed set of ours;
+    // pthread_sigmask only changes this thread's mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(how, &set, std::ptr::null_mut());
+    }
 }
 
 /// Result type of the operator commands.

@@ -4,6 +4,7 @@
 //! parseable job-log line that shows the question.
 
 use crate::model::StorageMode;
+use crate::settings::qemu::QemuSuspendMode;
 use crate::settings::{ProviderKind, Settings};
 use crate::state::EnvironmentRecord;
 
@@ -17,8 +18,9 @@ pub const QUESTION_MAX: usize = 4096;
 pub const SUMMARY_MAX: usize = 200;
 
 /// Why a script in this environment cannot pause, naming the setting; `None`
-/// when a paused script is kept (the `ssh` provider's kept stages: the
-/// script waits on the host).
+/// when a paused script is kept: the `ssh` provider's kept stages (the
+/// script waits on the host) and qemu's in `hibernate` mode (it waits in the
+/// guest, whose memory the suspension saves).
 pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String> {
     if !settings.suspend.enabled {
         return Some("suspend.enabled = false: the environment is released, not kept".into());
@@ -28,14 +30,29 @@ pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String
             "storage = \"volume\": a suspension gives the machine up, with its processes".into(),
         );
     }
-    match settings.provider {
-        ProviderKind::Ssh if settings.ssh.reconnect_timeout.is_zero() => Some(
+    // Every provider below runs its stages through the ssh transport's kept
+    // stages, where a paused script waits.
+    if matches!(settings.provider, ProviderKind::Ssh | ProviderKind::Qemu)
+        && settings.ssh.reconnect_timeout.is_zero()
+    {
+        return Some(
             "ssh.reconnect_timeout = \"0s\": stages run direct, their script ends with the session"
                 .into(),
-        ),
+        );
+    }
+    match settings.provider {
+        // The script waits on the host, which stays up.
         ProviderKind::Ssh => None,
+        // Hibernation saves the guest's memory, the paused script with it.
+        ProviderKind::Qemu if settings.qemu.suspend_mode == QemuSuspendMode::Hibernate => None,
+        ProviderKind::Qemu => Some(
+            "qemu.suspend_mode = \"shutdown\": a suspension powers the VM off, ending its \
+             processes (suspend_mode = \"hibernate\" keeps them)"
+                .into(),
+        ),
         other => Some(format!(
-            "provider = \"{}\": this dormant keeps a paused script only on the ssh provider",
+            "provider = \"{}\": this dormant keeps a paused script only on the ssh provider \
+             and on qemu with suspend_mode = \"hibernate\"",
             other.as_str()
         )),
     }
@@ -77,6 +94,60 @@ mod tests {
             line.ends_with("question=\"two\\nlines \\\"quoted\\\"\"\n"),
             "{line}"
         );
+    }
+
+    /// A record of storage `storage` (all `refusal` reads of it).
+    fn record(storage: crate::model::StorageMode) -> EnvironmentRecord {
+        EnvironmentRecord::new(
+            crate::state::NewEnvironment {
+                id: uuid::Uuid::nil(),
+                provider: "qemu",
+                runner_id: "1",
+                system_id: "s",
+                project_id: 5,
+                project_path: None,
+                job_id: 9,
+                storage,
+                image: None,
+            },
+            crate::state::Holder::Operator {
+                pid: 0,
+                what: "test".into(),
+            },
+        )
+    }
+
+    #[test]
+    fn qemu_keeps_a_paused_script_only_when_it_hibernates() {
+        let machine = record(StorageMode::Machine);
+        let mut s = Settings {
+            provider: ProviderKind::Qemu,
+            ..Settings::default()
+        };
+        s.qemu.suspend_mode = QemuSuspendMode::Hibernate;
+        assert_eq!(refusal(&s, &machine), None);
+        let volume = refusal(&s, &record(StorageMode::Volume)).unwrap();
+        assert!(volume.contains("storage = \"volume\""), "{volume}");
+        s.ssh.reconnect_timeout = crate::settings::HumanDuration::from_secs(0);
+        let direct = refusal(&s, &machine).unwrap();
+        assert!(direct.contains("ssh.reconnect_timeout"), "{direct}");
+        s = Settings {
+            provider: ProviderKind::Qemu,
+            ..Settings::default()
+        };
+        let shutdown = refusal(&s, &machine).unwrap();
+        assert!(
+            shutdown.contains("qemu.suspend_mode = \"shutdown\""),
+            "{shutdown}"
+        );
+        s.suspend.enabled = false;
+        let off = refusal(&s, &machine).unwrap();
+        assert!(off.contains("suspend.enabled = false"), "{off}");
+        s.provider = ProviderKind::Ec2;
+        s.suspend.enabled = true;
+        assert!(refusal(&s, &machine)
+            .unwrap()
+            .contains("provider = \"ec2\""));
     }
 
     #[test]

@@ -1,11 +1,14 @@
 //! `dormant attach`: watchers of a running job, on `local` and on `ssh`
 //! against the test sshd. Every byte of a stage reaches each watcher in
 //! order, the job's own log is byte for byte what its script printed, two
-//! watchers at once, a watcher killed with SIGKILL and (ssh) every connection
-//! cut under the watchers change nothing for the job, and no watcher opens a
-//! connection to the machine. A suspended environment shows its last stage
+//! watchers at once, a watcher killed with SIGKILL, one detached by Ctrl-C
+//! (SIGINT to its process group, ignored on entry; and one whose SIGINT came
+//! before dormant listened) and (ssh) every connection cut under the
+//! watchers change nothing for the job, and no watcher opens a connection to
+//! the machine. A suspended environment shows its last stage
 //! and exits 5; bad input has its own exit codes.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -40,7 +43,8 @@ fn build_script(flags: &Path) -> String {
 
 const AFTER: &str = "echo after-script-ran\n";
 
-fn wait_for(path: &Path) {
+/// Waits (bounded) for `path` to appear.
+pub(crate) fn wait_for(path: &Path) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !path.exists() {
         assert!(
@@ -52,6 +56,19 @@ fn wait_for(path: &Path) {
     }
 }
 
+/// What a watcher's signals are when dormant starts.
+#[derive(Clone, Copy)]
+enum Signals {
+    /// The test's own.
+    Inherited,
+    /// Alone in its process group (Ctrl-C in a terminal signals the whole
+    /// foreground group), with SIGINT ignored on entry.
+    TerminalGroupIgnoring,
+    /// A SIGINT already pending (blocked) when dormant starts: a Ctrl-C that
+    /// came before dormant listens for it.
+    PendingAtStart,
+}
+
 /// A watcher: `dormant attach` with its stdout and stderr in files.
 struct Watcher {
     child: Child,
@@ -61,20 +78,76 @@ struct Watcher {
 
 impl Watcher {
     fn start(rig: &Rig, target: &str, extra: &[&str], name: &str) -> Watcher {
+        Watcher::start_as(rig, target, extra, name, Signals::Inherited)
+    }
+
+    fn start_as(rig: &Rig, target: &str, extra: &[&str], name: &str, how: Signals) -> Watcher {
         let out = rig.dir.path().join(format!("{name}.out"));
         let err = rig.dir.path().join(format!("{name}.err"));
-        let child = Command::new(BIN)
-            .arg("attach")
+        let mut cmd = Command::new(BIN);
+        cmd.arg("attach")
             .arg(target)
             .args(extra)
             .env_clear()
             .envs(&rig.runner.env)
             .stdout(std::fs::File::create(&out).unwrap())
             .stderr(std::fs::File::create(&err).unwrap())
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap();
+            .stdin(Stdio::null());
+        match how {
+            Signals::Inherited => {}
+            Signals::TerminalGroupIgnoring => {
+                // Its own process group, as a shell puts a command it runs
+                // in a terminal; SIGINT ignored on entry, as a background
+                // `&` of a non-interactive shell (or a test suite run that
+                // way) passes it on.
+                cmd.process_group(0);
+                // SAFETY: signal(2) is async-signal-safe.
+                unsafe {
+                    cmd.pre_exec(|| {
+                        libc::signal(libc::SIGINT, libc::SIG_IGN);
+                        Ok(())
+                    });
+                }
+            }
+            Signals::PendingAtStart => {
+                // SAFETY: sigprocmask and raise are async-signal-safe; the
+                // set is ours. A blocked signal stays pending across exec.
+                unsafe {
+                    cmd.pre_exec(|| {
+                        let mut set: libc::sigset_t = std::mem::zeroed();
+                        libc::sigemptyset(&mut set);
+                        libc::sigaddset(&mut set, libc::SIGINT);
+                        libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+                        libc::raise(libc::SIGINT);
+                        Ok(())
+                    });
+                }
+            }
+        }
+        let child = cmd.spawn().unwrap();
         Watcher { child, out, err }
+    }
+
+    /// Waits (bounded) until it follows the build stage: a watcher says so
+    /// on stderr as it starts following it.
+    fn wait_following(&self) {
+        self.wait_until("followed the stage", |_, err| {
+            err.contains("build_script of job")
+        });
+    }
+
+    /// Waits (bounded) until `done(stdout, stderr)`.
+    fn wait_until(&self, what: &str, done: impl Fn(&str, &str) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let out = std::fs::read_to_string(&self.out).unwrap();
+            let err = std::fs::read_to_string(&self.err).unwrap();
+            if done(&out, &err) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the watcher never {what}: {err}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Waits (bounded) for it to end by itself; its exit code, stdout, stderr.
@@ -98,15 +171,16 @@ impl Watcher {
     }
 }
 
+/// What a watcher ended with: exit code, stdout, stderr.
+type Seen = (Option<i32>, String, String);
+
 /// Two watchers from the first byte (one started before the stage printed
 /// anything, one half-way), one `--from-now`, one killed with SIGKILL
-/// mid-stage; `mid` runs half-way through the stage (ssh: cut every
-/// connection). Returns the job's report and what each watcher saw.
-fn watched_job(
-    rig: &Rig,
-    by_job_id: bool,
-    mid: &dyn Fn(),
-) -> (JobReport, Vec<(Option<i32>, String, String)>) {
+/// mid-stage, one Ctrl-C'd once it printed the stage's first bytes, one
+/// Ctrl-C'd before dormant listened; `mid` runs half-way through the stage
+/// (ssh: cut every connection). Returns the job's report, what the
+/// followers saw, and what the two Ctrl-C'd ones saw.
+fn watched_job(rig: &Rig, by_job_id: bool, mid: &dyn Fn()) -> (JobReport, Vec<Seen>, Vec<Seen>) {
     let flags = rig.dir.path().join("flags");
     std::fs::create_dir_all(&flags).unwrap();
     let j = job(70);
@@ -125,23 +199,25 @@ fn watched_job(
         };
         let first = Watcher::start(rig, target, &[], "first");
         let killed = Watcher::start(rig, target, &[], "killed");
-        // Both are following before the stage prints (a watcher says so on
-        // stderr as it starts following the stage).
-        for w in [&first, &killed] {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while !std::fs::read_to_string(&w.err)
-                .unwrap()
-                .contains("build_script of job")
-            {
-                assert!(
-                    Instant::now() < deadline,
-                    "the watcher never followed: {}",
-                    std::fs::read_to_string(&w.err).unwrap()
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
+        let ctrl_c = Watcher::start_as(rig, target, &[], "ctrl-c", Signals::TerminalGroupIgnoring);
+        let early = Watcher::start_as(rig, target, &[], "early", Signals::PendingAtStart);
+        // All are following before the stage prints.
+        for w in [&first, &killed, &ctrl_c] {
+            w.wait_following();
         }
         std::fs::write(flags.join("go"), "").unwrap();
+        // Ctrl-C once the watcher has printed the stage's first bytes: to
+        // its process group, as a terminal does.
+        ctrl_c.wait_until("printed the stage", |out, _| out.starts_with("line 0 of"));
+        // SAFETY: killpg(2) on the group of our own child, which leads it.
+        unsafe { libc::killpg(ctrl_c.child.id() as i32, libc::SIGINT) };
+        let interrupted = vec![ctrl_c.finish(), early.finish()];
+        for (name, (code, _, err)) in ["ctrl-c", "early"].iter().zip(&interrupted) {
+            assert!(
+                *code == Some(0) && err.contains("detached; job"),
+                "{name}: Ctrl-C did not detach the watcher (exit {code:?}): {err}"
+            );
+        }
         wait_for(&flags.join("half"));
         let late = Watcher::start(rig, target, &[], "late");
         let from_now = Watcher::start(rig, target, &["--from-now"], "from-now");
@@ -152,27 +228,16 @@ fn watched_job(
         mid();
         // The late ones are following too before the stage goes on.
         for w in [&late, &from_now] {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while !std::fs::read_to_string(&w.err)
-                .unwrap()
-                .contains("build_script of job")
-            {
-                assert!(
-                    Instant::now() < deadline,
-                    "the watcher never followed: {}",
-                    std::fs::read_to_string(&w.err).unwrap()
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            w.wait_following();
         }
         std::fs::write(flags.join("go2"), "").unwrap();
         let report = running.join().unwrap();
         let seen = vec![first.finish(), late.finish(), from_now.finish()];
-        (report, seen)
+        (report, seen, interrupted)
     })
 }
 
-fn check(report: &JobReport, seen: &[(Option<i32>, String, String)], cut: bool) {
+fn check(report: &JobReport, seen: &[Seen], interrupted: &[Seen], cut: bool) {
     assert_result(report, JobResult::Success);
     let build = report.call("build_script").unwrap().output.clone();
     let after = report.call("after_script").unwrap().output.clone();
@@ -209,12 +274,58 @@ fn check(report: &JobReport, seen: &[(Option<i32>, String, String)], cut: bool) 
         "from-now sees the job log's tail: {out}"
     );
     assert!(out.ends_with("build done\nafter-script-ran\n"), "{out}");
+    // Ctrl-C detached them (exit 0, checked as they ended) while the job
+    // ran on, unchanged (above); what they printed is the job log's start.
+    let [ctrl_c, early] = interrupted else {
+        panic!("two Ctrl-C'd watchers")
+    };
+    for (name, (_, out, err)) in [("ctrl-c", ctrl_c), ("early", early)] {
+        assert!(whole.starts_with(out.as_str()), "{name}: {out}\n{err}");
+    }
+    assert!(ctrl_c.1.starts_with("line 0 of"), "{}", ctrl_c.2);
 }
 
 fn attach_on(rig: &Rig, by_job_id: bool) {
-    let (report, seen) = watched_job(rig, by_job_id, &|| {});
-    check(&report, &seen, false);
+    let (report, seen, interrupted) = watched_job(rig, by_job_id, &|| {});
+    check(&report, &seen, &interrupted, false);
     suspended_shows_its_last_stage(rig, report.key.as_deref().unwrap());
+    each_attach_is_an_event_and_counted(rig, 6);
+}
+
+/// Each of the job's `n` watchers wrote a `joined` event (cause `attach`)
+/// naming the local user, and `metrics` counts them; a look at a suspended
+/// environment is no join.
+fn each_attach_is_an_event_and_counted(rig: &Rig, n: usize) {
+    let out = rig.dormant(&["events", "--json"]);
+    let events = String::from_utf8_lossy(&out.stdout).into_owned();
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    let user = if uid == 0 {
+        "root".to_string()
+    } else {
+        format!("uid {uid}")
+    };
+    let joins: Vec<&str> = events
+        .lines()
+        .filter(|l| l.contains("\"joined\"") && l.contains("\"attach\""))
+        .collect();
+    assert_eq!(joins.len(), n, "{events}");
+    if uid == 0 {
+        assert!(
+            joins
+                .iter()
+                .all(|l| l.contains(&format!("\"user\":\"{user}\""))),
+            "{events}"
+        );
+    }
+    let out = rig.dormant(&["metrics"]);
+    let metrics = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.contains("joined") && l.contains("attach") && l.ends_with(&format!(" {n}"))),
+        "{metrics}"
+    );
 }
 
 /// After the job: a suspended environment prints its last stage, says it is
@@ -241,14 +352,15 @@ fn local_watchers_see_every_byte_and_change_nothing() {
 #[test]
 fn local_attach_by_job_id() {
     let rig = Rig::local("70", "s_70aa70aa70aa");
-    let (report, seen) = watched_job(&rig, true, &|| {});
-    check(&report, &seen, false);
+    let (report, seen, interrupted) = watched_job(&rig, true, &|| {});
+    check(&report, &seen, &interrupted, false);
 }
 
-fn ssh_rig(sshd: &Sshd) -> Rig {
+/// A rig on the `ssh` provider with the test sshd as its one host.
+pub(crate) fn ssh_rig(sshd: &Sshd, runner_id: &str, token: &str) -> Rig {
     Rig::new(
-        "71",
-        "s_71aa71aa71aa",
+        runner_id,
+        token,
         &format!(
             "provider = \"ssh\"\n[ssh]\nworkspace_root = \"{}\"\nready_timeout = \"20s\"\n\
              [[ssh.hosts]]\nname = \"h\"\naddress = \"127.0.0.1\"\nport = {}\nuser = \"root\"\n\
@@ -263,25 +375,26 @@ fn ssh_rig(sshd: &Sshd) -> Rig {
 #[test]
 fn ssh_watchers_see_every_byte_and_open_no_connection() {
     let sshd = Sshd::start();
-    let rig = ssh_rig(&sshd);
+    let rig = ssh_rig(&sshd, "71", "s_71aa71aa71aa");
     let before = sshd.connections();
-    let (report, seen) = watched_job(&rig, false, &|| {});
-    check(&report, &seen, false);
+    let (report, seen, interrupted) = watched_job(&rig, false, &|| {});
+    check(&report, &seen, &interrupted, false);
     // The job's one login (its master): the watchers none.
     assert_eq!(sshd.connections() - before, 1, "{}", sshd.log());
     // Each stage's files go once dormant has read its end: waited for, bounded.
     crate::reattach::assert_nothing_kept(&sshd);
     suspended_shows_its_last_stage(&rig, report.key.as_deref().unwrap());
+    each_attach_is_an_event_and_counted(&rig, 6);
 }
 
 #[test]
 fn ssh_a_cut_under_the_watchers_changes_nothing_for_the_job() {
     let sshd = Sshd::start();
-    let rig = ssh_rig(&sshd);
-    let (report, seen) = watched_job(&rig, true, &|| {
+    let rig = ssh_rig(&sshd, "71", "s_71aa71aa71aa");
+    let (report, seen, interrupted) = watched_job(&rig, true, &|| {
         assert!(sshd.cut_connections() > 0);
     });
-    check(&report, &seen, true);
+    check(&report, &seen, &interrupted, true);
     assert!(
         report.log().contains("re-attached, the script ran on"),
         "{}",

@@ -68,14 +68,12 @@ fn shell_on_ec2_through_connect_address() {
 
 /// Beside a running job on EC2 (issue 32): a watcher follows the stage from
 /// its first byte, a joined `dormant shell` runs in the job's project dir on
-/// the instance while the job runs, and the job's exit code is its own.
+/// the instance while the job runs, and the job's exit code is its own
+/// (`join::watched_and_joined`, shared with qemu_attach).
 #[test]
 fn attach_and_a_joined_shell_beside_a_running_ec2_job() {
-    use std::io::{BufRead, BufReader, Read};
-    use std::process::{Command, Stdio};
-    use std::time::{Duration, Instant};
-
-    use crate::harness::*;
+    use crate::harness::job;
+    use crate::join::{beside_script, watched_and_joined};
 
     let env = Ec2Env::start();
     let rig = env.rig(
@@ -83,63 +81,11 @@ fn attach_and_a_joined_shell_beside_a_running_ec2_job() {
         "s_69aa69aa69aa",
         &env.settings(&env.connect_address(), ""),
     );
-    let j = job(69);
-    let job_id = j.id.to_string();
-    let sim = j.script(
-        "echo started-on-ec2; i=0; while [ ! -e joined ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done\n\
-         echo saw-the-joined-shell; exit 3",
+    let sim = job(69).script(&beside_script("started-on-ec2"));
+    watched_and_joined(
+        &rig,
+        &sim,
+        "started-on-ec2",
+        std::time::Duration::from_secs(120),
     );
-    let env_id = dormant::identity::new_env_id(&rig.runner.runner_id, sim.id);
-    let stage = rig
-        .state_dir
-        .join(format!("environments/{env_id}/output/stage.json"));
-    std::thread::scope(|s| {
-        let running = s.spawn(|| rig.run(&sim));
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while !std::fs::read_to_string(&stage).is_ok_and(|t| t.contains("build_script")) {
-            assert!(Instant::now() < deadline, "the build stage never started");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let mut watcher = Command::new(BIN)
-            .args(["attach", &job_id])
-            .env_clear()
-            .envs(&rig.runner.env)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut seen = BufReader::new(watcher.stdout.take().unwrap());
-        let mut first = String::new();
-        seen.read_line(&mut first).unwrap();
-        assert_eq!(first, "started-on-ec2\n", "the stage from its first byte");
-
-        let out = rig.dormant(&["shell", &job_id, "--", "pwd; touch joined"]);
-        let said = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert_eq!(out.status.code(), Some(0), "{said}");
-        let pwd = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(pwd.trim_end().ends_with("/group/project"), "{pwd}\n{said}");
-
-        let report = running.join().unwrap();
-        assert_result(&report, JobResult::BuildFailure(Some(3)));
-        let mut rest = String::new();
-        seen.read_to_string(&mut rest).unwrap();
-        let status = watcher.wait().unwrap();
-        let mut err = String::new();
-        watcher
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut err)
-            .unwrap();
-        assert_eq!(status.code(), Some(0), "{err}");
-        assert!(rest.starts_with("saw-the-joined-shell\n"), "{rest}\n{err}");
-        assert!(
-            report
-                .log()
-                .contains("started-on-ec2\nsaw-the-joined-shell\n"),
-            "{}",
-            report.log()
-        );
-    });
 }

@@ -5,39 +5,14 @@
 //! nothing of it is left on the machine. On `local` it says where the job's
 //! directory is, exit 6.
 
+use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::attach::wait_for;
 use crate::harness::*;
 use crate::sshd::{alive, Sshd};
-
-fn wait_for(path: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !path.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "{} never appeared",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn ssh_rig(sshd: &Sshd) -> Rig {
-    Rig::new(
-        "73",
-        "s_73aa73aa73aa",
-        &format!(
-            "provider = \"ssh\"\n[ssh]\nworkspace_root = \"{}\"\nready_timeout = \"20s\"\n\
-             [[ssh.hosts]]\nname = \"h\"\naddress = \"127.0.0.1\"\nport = {}\nuser = \"root\"\n\
-             identity_file = \"{}\"\nslots = 4\n",
-            sshd.dir.path().join("ws").display(),
-            sshd.port,
-            sshd.client_key.display()
-        ),
-    )
-}
 
 /// The job: says it started, waits for the joined shell's flag, then for
 /// `go`; exits 3 (so the job's own exit code is visible).
@@ -55,7 +30,7 @@ fn script(f: &Path) -> String {
 #[test]
 fn ssh_a_shell_beside_the_job_runs_with_it_and_ends_with_it() {
     let sshd = Sshd::start();
-    let rig = ssh_rig(&sshd);
+    let rig = crate::attach::ssh_rig(&sshd, "73", "s_73aa73aa73aa");
     let flags = rig.dir.path().join("flags");
     std::fs::create_dir_all(&flags).unwrap();
     let f = flags.display().to_string();
@@ -172,4 +147,99 @@ fn local_a_shell_beside_the_job_says_where_its_directory_is() {
         );
         assert_result(&running.join().unwrap(), JobResult::Success);
     });
+}
+
+/// A script for [`watched_and_joined`]: prints `first_line`, waits (at most
+/// 5 min) for the file `joined` the joined shell makes in the project dir,
+/// then exits 3 so the job's own exit code shows.
+pub(crate) fn beside_script(first_line: &str) -> String {
+    format!(
+        "echo {first_line}; i=0; while [ ! -e joined ] && [ $i -lt 3000 ]; do sleep 0.1; i=$((i+1)); done\n\
+         echo saw-the-joined-shell; exit 3"
+    )
+}
+
+/// On a provider whose machine is not the test host (EC2, qemu): once the
+/// job's build stage (a [`beside_script`] printing `first_line`) has begun
+/// (within `stage_within`), a watcher attached by job id prints the stage
+/// from its first byte; `dormant shell JOB -- ...` runs in the job's project
+/// dir on the machine and makes what the script waits for; the job's exit
+/// code (3) is its own; the watcher gets the rest, every line in the job
+/// log's order, and exits 0 with the job. Returns the job's report.
+pub(crate) fn watched_and_joined(
+    rig: &Rig,
+    sim: &dormant::runner_sim::SimJob,
+    first_line: &str,
+    stage_within: Duration,
+) -> JobReport {
+    let job_id = sim.id.to_string();
+    let env_id = dormant::identity::new_env_id(&rig.runner.runner_id, sim.id);
+    let stage = rig
+        .state_dir
+        .join(format!("environments/{env_id}/output/stage.json"));
+    std::thread::scope(|s| {
+        let running = s.spawn(|| rig.run(sim));
+        // The build stage runs once its copy of the job log names it.
+        let deadline = Instant::now() + stage_within;
+        while !std::fs::read_to_string(&stage).is_ok_and(|t| t.contains("build_script")) {
+            assert!(Instant::now() < deadline, "the build stage never started");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mut watcher = Command::new(BIN)
+            .args(["attach", &job_id])
+            .env_clear()
+            .envs(&rig.runner.env)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut seen = BufReader::new(watcher.stdout.take().unwrap());
+        let mut first = String::new();
+        seen.read_line(&mut first).unwrap();
+        assert_eq!(
+            first,
+            format!("{first_line}\n"),
+            "the stage from its first byte"
+        );
+
+        // A command beside the job, in its project dir on the machine.
+        let out = rig.dormant(&["shell", &job_id, "--", "pwd; touch joined"]);
+        let said = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{said}");
+        let pwd = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(pwd.trim_end().ends_with("/group/project"), "{pwd}\n{said}");
+
+        let report = running.join().unwrap();
+        assert_result(&report, JobResult::BuildFailure(Some(3)));
+        let log = report.log();
+        assert!(
+            log.contains(&format!("{first_line}\nsaw-the-joined-shell\n")),
+            "{log}"
+        );
+        // The watcher saw the rest and ended with the job, exit 0.
+        let mut rest = String::new();
+        seen.read_to_string(&mut rest).unwrap();
+        let status = watcher.wait().unwrap();
+        let mut err = String::new();
+        watcher
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        assert_eq!(status.code(), Some(0), "{err}");
+        assert!(rest.starts_with("saw-the-joined-shell\n"), "{rest}\n{err}");
+        // Every line the watcher printed is the job log's, in its order.
+        let mut at = 0;
+        for line in format!("{first}{rest}").lines() {
+            let found = log[at..].find(line);
+            assert!(
+                found.is_some(),
+                "{line:?} is not in the job log after byte {at}:\n{log}"
+            );
+            at += found.unwrap() + line.len();
+        }
+        report
+    })
 }

@@ -69,6 +69,7 @@ mod notify;
 mod pause;
 mod qemu;
 mod qemu_attach;
+mod qemu_pause;
 mod qemu_pins;
 mod qemu_reattach;
 #[cfg(feature = "testing")]

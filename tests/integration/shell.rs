@@ -251,18 +251,7 @@ fn wait_for(path: &Path) {
 }
 
 fn ssh_rig(sshd: &Sshd, runner: &str) -> Rig {
-    Rig::new(
-        runner,
-        "s_66aa66aa66aa",
-        &format!(
-            "provider = \"ssh\"\n[ssh]\nworkspace_root = \"{}\"\nready_timeout = \"20s\"\n\
-             [[ssh.hosts]]\nname = \"h\"\naddress = \"127.0.0.1\"\nport = {}\nuser = \"root\"\n\
-             identity_file = \"{}\"\nslots = 4\n",
-            sshd.dir.path().join("ws").display(),
-            sshd.port,
-            sshd.client_key.display()
-        ),
-    )
+    crate::attach::ssh_rig(sshd, runner, "s_66aa66aa66aa")
 }
 
 #[test]

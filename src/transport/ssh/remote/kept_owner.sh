@@ -99,6 +99,11 @@ own() {
       nap 0.05
     fi
     [ -z "$pz" ] && [ -e "$o.ask" ] && asked
+    # Paused once its session had ended (a lost connection): the script waits
+    # for its answer whether dormant comes back or not, so neither the loss
+    # timeout nor a clock set forward after a restore may stop it. The owner
+    # goes, as at a session's end (a re-attach reports the pause again).
+    [ -n "$pz" ] && [ -n "$e" ] && { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
     read -r x y < "$o.own" 2>/dev/null
     [ "$x" = "$me" ] || { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
     z=; [ -e "$o.exit" ] && read -r x z < "$o.exit"

@@ -389,6 +389,38 @@ fn nobody_coming_back_stops_the_script_and_drops_its_files_after_the_linger() {
     );
 }
 
+/// A script that asks after its connection was lost (dormant may never come
+/// back) is paused, not stopped by the loss timeout: it waits for its answer.
+#[test]
+fn a_script_that_asks_after_its_connection_was_lost_outlives_the_linger() {
+    let m = Machine::new();
+    let pid_file = m.tmp.path().join("pid");
+    let go = m.tmp.path().join("go");
+    let script = format!(
+        "echo $BASHPID > '{}'; while [ ! -e '{}' ]; do sleep 0.05; done; dormant-ask 'q?'; sleep 300",
+        pid_file.display(),
+        go.display()
+    );
+    let s = m.session("build.7", Mode::Start, &script, 1 << 20, 1);
+    assert_eq!(s.report(), Report::Kept);
+    let pid = pids_in(&pid_file)[0];
+    s.cut();
+    std::fs::write(&go, "").unwrap();
+    wait_for(
+        || m.file("build.7", "paused").exists(),
+        "the owner to record the pause",
+    );
+    // Well past the linger (1 s), which stops a script that did not ask.
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(
+        alive(pid),
+        "the paused script was stopped by the loss timeout"
+    );
+    assert!(m.file("build.7", "ask").exists(), "the question is kept");
+    m.leftovers(false);
+    assert!(alive(pid), "leftovers spare a paused stage");
+}
+
 #[test]
 fn a_term_line_and_a_newer_session_are_obeyed() {
     let m = Machine::new();
