@@ -54,7 +54,6 @@ impl Ec2Provider {
                 ));
                 continue;
             }
-            crate::failpoint!("warm:yielding");
             let wp = pool.paths(entry.id);
             let what = entry
                 .machine
