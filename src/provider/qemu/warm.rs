@@ -72,6 +72,11 @@ impl WarmMachines for QemuProvider {
         }))
     }
 
+    async fn job_must_wait(&self, _ctx: &Ctx) -> Result<bool> {
+        let max = self.settings.max_environments;
+        Ok(max > 0 && super::capacity::running(self.store.root()) >= max as usize)
+    }
+
     fn kind(&self) -> Result<WarmKind> {
         let image = self.default_image()?;
         let s = &self.settings;
