@@ -39,7 +39,9 @@ pub struct Taken {
 /// Takes a ready warm machine for environment `env` (whose record exists,
 /// held by the caller), or finishes the hand-over a killed attempt of the
 /// same prepare began. `None`: there is none that fits (the caller boots a
-/// machine as usual). Never waits for one that is still booting.
+/// machine as usual). Waits for one that is still booting only when the
+/// provider says a machine of the job's own would wait for a slot
+/// (`WarmMachines::job_must_wait`): then that one is the job's quickest.
 pub async fn take(
     w: World<'_>,
     warm: &dyn WarmMachines,
