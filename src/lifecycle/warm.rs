@@ -39,7 +39,9 @@ pub struct Taken {
 /// Takes a ready warm machine for environment `env` (whose record exists,
 /// held by the caller), or finishes the hand-over a killed attempt of the
 /// same prepare began. `None`: there is none that fits (the caller boots a
-/// machine as usual). Never waits for one that is still booting.
+/// machine as usual). Waits for one that is still booting only when the
+/// provider says a machine of the job's own would wait for a slot
+/// (`WarmMachines::job_must_wait`): then that one is the job's quickest.
 pub async fn take(
     w: World<'_>,
     warm: &dyn WarmMachines,
@@ -111,84 +113,111 @@ pub async fn take_for(
             return Ok(None);
         }
     };
-    let now = now_unix();
     let max_age = warm.max_age().as_secs();
     let zone = warm.zone_for(spec);
-    let mut ready: Vec<WarmEntry> = pool
-        .entries()?
-        .into_iter()
-        .filter_map(|(_, e)| e.ok().flatten())
-        .filter(|e| {
-            e.status == WarmStatus::Ready
-                && e.fingerprint == kind.fingerprint
-                && e.age_secs(now) < max_age
-                && e.machine.is_some()
-                && (zone.is_none() || e.zone == zone)
-        })
-        .collect();
-    // The oldest first: it is the next to be retired otherwise.
-    ready.sort_by_key(|e| e.launched_at);
-    if purpose != For::Resume && !ready.is_empty() {
-        // A new environment whose earlier attempt already has a machine (it
-        // took a warm one, finished the hand-over and was killed before
-        // recording it, and the runner's cleanup died too): that machine
-        // is adopted by the caller's create, found by its tags or
-        // directory. A second one would be left out of the record (EC2:
-        // leaked; qemu: its move onto the first's directory fails on every
-        // retry). Asked only when there is one to take (no call otherwise).
-        if let Some(m) = w.provider.find(env.id, ctx).await.with_context(|| {
-            format!(
-                "looking for a machine an earlier attempt made for environment {}",
-                env.id
-            )
-        })? {
-            ctx.log.info(format!(
+    let mut waited = false;
+    loop {
+        let now = now_unix();
+        let mut ready: Vec<WarmEntry> = pool
+            .entries()?
+            .into_iter()
+            .filter_map(|(_, e)| e.ok().flatten())
+            .filter(|e| {
+                e.status == WarmStatus::Ready
+                    && e.fingerprint == kind.fingerprint
+                    && e.age_secs(now) < max_age
+                    && e.machine.is_some()
+                    && (zone.is_none() || e.zone == zone)
+            })
+            .collect();
+        // The oldest first: it is the next to be retired otherwise.
+        ready.sort_by_key(|e| e.launched_at);
+        if purpose != For::Resume && !ready.is_empty() {
+            // A new environment whose earlier attempt already has a machine (it
+            // took a warm one, finished the hand-over and was killed before
+            // recording it, and the runner's cleanup died too): that machine
+            // is adopted by the caller's create, found by its tags or
+            // directory. A second one would be left out of the record (EC2:
+            // leaked; qemu: its move onto the first's directory fails on every
+            // retry). Asked only when there is one to take (no call otherwise).
+            if let Some(m) = w.provider.find(env.id, ctx).await.with_context(|| {
+                format!(
+                    "looking for a machine an earlier attempt made for environment {}",
+                    env.id
+                )
+            })? {
+                ctx.log.info(format!(
                 "environment {} already has machine {} (an earlier attempt of this prepare took or made it): \
                  no warm machine taken",
                 env.id, m.id
             ));
-            return Ok(None);
-        }
-    }
-    for candidate in ready {
-        let Some(lock) = pool.try_lock(candidate.id)? else {
-            continue; // a refill retiring it, or another prepare taking it
-        };
-        let Some(mut entry) = pool.peek(candidate.id)? else {
-            continue;
-        };
-        if entry.status != WarmStatus::Ready {
-            continue;
-        }
-        let wp = pool.paths(entry.id);
-        let machine = entry
-            .machine
-            .clone()
-            .context("a ready warm machine without its machine")?;
-        match warm.alive(&wp, &machine, ctx).await {
-            Ok(true) => {}
-            Ok(false) => {
-                entry.status = WarmStatus::Retiring {
-                    why: "it stopped running while it waited".into(),
-                };
-                pool.set(&lock, &entry)?;
-                continue; // the next refill deletes it
+                return Ok(None);
             }
-            Err(e) => {
-                // Neither handed out on a guess nor retired: it stays ready
-                // for the next job, and the next refill asks again.
-                ctx.log.warn(format!(
+        }
+        for candidate in ready {
+            let Some(lock) = pool.try_lock(candidate.id)? else {
+                continue; // a refill retiring it, or another prepare taking it
+            };
+            let Some(mut entry) = pool.peek(candidate.id)? else {
+                continue;
+            };
+            if entry.status != WarmStatus::Ready {
+                continue;
+            }
+            let wp = pool.paths(entry.id);
+            let machine = entry
+                .machine
+                .clone()
+                .context("a ready warm machine without its machine")?;
+            match warm.alive(&wp, &machine, ctx).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    entry.status = WarmStatus::Retiring {
+                        why: "it stopped running while it waited".into(),
+                    };
+                    pool.set(&lock, &entry)?;
+                    continue; // the next refill deletes it
+                }
+                Err(e) => {
+                    // Neither handed out on a guess nor retired: it stays ready
+                    // for the next job, and the next refill asks again.
+                    ctx.log.warn(format!(
                     "warm machine {} not taken: could not tell whether it still runs ({e:#}); it stays \
                      in the pool",
                     entry.id
                 ));
-                continue;
+                    continue;
+                }
             }
+            entry.status = WarmStatus::Taken { env: env.id };
+            pool.set(&lock, &entry)?;
+            crate::failpoint!("warm:taken");
+            return finish(w, warm, &pool, lock, entry, env, ctx).await;
         }
-        entry.status = WarmStatus::Taken { env: env.id };
-        pool.set(&lock, &entry)?;
-        crate::failpoint!("warm:taken");
-        return finish(w, warm, &pool, lock, entry, env, ctx).await;
+        if waited || !warm.job_must_wait(ctx).await? {
+            break;
+        }
+        // No slot for a machine of its own: rather than wait for one (and make
+        // the warm machine booting now give its slot up once ready, qemu's
+        // `yield_slot`), wait for that machine and take it.
+        let Some(booting) = pool
+            .entries()?
+            .into_iter()
+            .filter_map(|(_, e)| e.ok().flatten())
+            .find(|e| {
+                e.status == WarmStatus::Launching
+                    && e.fingerprint == kind.fingerprint
+                    && (zone.is_none() || e.zone == zone)
+            })
+        else {
+            break;
+        };
+        waited = true;
+        ctx.log.info(format!(
+        "no free slot for a machine of its own: waiting for warm machine {}, which is booting, to take it",
+        booting.id
+    ));
+        wait_while_booting(&pool, booting.id, ctx).await?;
     }
     if warm.wanted() > 0 {
         w.events
@@ -200,6 +229,33 @@ pub async fn take_for(
     }
     Ok(None)
 }
+
+/// Waits until warm machine `id` is no longer booting: ready (the caller
+/// takes it), or anything else — retired, taken by another job, or its
+/// launcher gone (its entry lock free: the next refill finishes it).
+async fn wait_while_booting(pool: &Pool, id: uuid::Uuid, ctx: &Ctx) -> Result<()> {
+    use crate::wait::{Poll, Schedule, Wait};
+    let mut wait = Wait::new(
+        ctx,
+        format!("warm machine {id} to finish booting"),
+        Schedule::fixed(BOOTING_POLL),
+    );
+    wait.until(|| async {
+        let booting = pool
+            .peek(id)?
+            .is_some_and(|e| e.status == WarmStatus::Launching);
+        // Its launcher holds the entry's lock while it boots.
+        if booting && pool.try_lock(id)?.is_none() {
+            return Ok(Poll::Pending("it is booting".to_string()));
+        }
+        Ok(Poll::Ready(()))
+    })
+    .await
+}
+
+/// A booting warm machine is looked at this often by a job waiting for it
+/// (a local file read and a lock attempt).
+const BOOTING_POLL: Duration = Duration::from_millis(250);
 
 /// Gives a taken machine to the environment: its key pair and pinned host
 /// key, then the provider's part; then the entry goes. `None`: a killed

@@ -69,6 +69,16 @@ pub trait WarmMachines: Send + Sync {
         Ok(None)
     }
 
+    /// Whether a job's own machine would wait for a free slot now (the
+    /// machine limit is reached): then a job that fits waits for a warm
+    /// machine still booting and takes it, instead of making that machine
+    /// give its slot up once ready and booting its own. Default: never (EC2
+    /// makes room otherwise: the oldest ready warm instance is retired for
+    /// a job that cannot take one, `provider/ec2/warm_yield.rs`).
+    async fn job_must_wait(&self, _ctx: &Ctx) -> Result<bool> {
+        Ok(false)
+    }
+
     /// Boots a warm machine in `warm`'s directory, for `ssh_public_key`, and
     /// returns once it answers SSH. Bounded by `ctx`.
     async fn launch(

@@ -47,6 +47,8 @@ struct FakeWarm {
     launch_gate: Option<Arc<Gate>>,
     /// Holds every hand-over here (the entry `taken`, its lock held) until opened.
     hand_over_gate: Option<Arc<Gate>>,
+    /// A job's own machine would wait for a slot (`job_must_wait`).
+    full: bool,
 }
 
 /// A step where a test holds a fake: the caller says it arrived, then waits
@@ -125,6 +127,9 @@ impl WarmMachines for FakeWarm {
             .state(warm.id)
             .filter(|s| s == "running")
             .map(|_| Machine::new(warm.id.to_string())))
+    }
+    async fn job_must_wait(&self, _ctx: &Ctx) -> Result<bool> {
+        Ok(self.full)
     }
     async fn no_room(&self, _ctx: &Ctx) -> Result<Option<String>> {
         if self.cannot_count {
@@ -870,5 +875,44 @@ async fn a_retried_new_environment_that_already_has_its_warm_machine_takes_no_se
             .map(|m| m.id),
         Some(first.machine.id),
         "what the retry's create adopts"
+    );
+}
+
+/// A job that fits and finds no slot for a machine of its own waits for the
+/// warm machine that is booting and takes it once ready (qemu's case: its
+/// own VM would wait for a slot, and the warm VM, once ready, would give its
+/// slot up and be killed); with room, it never waits.
+#[tokio::test]
+async fn a_job_without_a_free_slot_takes_the_warm_machine_that_becomes_ready() {
+    let rig = Rig::new();
+    let gate = Arc::new(Gate::default());
+    let booting = FakeWarm {
+        launch_gate: Some(gate.clone()),
+        full: true,
+        ..FakeWarm::new(1)
+    };
+    let env = rig.env();
+    // The take starts while the refill is held in the launch (the entry
+    // `launching`, its lock held); the gate opens only after the take has
+    // looked once (`join!` polls the take first, and it does not finish
+    // while it waits).
+    let (refilled, taken) = tokio::join!(rig.refill(&booting, true), async {
+        gate.arrived.notified().await;
+        let (job, c) = (spec(&env), ctx());
+        let (taken, ()) = tokio::join!(take(rig.w(), &booting, &job, &env, &c), async {
+            gate.open.notify_one()
+        });
+        taken
+    });
+    assert_eq!(refilled.launched.len(), 1, "{refilled:?}");
+    let taken = taken
+        .unwrap()
+        .expect("the machine that became ready is taken");
+    assert_eq!(taken.warm_id, refilled.launched[0]);
+    assert!(rig.entries().is_empty(), "{:?}", rig.entries());
+    assert!(
+        rig.events().iter().any(|e| e.contains("taken")),
+        "{:?}",
+        rig.events()
     );
 }

@@ -1,6 +1,8 @@
 //! `dormant adopt` SIGKILLed at every step of a take-over (`adopt:staged`
 //! before the tag write, `adopt:tagged` before the record, `adopt:recorded`
-//! after it, `adopt:announced` after its event), then run again: every
+//! after it, `adopt:announced` after its event), then run again (killed
+//! after the tag write, the next run finishes that take-over with the staged
+//! key and epoch, writing no tag again; before it, nothing changed): every
 //! environment ends with exactly one record whose ownership epoch is the one
 //! its tags carry (so it resumes) and exactly one `adopted` event of that
 //! epoch, a third run adopts nothing, and the machine-mode environment still
@@ -41,6 +43,20 @@ fn adopted_events(rig: &Rig, key: &str) -> Vec<String> {
 
 use std::os::unix::process::ExitStatusExt;
 
+/// The epoch tags of the instance and the data volume, as EC2 shows them.
+fn epochs(env: &Ec2Env, instance: &str, vol: &str) -> (Option<String>, Option<String>) {
+    let v = volume(env, vol)
+        .unwrap()
+        .tags()
+        .iter()
+        .find(|t| t.key() == Some("dormant:epoch"))
+        .and_then(|t| t.value().map(str::to_string));
+    (
+        instance_tags(env, instance).get("dormant:epoch").cloned(),
+        v,
+    )
+}
+
 #[test]
 fn adopt_killed_at_every_step_then_run_again_takes_each_environment_over_once() {
     let env = Ec2Env::start();
@@ -60,10 +76,51 @@ fn adopt_killed_at_every_step_then_run_again_takes_each_environment_over_once() 
         // A new host each time (a fresh state dir), killed in its first take-over.
         let mut new = env.rig("7", SYSTEM, &settings);
         arm(&mut new, Some(point), false);
+        let epochs_before = epochs(&env, &instance, &vol);
         let out = new.dormant(&["adopt"]);
         assert_eq!(out.status.signal(), Some(9), "{point}: {out:?}");
+        let epochs_killed = epochs(&env, &instance, &vol);
         arm(&mut new, None, false);
         let again = adopt(&new);
+        let epochs_after = epochs(&env, &instance, &vol);
+        match point {
+            // Killed before the tag write: nothing changed in EC2.
+            "adopt:staged" => assert_eq!(epochs_killed, epochs_before, "{point}"),
+            // Killed after it: the next run finishes that take-over (the
+            // staged key and epoch), no second write.
+            "adopt:tagged" => {
+                // The one the killed run wrote keeps that value (the other
+                // one is adopted by this run, with a new epoch).
+                let kept = |b: &Option<String>, k: &Option<String>, a: &Option<String>| {
+                    (b != k).then_some(k == a)
+                };
+                let written: Vec<bool> = [
+                    kept(&epochs_before.0, &epochs_killed.0, &epochs_after.0),
+                    kept(&epochs_before.1, &epochs_killed.1, &epochs_after.1),
+                ]
+                .into_iter()
+                .flatten()
+                .collect();
+                assert_eq!(
+                    written,
+                    [true],
+                    "{point}: {epochs_before:?} {epochs_killed:?} {epochs_after:?}: {again}"
+                );
+                assert!(
+                    again.contains("finishing the take-over of"),
+                    "{point}: {again}"
+                );
+            }
+            _ => {}
+        }
+        assert!(
+            !new.state_dir.join("adopting").exists()
+                || std::fs::read_dir(new.state_dir.join("adopting"))
+                    .unwrap()
+                    .count()
+                    == 0,
+            "{point}: no staged take-over left: {again}"
+        );
         let third = adopt(&new);
         assert!(
             third.contains("adopted 0, left alone 2"),

@@ -217,6 +217,91 @@ fn max_environments_leaves_the_last_slot_to_a_job() {
     );
 }
 
+/// At `max_environments`, a job that cannot take the warm instance (it asks
+/// for another instance type) does not wait behind it until its prepare
+/// timeout: the idle warm instance gives its slot up (terminated, its entry
+/// retired through the pool) and the job launches its own instance.
+#[test]
+fn a_job_that_cannot_take_the_warm_instance_gets_its_slot_at_max_environments() {
+    let env = Ec2Env::start();
+    let rig = env.rig(
+        "7",
+        SYSTEM,
+        &format!(
+            "runner_id = \"7\"\n{}",
+            settings(
+                &env,
+                "warm = 1\nmax_environments = 2\nallowed_instance_types = [\"t3.large\"]\n\
+                 prepare_timeout = \"40s\"\n",
+                ""
+            )
+        ),
+    );
+    warm_now(&rig);
+    let warm = warm_instances(&env);
+    assert_eq!(warm.len(), 1);
+    let warm_id = warm[0].instance_id().unwrap().to_string();
+    let own_type = |script: &str| {
+        harness::job(5)
+            .suspend_on(true, false)
+            .var("DORMANT_EC2_INSTANCE_TYPE", "t3.large")
+            .script(script)
+    };
+    // A suspended environment of its own type: with the warm one, both slots.
+    let first = rig.run(&own_type("true"));
+    assert_result(&first, JobResult::Success);
+    assert!(
+        !first.log().contains("took warm machine"),
+        "{}",
+        first.log()
+    );
+    warm_now(&rig);
+    assert_eq!(
+        warm_instances(&env).len(),
+        1,
+        "no room for another warm one"
+    );
+
+    let second = rig.run(&own_type("echo on its own type"));
+    assert_result(&second, JobResult::Success);
+    assert!(
+        second.log().contains(&format!(
+            "warm instance {warm_id} gives its slot up for this job"
+        )),
+        "{}",
+        second.log()
+    );
+    let key = second.key.clone().expect("a key");
+    assert_ne!(
+        key_field(&key, "instance").as_deref(),
+        Some(warm_id.as_str())
+    );
+    assert!(
+        instances(&env)
+            .iter()
+            .filter(|i| i.instance_id() == Some(warm_id.as_str()))
+            .all(|i| !is_live(i)),
+        "the warm instance is terminated"
+    );
+    // The next refill finishes the retire (event, entry gone) and boots none:
+    // two environments hold both slots.
+    warm_now(&rig);
+    assert!(warm_instances(&env).is_empty());
+    let events = text(&rig.dormant(&["events", "--json"]));
+    assert!(
+        events.lines().any(|l| l.contains("\"retired\"")
+            && l.contains("a job needed its slot under ec2.max_environments")),
+        "{events}"
+    );
+    assert!(
+        std::fs::read_dir(rig.state_dir.join("warm"))
+            .unwrap()
+            .flatten()
+            .all(|e| !e.path().join("warm.json").exists()),
+        "the entry is gone"
+    );
+}
+
 #[test]
 fn a_warm_spot_instance_interrupted_while_idle_is_retired_and_replaced() {
     let env = Ec2Env::start();

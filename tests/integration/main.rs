@@ -22,6 +22,8 @@ mod ec2_adopt;
 #[cfg(feature = "ec2")]
 mod ec2_adopt_race;
 #[cfg(feature = "ec2")]
+mod ec2_adopt_unfinished;
+#[cfg(feature = "ec2")]
 mod ec2_bench;
 #[cfg(feature = "ec2")]
 mod ec2_calls;

@@ -5,31 +5,42 @@
 //!
 //! The cloud side (what is found, what is adoptable, the tag write) is
 //! `provider/ec2/takeover.rs`; this file is the state side. Per
-//! environment, in this order, so that a process killed at any point leaves
-//! either nothing or a whole record (a rerun adopts what is still unknown):
+//! environment, in this order, so that no change in EC2 is ever without its
+//! record of intent here (a process killed or failing at any point leaves
+//! either nothing, or a staged take-over the next run finishes, or a whole
+//! record):
 //!
-//! 1. a staging directory with a new SSH key pair and, in machine mode, a
-//!    known_hosts holding the host key pinned at creation (from its tag);
-//! 2. one CreateTags call: the next ownership epoch with this run's owner id
-//!    and, in machine mode, the new public key for the boot hook
-//!    (`adopt:staged` before it), read back: another owner's value there
-//!    means another host adopted it at the same time and wrote last, and
-//!    this run writes no record (docs/ec2.md, "Two hosts adopting at once");
-//! 3. the record — suspended, its original suspension time, the new epoch —
-//!    written into the staging directory and renamed into place with the
-//!    key files (`adopt:tagged` before it, `adopt:recorded` after);
-//!    With the record comes a marker, `adopted.pending`, that says its
-//!    `adopted` event is still to be written;
-//! 4. the `adopted` event, then the marker removed (`adopt:announced`
+//! 1. a staging directory `adopting/<id>/` in the state dir (`staged.rs`)
+//!    with a new SSH key pair and, in machine mode, a known_hosts holding
+//!    the host key pinned at creation (from its tag); an unreadable record
+//!    here is checked to be unlocked (it is moved aside in step 4);
+//! 2. `intent.json` in it, fsynced: the epoch value about to be written
+//!    (the next epoch with this run's owner id) and the value found;
+//! 3. one CreateTags call: that epoch and, in machine mode, the new public
+//!    key for the boot hook (`adopt:staged` before it), read back: another
+//!    owner's value there means another host adopted it at the same time
+//!    and wrote last, and this run drops its staging and writes no record
+//!    (docs/ec2.md, "Two hosts adopting at once");
+//! 4. the record — suspended, its original suspension time, the new epoch —
+//!    written into the staging directory, an unreadable record moved aside,
+//!    and the directory renamed into `environments/` (`adopt:tagged` before
+//!    it, `adopt:recorded` after); with the record comes a marker,
+//!    `adopted.pending`, that says its `adopted` event is still to be written;
+//! 5. the `adopted` event, then the marker removed (`adopt:announced`
 //!    between them).
 //!
-//! Killed before 3, the environment is still unknown here: the next run
-//! adopts it again (one more epoch, a new key in the tag: the record it then
-//! writes matches both), and the staging directory left behind is removed by
-//! `dormant sweep`. Killed between 3 and 4, the record stands with its
-//! marker: the next run writes the event first thing (unless the log shows
-//! it was written, with that epoch, just before the kill). One adopt runs at
-//! a time (`adopt.lock` in the state dir).
+//! Stopped after 2 (killed, or an error after the tag write was sent: a
+//! failed read-back, a quarantine or record write that fails), the next run
+//! reads the tag: if it shows the staged value, it finishes the take-over
+//! with the staged key and epoch (no second write: the record it writes is
+//! the one the tags describe); otherwise the write never landed (or another
+//! host's came after), and the staging is dropped and the environment
+//! adopted afresh. A run that fails after the write says so, naming the
+//! environment, the staging directory and that the next run finishes it.
+//! Killed between 4 and 5, the record stands with its marker: the next run
+//! writes the event first thing (unless the log shows it was written, with
+//! that epoch, just before the kill). One adopt runs at a time (`adopt.lock`
+//! in the state dir).
 //!
 //! A record here that cannot be read (damaged, or written by a newer dormant)
 //! is never overwritten nor deleted: once the environment is taken over in
@@ -55,6 +66,9 @@ pub struct Report {
     pub left: Vec<String>,
     /// How many of `left` were adoptable but their take-over failed.
     pub failed: usize,
+    /// How many of those failed after their tag write was sent: staged in
+    /// `adopting/` for the next run to finish (or drop, if it never landed).
+    pub unfinished: usize,
 }
 
 /// Beside a record `dormant adopt` wrote until its `adopted` event is in the
@@ -92,6 +106,8 @@ mod imp {
 
 #[cfg(feature = "ec2")]
 mod pending;
+#[cfg(feature = "ec2")]
+mod staged;
 
 #[cfg(feature = "ec2")]
 mod imp {
@@ -107,7 +123,7 @@ mod imp {
     use crate::job::Job;
     use crate::model::{EnvPaths, StorageMode};
     use crate::ops::{open_store, OPERATOR_BUDGET};
-    use crate::provider::ec2::takeover::{Adoptable, Confirmed, Held};
+    use crate::provider::ec2::takeover::{Adoptable, Confirmed, Held, NothingWritten};
     use crate::provider::ec2::Ec2Provider;
     use crate::provider::Provider;
     use crate::settings::Settings;
@@ -117,6 +133,7 @@ mod imp {
     use crate::provider::ec2::EPOCH_FIELD;
 
     use super::pending::{adopted_reason, record_pending_events};
+    use super::staged::{leftovers, Intent, Staged, INTENT};
 
     pub async fn adopt(
         settings: &Settings,
@@ -224,14 +241,37 @@ mod imp {
                     }
                     report.adopted.push((a.env_id, line));
                 }
-                Err(e) => {
+                Err(NotAdopted::Nothing(e)) => {
                     report.failed += 1;
                     report.left.push(format!(
-                        "{resource} (environment {}): not adopted: {e:#}",
+                        "{resource} (environment {}): not adopted, nothing changed in EC2: {e:#}",
                         a.env_id
                     ))
                 }
+                Err(NotAdopted::Unfinished(e)) => {
+                    report.failed += 1;
+                    report.unfinished += 1;
+                    report.left.push(format!(
+                        "{resource} (environment {}): its take-over was sent to EC2 (a new ownership epoch \
+                         and, in machine mode, a new SSH key in its tags) but is not recorded here: {e:#}; \
+                         the new key and the epoch are kept in {}: fix what this says and run `dormant adopt` \
+                         again, which finishes this take-over (or starts it afresh if the tag write never \
+                         landed); until then neither this host nor the old one can resume it",
+                        a.env_id,
+                        Staged::of(&store, a.env_id).dir.display()
+                    ))
+                }
             }
+        }
+        let seen: Vec<_> = found.adoptable.iter().map(|a| a.env_id).collect();
+        for (id, dir) in leftovers(&store, &seen) {
+            report.left.push(format!(
+                "{}: an earlier `dormant adopt` began taking environment {id} over and did not finish, \
+                 and the environment is not adoptable now (its line above, if any, says why): kept; once \
+                 it is adoptable again the next run finishes or drops it; if the environment is gone, \
+                 delete the directory",
+                dir.display()
+            ));
         }
         for (_, line) in &report.adopted {
             log.info(format!("adopted {line}"));
@@ -244,6 +284,15 @@ mod imp {
             report.adopted.len(),
             report.left.len()
         ));
+        if report.unfinished > 0 {
+            bail!(
+                "{} environment(s) could be adopted but their take-over failed (the lines above say why), \
+                 {} of them after the new epoch was sent to EC2: no record of them was written; fix what \
+                 the lines say and run `dormant adopt` again, which finishes what this run began",
+                report.failed,
+                report.unfinished
+            );
+        }
         if report.failed > 0 {
             bail!(
                 "{} environment(s) could be adopted but their take-over failed (the lines above say why): \
@@ -271,8 +320,20 @@ mod imp {
         )
     }
 
+    /// Why a take-over did not end in a record.
+    enum NotAdopted {
+        /// Nothing in EC2 changed (or the change was another host's): no
+        /// staging kept.
+        Nothing(anyhow::Error),
+        /// The tag write was sent (it may have landed): the take-over stays
+        /// staged for the next run to finish or drop.
+        Unfinished(anyhow::Error),
+    }
+
     /// Takes `a` over: its record, the epoch written, and where an
     /// unreadable record it replaced went (`unreadable`: one is there).
+    /// A take-over an earlier run staged and whose tag write landed is
+    /// finished with that run's key and epoch, not written again.
     #[allow(clippy::too_many_arguments)]
     async fn adopt_one(
         store: &StateStore,
@@ -283,36 +344,79 @@ mod imp {
         paths: &EnvPaths,
         unreadable: bool,
         ctx: &Ctx,
-    ) -> Result<(EnvironmentRecord, String, Option<PathBuf>)> {
-        let staging = store.staging_dir(a.env_id)?;
-        let result = stage_and_record(
-            store, ec2, system_id, owner, a, paths, unreadable, &staging, ctx,
-        )
-        .await;
-        if result.is_err() {
-            let _ = store::remove_tree(&staging);
+    ) -> Result<(EnvironmentRecord, String, Option<PathBuf>), NotAdopted> {
+        let staged = Staged::of(store, a.env_id);
+        let resource = a.what.resource();
+        let earlier = staged
+            .intent()
+            .filter(|i| Staged::landed(i, resource, a.epoch_tag.as_deref()));
+        if let Some(intent) = earlier {
+            ctx.log.info(format!(
+                "finishing the take-over of {resource} (environment {}) that an earlier `dormant adopt` \
+                 wrote to EC2 (epoch {}) and did not record: its key and record come from {}",
+                a.env_id,
+                intent.written,
+                staged.dir.display()
+            ));
+            return record(
+                store,
+                ec2,
+                system_id,
+                a,
+                paths,
+                unreadable,
+                &staged,
+                intent.written,
+                ctx,
+            )
+            .map_err(NotAdopted::Unfinished);
         }
-        result
+        if let Some(intent) = staged.intent() {
+            ctx.log.info(format!(
+                "an earlier `dormant adopt` began taking {resource} (environment {}) over with epoch {}, \
+                 but its tag shows {}: that write never landed or another host's came after it; its \
+                 staging is dropped and the environment adopted afresh",
+                a.env_id,
+                intent.written,
+                a.epoch_tag.as_deref().unwrap_or("no epoch")
+            ));
+        }
+        staged.begin().map_err(NotAdopted::Nothing)?;
+        let result = stage_and_write(ec2, owner, a, paths, unreadable, &staged, ctx).await;
+        let epoch = match result {
+            Ok(epoch) => epoch,
+            Err(e) => {
+                if let NotAdopted::Nothing(_) = e {
+                    let _ = staged.drop_it();
+                }
+                return Err(e);
+            }
+        };
+        crate::failpoint!("adopt:tagged");
+        record(
+            store, ec2, system_id, a, paths, unreadable, &staged, epoch, ctx,
+        )
+        .map_err(NotAdopted::Unfinished)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn stage_and_record(
-        store: &StateStore,
+    /// The key pair and intent staged, then the tag write and its read-back:
+    /// the epoch written, once it is this run's.
+    async fn stage_and_write(
         ec2: &Ec2Provider,
-        system_id: &str,
         owner: &str,
         a: &Adoptable,
         paths: &EnvPaths,
         unreadable: bool,
-        staging: &Path,
+        staged: &Staged,
         ctx: &Ctx,
-    ) -> Result<(EnvironmentRecord, String, Option<PathBuf>)> {
-        let in_staging = |p: &Path| staging.join(p.file_name().unwrap_or_default());
+    ) -> Result<String, NotAdopted> {
+        let nothing = NotAdopted::Nothing;
+        let in_staging = |p: &Path| staged.dir.join(p.file_name().unwrap_or_default());
         let mut public_key = None;
         if let Held::Machine { entry, .. } = &a.what {
-            let mut staged = paths.clone();
-            staged.ssh_key = in_staging(&paths.ssh_key);
-            public_key = Some(crate::transport::keys::ensure_keypair(&staged)?);
+            let mut keys = paths.clone();
+            keys.ssh_key = in_staging(&paths.ssh_key);
+            public_key = Some(crate::transport::keys::ensure_keypair(&keys).map_err(nothing)?);
             // The host key pinned at creation: the first resume's connection
             // checks the machine against it (never accept-new).
             let alias = format!("dormant-{}", a.env_id);
@@ -320,18 +424,61 @@ mod imp {
                 &in_staging(&paths.known_hosts),
                 format!("{alias} {}\n", entry.host_key).as_bytes(),
             )
-            .with_context(|| format!("writing the pinned host key into {}", staging.display()))?;
+            .with_context(|| format!("writing the pinned host key into {}", staged.dir.display()))
+            .map_err(nothing)?;
         }
+        if unreadable {
+            // The unreadable record goes aside after the tag write, under its
+            // lock: a process holding it now would make that fail with the
+            // take-over written, so find out before.
+            if registry::try_lock(paths).map_err(nothing)?.is_none() {
+                return Err(nothing(busy(paths)));
+            }
+        }
+        let value = crate::provider::ec2::handover::epoch_value(
+            crate::provider::ec2::handover::next_epoch(a.epoch),
+            owner,
+        );
+        staged
+            .record_intent(&Intent {
+                version: 1,
+                resource: a.what.resource().to_string(),
+                written: value.clone(),
+                found: a.epoch_tag.clone(),
+            })
+            .map_err(nothing)?;
         crate::failpoint!("adopt:staged");
-        let (epoch, confirmed) = ec2.take_over(a, owner, public_key.as_deref(), ctx).await?;
+        let (epoch, confirmed) = match ec2.take_over(a, &value, public_key.as_deref(), ctx).await {
+            Ok(done) => done,
+            Err(e) if e.is::<NothingWritten>() => return Err(nothing(e)),
+            Err(e) => return Err(NotAdopted::Unfinished(e)),
+        };
         if let Confirmed::Another(now) = confirmed {
-            bail!(
+            return Err(nothing(anyhow::anyhow!(
                 "another host adopted it at the same time: its epoch tag is now {} (this run wrote {epoch}), \
                  so it is that host's; no record written here",
                 now.as_deref().unwrap_or("gone")
-            );
+            )));
         }
-        crate::failpoint!("adopt:tagged");
+        Ok(epoch)
+    }
+
+    /// The record of a take-over whose tag write is this run's (or an
+    /// earlier run's, finished now): written into the staging directory
+    /// with its pending-event marker, the unreadable record moved aside,
+    /// then renamed into place.
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        store: &StateStore,
+        ec2: &Ec2Provider,
+        system_id: &str,
+        a: &Adoptable,
+        paths: &EnvPaths,
+        unreadable: bool,
+        staged: &Staged,
+        epoch: String,
+        _ctx: &Ctx,
+    ) -> Result<(EnvironmentRecord, String, Option<PathBuf>)> {
         let mut key = EnvironmentKey::new(&a.runner_id, system_id, a.env_id)
             .with_field("provider", ec2.name());
         let (machine, volume) = match &a.what {
@@ -368,10 +515,10 @@ mod imp {
             suspended_at: a.suspended_at.unwrap_or(now),
         });
         store::write_private(
-            &staging.join(PENDING_EVENT),
+            &staged.dir.join(PENDING_EVENT),
             format!("{epoch}\n{}\n", a.what.resource()).as_bytes(),
         )
-        .with_context(|| format!("writing {PENDING_EVENT} into {}", staging.display()))?;
+        .with_context(|| format!("writing {PENDING_EVENT} into {}", staged.dir.display()))?;
         // Taken over in the cloud: the unreadable record can go aside now
         // (earlier, a failed tag write would have moved it for nothing).
         let quarantined = if unreadable {
@@ -379,15 +526,26 @@ mod imp {
         } else {
             None
         };
-        if !registry::create_staged(store, &rec, staging.to_path_buf())? {
+        if !registry::create_staged(store, &rec, staged.dir.clone())? {
             bail!(
                 "environment {} appeared in {} meanwhile: left to the process that made it",
                 a.env_id,
                 store.environments_dir().display()
             );
         }
+        // The intent came along with the rename; the record now says it all
+        // (one left by a kill right here is an inert file).
+        let _ = store::remove_file(&paths.dir.join(INTENT));
         crate::failpoint!("adopt:recorded");
         Ok((rec, epoch, quarantined))
+    }
+
+    fn busy(paths: &EnvPaths) -> anyhow::Error {
+        anyhow::anyhow!(
+            "its record here cannot be read, and a dormant process holds its lock ({}): left as it is; \
+             run `dormant adopt` again once no job uses this host",
+            paths.lock.display()
+        )
     }
 
     /// Moves an environment directory whose record cannot be read into
@@ -395,11 +553,7 @@ mod imp {
     /// under its record lock: a process that holds the lock is left to finish.
     fn quarantine(store: &StateStore, paths: &EnvPaths) -> Result<PathBuf> {
         let Some(_lock) = registry::try_lock(paths)? else {
-            bail!(
-                "its record here cannot be read, and a dormant process holds its lock ({}): left as it is; \
-                 run `dormant adopt` again once no job uses this host",
-                paths.lock.display()
-            );
+            return Err(busy(paths));
         };
         let dir = store.root().join(QUARANTINE_DIR);
         store::ensure_private_dir(&dir)?;

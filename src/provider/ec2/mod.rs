@@ -43,6 +43,7 @@ mod volumes;
 pub mod wait;
 mod warm;
 mod warm_launch;
+mod warm_yield;
 
 use std::time::Duration;
 

@@ -449,20 +449,22 @@ impl Ec2Provider {
         }
     }
 
-    /// Takes `a` over in EC2 as `owner` (`handover::new_owner_id`): checks the
-    /// resource still is as it was found (idle, the epoch tag unchanged),
-    /// writes the next epoch with the owner id and, in machine mode,
-    /// `authorized_key` for the boot hook, in one CreateTags call, then reads
-    /// the tag back ([`Self::confirm`]). Returns the value written and whose
-    /// the tag is. An error before the CreateTags call is a [`NothingWritten`].
+    /// Takes `a` over in EC2 with the epoch tag `value` (the next epoch and
+    /// the run's owner id, `handover::epoch_value`; the caller recorded it
+    /// first): checks the resource still is as it was found (idle, the epoch
+    /// tag unchanged), writes `value` and, in machine mode, `authorized_key`
+    /// for the boot hook, in one CreateTags call, then reads the tag back
+    /// ([`Self::confirm`]). Returns the value written and whose the tag is.
+    /// An error before the CreateTags call is a [`NothingWritten`]; any other
+    /// error leaves it unknown whether the write landed.
     pub async fn take_over(
         &self,
         a: &Adoptable,
-        owner: &str,
+        value: &str,
         authorized_key: Option<&str>,
         ctx: &Ctx,
     ) -> Result<(String, Confirmed)> {
-        let value = handover::epoch_value(handover::next_epoch(a.epoch), owner);
+        let value = value.to_string();
         self.check_as_found(a, authorized_key, ctx)
             .await
             .map_err(|e| anyhow::Error::new(NothingWritten(format!("{e:#}"))))?;

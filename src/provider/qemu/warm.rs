@@ -72,6 +72,11 @@ impl WarmMachines for QemuProvider {
         }))
     }
 
+    async fn job_must_wait(&self, _ctx: &Ctx) -> Result<bool> {
+        let max = self.settings.max_environments;
+        Ok(max > 0 && super::capacity::running(self.store.root()) >= max as usize)
+    }
+
     fn kind(&self) -> Result<WarmKind> {
         let image = self.default_image()?;
         let s = &self.settings;
@@ -306,6 +311,13 @@ mod tests {
         // Room enough with a higher limit, and no limit at all.
         assert_eq!(with_max(4).no_room(&ctx).await.unwrap(), None);
         assert_eq!(with_max(0).no_room(&ctx).await.unwrap(), None);
+        // A job's own VM: waits only once every slot is taken.
+        assert!(!p.job_must_wait(&ctx).await.unwrap(), "two of three run");
+        assert!(
+            with_max(2).job_must_wait(&ctx).await.unwrap(),
+            "two of two run"
+        );
+        assert!(!with_max(0).job_must_wait(&ctx).await.unwrap(), "no limit");
     }
 
     #[tokio::test]
