@@ -37,6 +37,7 @@ pub struct StateStore {
 impl StateStore {
     /// Opens (and creates, 0700) the state dir.
     pub fn open(root: &Path) -> Result<Self> {
+        refuse_another_users(root)?;
         for dir in [
             root.to_path_buf(),
             root.join("jobs"),
@@ -198,6 +199,36 @@ pub fn remove_tree(dir: &Path) -> Result<()> {
 }
 
 /// Creates a directory (and parents) and makes it 0700.
+/// Who may use a state dir: its owner (the runner's user) and root. Its
+/// files are 0600 and its directories 0700, so anyone else would fail on the
+/// first file; say so at once, naming both users and what to run.
+fn refuse_another_users(root: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let owner = match fs::metadata(root) {
+        Ok(m) => m.uid(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            bail!(
+                "the state dir {} cannot be read by uid {me} (permission denied): only the runner's \
+                 own user and root may use it; run dormant as that user (`sudo -u <runner user> dormant …`)",
+                root.display()
+            )
+        }
+        Err(e) => return Err(e).with_context(|| format!("reading state dir {}", root.display())),
+    };
+    if me != 0 && owner != me {
+        bail!(
+            "the state dir {} belongs to uid {owner}, and dormant runs as uid {me}: only the runner's \
+             own user and root may use it (permission denied for anyone else); run dormant as that \
+             user (`sudo -u <runner user> dormant …`)",
+            root.display()
+        );
+    }
+    Ok(())
+}
+
 pub fn ensure_private_dir(dir: &Path) -> Result<()> {
     fs::create_dir_all(dir)
         .with_context(|| format!("creating state directory {}", dir.display()))?;

@@ -296,6 +296,12 @@ fn attach_on(rig: &Rig, by_job_id: bool) {
 /// naming the local user, and `metrics` counts them; a look at a suspended
 /// environment is no join.
 fn each_attach_is_an_event_and_counted(rig: &Rig, n: usize) {
+    each_join_is_an_event_and_counted(rig, "attach", n);
+}
+
+/// `n` `joined` events of `cause` (`attach`, `shell`), each naming the local
+/// user (root here), and `metrics` counting them.
+pub(crate) fn each_join_is_an_event_and_counted(rig: &Rig, cause: &str, n: usize) {
     let out = rig.dormant(&["events", "--json"]);
     let events = String::from_utf8_lossy(&out.stdout).into_owned();
     // SAFETY: getuid has no preconditions.
@@ -307,7 +313,7 @@ fn each_attach_is_an_event_and_counted(rig: &Rig, n: usize) {
     };
     let joins: Vec<&str> = events
         .lines()
-        .filter(|l| l.contains("\"joined\"") && l.contains("\"attach\""))
+        .filter(|l| l.contains("\"joined\"") && l.contains(&format!("\"{cause}\"")))
         .collect();
     assert_eq!(joins.len(), n, "{events}");
     if uid == 0 {
@@ -321,9 +327,9 @@ fn each_attach_is_an_event_and_counted(rig: &Rig, n: usize) {
     let out = rig.dormant(&["metrics"]);
     let metrics = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
-        metrics
-            .lines()
-            .any(|l| l.contains("joined") && l.contains("attach") && l.ends_with(&format!(" {n}"))),
+        metrics.lines().any(|l| l.contains("event=\"joined\"")
+            && l.contains(&format!("cause=\"{cause}\""))
+            && l.ends_with(&format!(" {n}"))),
         "{metrics}"
     );
 }

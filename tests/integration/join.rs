@@ -120,6 +120,8 @@ fn ssh_a_shell_beside_the_job_runs_with_it_and_ends_with_it() {
             Some("suspended"),
             "the job's failure trigger decided, not the shells"
         );
+        // Each join is an event naming who, and counted.
+        crate::attach::each_join_is_an_event_and_counted(&rig, "shell", 2);
     });
 }
 
@@ -242,4 +244,56 @@ pub(crate) fn watched_and_joined(
         }
         report
     })
+}
+
+/// Who may: only a user who can read the state dir (the runner's own user or
+/// root). Another user's `attach` and `shell` are refused naming what it
+/// cannot read, and leave no mark, no event and no process.
+#[test]
+fn another_user_cannot_attach_or_join() {
+    use std::os::unix::process::CommandExt;
+    let rig = Rig::local("75", "s_75aa75aa75aa");
+    let flags = rig.dir.path().join("flags");
+    std::fs::create_dir_all(&flags).unwrap();
+    let f = flags.display();
+    let j = job(75);
+    let job_id = j.id;
+    let sim = j.script(&format!(
+        "touch {f}/started; i=0; while [ ! -e {f}/go ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done"
+    ));
+    // SAFETY: getuid has no preconditions.
+    assert_eq!(
+        unsafe { libc::getuid() },
+        0,
+        "this test switches to another user: run it as root"
+    );
+    // The flags dir is the job's and the test's; `nobody` only needs to be refused.
+    std::thread::scope(|s| {
+        let running = s.spawn(|| rig.run(&sim));
+        wait_for(&flags.join("started"));
+        for args in [
+            &["attach", &job_id.to_string()][..],
+            &["shell", &job_id.to_string(), "--", "true"],
+        ] {
+            let out = Command::new(BIN)
+                .args(args)
+                .env_clear()
+                .envs(&rig.runner.env)
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+            assert!(
+                stderr.contains("ermission denied"),
+                "{args:?}: the refusal names the permission: {stderr}"
+            );
+        }
+        std::fs::write(flags.join("go"), "").unwrap();
+        assert_result(&running.join().unwrap(), JobResult::Success);
+    });
+    let out = rig.dormant(&["events", "--json"]);
+    let events = String::from_utf8_lossy(&out.stdout);
+    assert!(!events.contains("\"joined\""), "{events}");
 }
