@@ -106,6 +106,18 @@ fn wait_no_refill(rig: &Rig) {
     }
 }
 
+/// No QEMU runs: none of the paths warm VMs opened their disks through is
+/// left (`<state dir>/qemu-paths/<warm id>`, removed once its QEMU is gone).
+fn assert_no_alias_left(rig: &Rig) {
+    let left: Vec<String> = std::fs::read_dir(rig.state_dir.join("qemu-paths"))
+        .map(|d| {
+            d.filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(left.is_empty(), "aliases left in qemu-paths/: {left:?}");
+}
+
 /// Kills every QEMU of the rig's state dir when the test ends (a failed
 /// assertion must not leave warm VMs behind).
 struct NoPoolLeft(std::path::PathBuf);
@@ -286,6 +298,7 @@ fn a_new_job_takes_the_warm_vm_booted_before_it_and_the_pool_is_refilled() {
         qemu_under(&rig.state_dir).is_empty(),
         "no QEMU of the state dir runs"
     );
+    assert_no_alias_left(&rig);
 }
 
 /// `dormant warm` killed by its failpoint: it printed the last words and died of SIGKILL.
@@ -428,6 +441,7 @@ fn a_kill_during_a_refill_or_a_hand_out_leaks_nothing_and_hands_out_nothing_twic
         qemu_under(&rig.state_dir).is_empty(),
         "no QEMU of the state dir runs"
     );
+    assert_no_alias_left(&rig);
 }
 
 /// A job script that leaves a process counting seconds in the guest
@@ -594,4 +608,5 @@ fn a_volume_mode_resume_takes_a_warm_vm_from_todays_image() {
         qemu_under(&rig.state_dir).is_empty(),
         "no QEMU of the state dir runs"
     );
+    assert_no_alias_left(&rig);
 }
