@@ -4,8 +4,10 @@
 //! into the environment's (`environments/<env>/vm/`): the running QEMU keeps
 //! its open files, its QMP socket moves with the directory, and its command
 //! line, which cannot change, is recorded as `Launch::running_as` so the
-//! process is still recognised as this VM's. The next start of the VM uses
-//! the environment's own name and paths. See docs/qemu.md, "Warm machines".
+//! process is still recognised as this VM's. Its disks, which QEMU opens
+//! again by name while it runs, are given through an alias that follows the
+//! directory (`alias.rs`). The next start of the VM uses the environment's
+//! own name and paths. See docs/qemu.md, "Warm machines".
 
 use std::time::Duration;
 
