@@ -5,12 +5,15 @@
 //!    (its pid, started before the job began), the log says so, and the
 //!    prepare starts a detached refill, which boots a second warm VM;
 //! 3. the job suspends (the VM powers off); its resume boots the
-//!    environment's disk under the environment's own name and paths (the
-//!    command line the hand-over rewrote): the file is there, get_sources
-//!    skipped — and the VM of that finished job is never in the pool again;
+//!    environment's disk under the environment's own name and paths (a
+//!    command line built from the settings, as for any environment: the one
+//!    the hand-over rewrote is used only by a hibernated VM's restore, proven
+//!    in the kill test below): the file is there, get_sources skipped — and
+//!    the VM of that finished job is never in the pool again;
 //! 4. the base image is replaced: `dormant sweep` retires the warm VM made
 //!    from the old one instead of handing it out;
-//! 5. `warm = 0` and `dormant sweep`: no warm VM, no QEMU of the state dir left.
+//! 5. `dormant warm` boots one from the new image; `warm = 0` and `dormant
+//!    sweep` retire it: no warm VM, no QEMU of the state dir left.
 //!
 //! The warm VMs count toward `max_environments = 3`: a refill boots only
 //! while two slots are free, so with a job's VM and one warm VM running the
@@ -40,23 +43,7 @@ fn settings(base: &Path, warm: u32) -> String {
 
 /// The pool as `dormant list --json` shows it: (id, status) of each warm machine.
 fn pool(rig: &Rig) -> Vec<(String, String)> {
-    let out = rig.dormant(&["list", "--json"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["warm"] == true)
-        .map(|v| {
-            (
-                v["entry"]["id"].as_str().unwrap_or("?").to_string(),
-                v["entry"]["status"].as_str().unwrap_or("?").to_string(),
-            )
-        })
-        .collect()
+    rig.warm_pool()
 }
 
 /// Live QEMU processes started under the name `dormant-<id>`.
@@ -119,6 +106,18 @@ fn wait_no_refill(rig: &Rig) {
     }
 }
 
+/// No QEMU runs: none of the paths warm VMs opened their disks through is
+/// left (`<state dir>/qemu-paths/<warm id>`, removed once its QEMU is gone).
+fn assert_no_alias_left(rig: &Rig) {
+    let left: Vec<String> = std::fs::read_dir(rig.state_dir.join("qemu-paths"))
+        .map(|d| {
+            d.filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(left.is_empty(), "aliases left in qemu-paths/: {left:?}");
+}
+
 /// Kills every QEMU of the rig's state dir when the test ends (a failed
 /// assertion must not leave warm VMs behind).
 struct NoPoolLeft(std::path::PathBuf);
@@ -152,7 +151,7 @@ fn a_new_job_takes_the_warm_vm_booted_before_it_and_the_pool_is_refilled() {
         assert!(st.success());
     };
     make_base();
-    let mut rig = Rig::new(RUNNER, SYSTEM, &settings(&base, 1));
+    let rig = Rig::new(RUNNER, SYSTEM, &settings(&base, 1));
     let _no_pool = NoPoolLeft(rig.state_dir.clone());
 
     // 1. Booted before any job.
@@ -273,20 +272,33 @@ fn a_new_job_takes_the_warm_vm_booted_before_it_and_the_pool_is_refilled() {
     assert!(qemu_named(&w2).is_empty(), "the retired VM's QEMU is gone");
     assert!(pool(&rig).is_empty());
 
-    // 5. warm = 0: `dormant warm` boots nothing, and nothing of the pool is left.
-    Rig::write_settings(&rig.settings_path, SYSTEM, &settings(&base, 0));
-    rig.runner.env.remove("DORMANT_FAILPOINT");
+    // 5. One from the new image; warm = 0 and a sweep retire it, and
+    //    nothing of the pool is left.
     let out = rig.dormant(&["warm"]);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let p = pool(&rig);
+    assert!(p.len() == 1 && p[0].1 == "ready", "{p:?}");
+    let w3 = p[0].0.clone();
+    assert_eq!(qemu_named(&w3).len(), 1, "warm VM {w3} runs");
+    Rig::write_settings(&rig.settings_path, SYSTEM, &settings(&base, 0));
+    let out = rig.dormant(&["sweep"]);
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("retired {w3}")) && text.contains("not wanted: warm = 0"),
+        "{text}"
+    );
+    assert!(qemu_named(&w3).is_empty(), "the retired VM's QEMU is gone");
     assert!(pool(&rig).is_empty());
     assert!(
         qemu_under(&rig.state_dir).is_empty(),
         "no QEMU of the state dir runs"
     );
+    assert_no_alias_left(&rig);
 }
 
 /// `dormant warm` killed by its failpoint: it printed the last words and died of SIGKILL.
@@ -307,7 +319,12 @@ fn assert_warm_killed_at(out: &std::process::Output, point: &str) {
 /// 2. a prepare killed right after it marked a warm VM taken, and
 /// 3. one killed half-way through moving the VM into the environment: each
 ///    time the runner's retry finishes the same hand-over, the job runs in
-///    that warm VM's QEMU, and no other job ever gets it;
+///    that warm VM's QEMU, and no other job ever gets it; the second job
+///    suspends by hibernation (`suspend_mode = "hibernate"`), and its resume
+///    restores the VM from memory with the command line the hand-over
+///    rewrote (the killed attempt rewrote it, the retry moved the directory):
+///    QEMU runs under the environment's name and paths, and the process the
+///    job left in the guest is still counting;
 /// 4. nothing is left: no warm VM, no QEMU of the state dir.
 #[test]
 fn a_kill_during_a_refill_or_a_hand_out_leaks_nothing_and_hands_out_nothing_twice() {
@@ -321,7 +338,11 @@ fn a_kill_during_a_refill_or_a_hand_out_leaks_nothing_and_hands_out_nothing_twic
         .status()
         .unwrap();
     assert!(st.success());
-    let mut rig = Rig::new(RUNNER, SYSTEM, &settings(&base, 1));
+    let mut rig = Rig::new(
+        RUNNER,
+        SYSTEM,
+        &format!("{}suspend_mode = \"hibernate\"\n", settings(&base, 1)),
+    );
     let _no_pool = NoPoolLeft(rig.state_dir.clone());
 
     // 1. A refill killed after the boot, before `ready`.
@@ -357,7 +378,13 @@ fn a_kill_during_a_refill_or_a_hand_out_leaks_nothing_and_hands_out_nothing_twic
         let pid = qemu_named(&warm);
         assert_eq!(pid.len(), 1, "warm VM {warm} runs");
         crate::crash::arm(&mut rig, Some(point), true);
-        let job = job(98 + n as u64).script("echo ran-on-warm");
+        // The second leaves a process counting in the guest, and suspends.
+        let hibernates = point == "warm:qemu-relabelled";
+        let job = if hibernates {
+            job(98 + n as u64).suspend_on(true, false).script(COUNTER)
+        } else {
+            job(98 + n as u64).script("echo ran-on-warm")
+        };
         let env = env_paths(&rig, &job);
         let _no_vm = NoVmLeft(env.clone());
         let seen = dir.path().join(format!("pid-{n}.txt"));
@@ -386,7 +413,8 @@ fn a_kill_during_a_refill_or_a_hand_out_leaks_nothing_and_hands_out_nothing_twic
         assert_eq!(at_build, pid[0], "the retry finished the same hand-over");
         crate::crash::arm(&mut rig, None, false);
         taken.push(warm.clone());
-        // Released at the job's end (no trigger): that VM is gone for good.
+        // Released at the job's end (no trigger), or hibernated: the warm
+        // VM's QEMU is gone for good.
         assert!(qemu_named(&warm).is_empty(), "{}", r.cleanup_output());
         warm = wait_for_ready(&rig, &warm);
         wait_no_refill(&rig);
@@ -394,6 +422,10 @@ fn a_kill_during_a_refill_or_a_hand_out_leaks_nothing_and_hands_out_nothing_twic
             pool(&rig).iter().all(|(id, _)| !taken.contains(id)),
             "no taken VM is back in the pool"
         );
+        if hibernates {
+            let project = 98 + n as u64;
+            restore_after_hand_over(&rig, &r, project, &env, &taken[taken.len() - 1], dir.path());
+        }
     }
 
     // 4. Nothing left.
@@ -408,6 +440,79 @@ fn a_kill_during_a_refill_or_a_hand_out_leaks_nothing_and_hands_out_nothing_twic
     assert!(
         qemu_under(&rig.state_dir).is_empty(),
         "no QEMU of the state dir runs"
+    );
+    assert_no_alias_left(&rig);
+}
+
+/// A job script that leaves a process counting seconds in the guest
+/// (`/tmp/counter`), and prints where it was.
+const COUNTER: &str =
+    "setsid bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.new; \
+     mv /tmp/counter.new /tmp/counter; sleep 1; done' </dev/null >/dev/null 2>&1 & sleep 3; \
+     echo \"counter-at-suspend $(cat /tmp/counter)\"";
+
+/// `r` (a job of `project` on warm VM `warm`, environment `env`) hibernated its VM: the
+/// resume restores it from memory with the command line the hand-over
+/// rewrote — QEMU runs under the environment's name and paths, none of the
+/// warm VM's — and the process the job left still counts; then it is
+/// released (no trigger).
+fn restore_after_hand_over(
+    rig: &Rig,
+    r: &JobReport,
+    project: u64,
+    env: &dormant::state::EnvPaths,
+    warm: &str,
+    dir: &Path,
+) {
+    let key = r.key.clone().expect("the key is printed");
+    assert_eq!(
+        rig.status(&key).as_deref(),
+        Some("suspended"),
+        "{}",
+        r.cleanup_output()
+    );
+    assert!(
+        r.cleanup_output().contains("hibernated"),
+        "{}",
+        r.cleanup_output()
+    );
+    assert!(env.dir.join("vm/memory.state").is_file(), "a memory image");
+    let at_suspend = crate::qemu::field(&r.log(), "counter-at-suspend");
+    let cmdline = dir.join("cmdline-at-resume.txt");
+    let resume = job(project).resume(&key).script(
+        "a=$(cat /tmp/counter); sleep 3; b=$(cat /tmp/counter); \
+         echo \"counter-before $a\"; echo \"counter-after $b\"",
+    );
+    let r2 = rig.run_with_command_before(
+        &resume,
+        "build_script",
+        &format!(
+            "tr '\\0' ' ' < /proc/$(cat {})/cmdline > {}",
+            env.dir.join("vm/qemu.pid").display(),
+            cmdline.display()
+        ),
+    );
+    assert_result(&r2, JobResult::Success);
+    assert!(r2.log().contains("restored"), "{}", r2.log());
+    let (a, b) = (
+        crate::qemu::field(&r2.log(), "counter-before"),
+        crate::qemu::field(&r2.log(), "counter-after"),
+    );
+    assert!(
+        a >= at_suspend && b > a,
+        "the process runs on: {at_suspend} at the suspend, then {a}, {b}"
+    );
+    let argv = std::fs::read_to_string(&cmdline).unwrap();
+    assert!(
+        argv.contains(&format!("dormant-{}", env.id))
+            && argv.contains(&env.dir.display().to_string())
+            && !argv.contains(warm),
+        "the restored QEMU runs as the environment's, none of warm VM {warm}'s: {argv}"
+    );
+    assert!(
+        qemu_pids(env).is_empty(),
+        "released: {}",
+        r2.cleanup_output()
     );
 }
 
@@ -503,4 +608,5 @@ fn a_volume_mode_resume_takes_a_warm_vm_from_todays_image() {
         qemu_under(&rig.state_dir).is_empty(),
         "no QEMU of the state dir runs"
     );
+    assert_no_alias_left(&rig);
 }

@@ -15,6 +15,7 @@
 //! VM), `warm` (VMs booted ahead of jobs), `pins` (the read-only copies of
 //! base images every overlay is made on, so an image file can be replaced).
 
+pub mod alias;
 pub mod capacity;
 pub mod guest;
 pub mod hotplug;
@@ -181,7 +182,7 @@ impl QemuProvider {
             let launch = vm
                 .read_launch()?
                 .context("the running VM has no launch.json")?;
-            power::ensure_running(&vm, ctx).await?;
+            power::ensure_running(self, &vm, ctx).await?;
             self.wait_ready(&vm, pid, launch.port, ctx).await?;
             return Ok(self.machine(spec.env_id, launch.port, &image_name));
         }
@@ -287,11 +288,18 @@ impl Provider for QemuProvider {
     async fn delete(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
         let vm = self.vm(self.env_of(machine)?);
         power_off::quit(&vm, ctx).await?;
+        // Read before the directory goes: the alias of a QEMU that was
+        // started as a warm VM goes with it (`alias.rs`).
+        let running_as = vm.read_launch().ok().flatten().and_then(|l| l.running_as);
         if vm.dir.exists() {
             ctx.log
                 .info(format!("deleting VM {} ({})", vm.name(), vm.dir.display()));
         }
-        vm.remove()
+        vm.remove()?;
+        match running_as {
+            Some(r) => alias::remove(self.store.root(), r.id),
+            None => Ok(()),
+        }
     }
 
     async fn describe(&self, machine: &Machine, _ctx: &Ctx) -> Result<MachineState> {
@@ -355,7 +363,10 @@ impl Provider for QemuProvider {
     }
 
     async fn tidy(&self, ctx: &Ctx) -> Result<Vec<std::path::PathBuf>> {
-        self.pins().tidy(ctx).await
+        let pins = self.pins().tidy(ctx).await;
+        let mut removed = alias::tidy(self.store.root())?;
+        removed.extend(pins?);
+        Ok(removed)
     }
 }
 

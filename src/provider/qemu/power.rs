@@ -24,7 +24,7 @@ use anyhow::{bail, Context, Result};
 use super::process::{self, Pid};
 use super::qmp::Qmp;
 use super::vm::{self, Launch, VmDir};
-use super::{capacity, power_off, tools, QemuProvider};
+use super::{alias, capacity, power_off, tools, QemuProvider};
 use crate::context::Ctx;
 use crate::settings::boot_image::BootImage;
 use crate::wait::{Poll, Schedule, Wait};
@@ -47,12 +47,24 @@ pub async fn boot(
     ctx: &Ctx,
 ) -> Result<(Pid, u16)> {
     let max = p.settings.max_environments;
-    boot_within(p, vm, image, incoming, max, capacity::Waiter::Job, ctx).await
+    boot_within(
+        p,
+        vm,
+        image,
+        incoming,
+        max,
+        capacity::Waiter::Job,
+        None,
+        ctx,
+    )
+    .await
 }
 
 /// [`boot`] once fewer than `limit` VMs run (0: no limit): a warm VM is
 /// booted within one slot less than `max_environments`, so a refill never
-/// takes the last slot a job could need.
+/// takes the last slot a job could need. A warm VM's disks are given to
+/// QEMU under `alias`, a symlink to `vm`'s directory (`alias.rs`).
+#[allow(clippy::too_many_arguments)]
 pub async fn boot_within(
     p: &QemuProvider,
     vm: &VmDir,
@@ -60,6 +72,7 @@ pub async fn boot_within(
     incoming: Option<&Launch>,
     limit: u32,
     waiter: capacity::Waiter,
+    alias: Option<&std::path::Path>,
     ctx: &Ctx,
 ) -> Result<(Pid, u16)> {
     let recorded = vm.read_launch()?;
@@ -72,7 +85,13 @@ pub async fn boot_within(
         };
         let mut argv = match incoming {
             Some(l) => vm::with_port(&l.argv, l.port, port),
-            None => vm::argv(&p.settings, image, vm, port),
+            None => {
+                let argv = vm::argv(&p.settings, image, vm, port);
+                match alias {
+                    Some(alias) => vm::with_drives_under(&argv, vm, alias),
+                    None => argv,
+                }
+            }
         };
         vm.write_launch(&Launch {
             version: crate::state::store::FORMAT_VERSION,
@@ -80,6 +99,11 @@ pub async fn boot_within(
             port,
             running_as: None,
         })?;
+        // The QEMU started as a warm VM is gone (a start follows none that
+        // runs): its alias with it.
+        if let Some(r) = recorded.as_ref().and_then(|l| l.running_as.as_ref()) {
+            alias::remove(p.store.root(), r.id)?;
+        }
         if incoming.is_some() {
             argv.push("-incoming".into());
             argv.push(format!("file:{}", vm.state().display()));
@@ -127,7 +151,7 @@ pub async fn resume(
             vm.name(),
             pid.0
         ));
-        ensure_running(vm, ctx).await?;
+        ensure_running(p, vm, ctx).await?;
         return Ok((pid, launch.port, false));
     }
     if vm.state().exists() {
@@ -234,7 +258,9 @@ fn loaded(vm: &VmDir) -> Result<Poll<()>> {
 
 /// A live QEMU that a killed stage left paused (mid-save, or restored and
 /// not continued) is continued; its state files are stale.
-pub async fn ensure_running(vm: &VmDir, ctx: &Ctx) -> Result<()> {
+pub async fn ensure_running(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<()> {
+    // A `cont` opens the disks again by their command-line paths.
+    alias::follow_vm(p.store.root(), vm)?;
     let mut q = Qmp::connect(&vm.qmp())?;
     power_off::continue_after_interrupted_save(&mut q, vm, ctx).await?;
     vm.remove_durably(&vm.partial_state())?;

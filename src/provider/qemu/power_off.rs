@@ -159,6 +159,9 @@ async fn press_power_button(
 /// Sync the guest's disks, pause, save memory next to the disk, quit.
 async fn hibernate(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
     let started = Instant::now();
+    // A save's end (and a `cont`) opens the disks again by their
+    // command-line paths: a warm VM's alias must name this directory.
+    super::alias::follow_vm(p.store.root(), vm)?;
     let mut q = Qmp::connect(&vm.qmp())?;
     continue_after_interrupted_save(&mut q, vm, ctx).await?;
     vm.remove_durably(&vm.state())?;

@@ -293,6 +293,25 @@ pub fn argv(settings: &QemuSettings, image: &BootImage, vm: &VmDir, port: u16) -
     a
 }
 
+/// The same command line opening the VM's disks (`-drive`) through `alias`,
+/// a symlink to the VM's directory (a warm VM's, `alias.rs`: QEMU opens its
+/// disks again by these paths, and a warm VM's directory moves).
+pub fn with_drives_under(argv: &[String], vm: &VmDir, alias: &Path) -> Vec<String> {
+    let from = format!("file={}/", opt_value(&vm.dir));
+    let to = format!("file={}/", opt_value(alias));
+    let mut drive = false;
+    argv.iter()
+        .map(|a| {
+            let out = match a.strip_prefix(&from) {
+                Some(rest) if drive => format!("{to}{rest}"),
+                _ => a.clone(),
+            };
+            drive = a == "-drive";
+            out
+        })
+        .collect()
+}
+
 /// Whether a command line attaches the data disk: VMs started by a dormant
 /// from before the disk was hot-plugged had it on their command line.
 pub fn has_data_disk(argv: &[String], vm: &VmDir) -> bool {
@@ -380,6 +399,26 @@ mod tests {
         assert!(meta_data(Uuid::nil()).starts_with("instance-id: dormant-00000000-"));
         assert!(!has_data_disk(&a, &vm), "machine mode: no data disk");
         assert!(has_data_port(&a), "every VM can take a data disk");
+        let aliased = with_drives_under(&a, &vm, Path::new("/s,x/qemu-paths/a"));
+        let drives: Vec<&String> = aliased
+            .windows(2)
+            .filter(|w| w[0] == "-drive")
+            .map(|w| &w[1])
+            .collect();
+        assert_eq!(drives.len(), 2, "{aliased:?}");
+        assert!(
+            drives
+                .iter()
+                .all(|d| d.starts_with("file=/s,,x/qemu-paths/a/")),
+            "{drives:?}"
+        );
+        let others = |v: &[String]| -> Vec<String> {
+            v.iter()
+                .filter(|a| !a.contains(".qcow2") && !a.contains(".iso"))
+                .cloned()
+                .collect()
+        };
+        assert_eq!(others(&aliased), others(&a), "only the disks are aliased");
     }
 
     #[test]

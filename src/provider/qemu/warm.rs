@@ -4,16 +4,19 @@
 //! into the environment's (`environments/<env>/vm/`): the running QEMU keeps
 //! its open files, its QMP socket moves with the directory, and its command
 //! line, which cannot change, is recorded as `Launch::running_as` so the
-//! process is still recognised as this VM's. The next start of the VM uses
-//! the environment's own name and paths. See docs/qemu.md, "Warm machines".
+//! process is still recognised as this VM's. Its disks, which QEMU opens
+//! again by name while it runs, are given through an alias that follows the
+//! directory (`alias.rs`). The next start of the VM uses the environment's
+//! own name and paths. See docs/qemu.md, "Warm machines".
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use async_trait::async_trait;
 
+use super::process::Pid;
 use super::vm::{RunningAs, VmDir};
-use super::{field, power, power_off, process, tools, QemuProvider};
+use super::{alias, field, power, power_off, process, tools, QemuProvider};
 use crate::context::Ctx;
 use crate::model::{EnvPaths, Machine};
 use crate::provider::warm::{WarmKind, WarmMachines};
@@ -31,6 +34,63 @@ impl QemuProvider {
             .image
             .clone()
             .context("qemu.image is not set: warm VMs boot the default image")
+    }
+
+    /// A warm VM's files, its alias and its QEMU, started (its guest not
+    /// waited for: `launch`).
+    async fn boot_warm(
+        &self,
+        warm: &WarmPaths,
+        ssh_public_key: &str,
+        ctx: &Ctx,
+    ) -> Result<(VmDir, Pid, u16)> {
+        let image = self.default_image()?;
+        let vm = self.warm_vm(warm);
+        vm.ensure()?;
+        let user_data = crate::provider::cloud_init::user_data(
+            warm.id,
+            Some(ssh_public_key),
+            &self.settings.ssh_user,
+        )?;
+        tools::create_seed(&vm, &user_data, &super::vm::meta_data(warm.id))?;
+        // Pinned like any VM's: a hand-over moves `image.json` with the VM.
+        let image = self.pins().for_new_vm(&vm, &image, ctx).await?;
+        if !vm.overlay().exists() {
+            tools::create_overlay(
+                &self.settings.qemu_img,
+                image.disk(),
+                self.settings.disk_size.as_deref(),
+                &vm,
+            )?;
+        }
+        // One slot less than max_environments: a refill never takes the
+        // last slot a job could need.
+        let limit = match self.settings.max_environments {
+            0 => 0,
+            max => max.saturating_sub(1).max(1),
+        };
+        // Its disks through an alias that follows the VM when it is handed
+        // over (QEMU opens them again by these paths: `alias.rs`).
+        let alias = alias::point(self.store.root(), warm.id, &vm.dir)?;
+        let booted = power::boot_within(
+            self,
+            &vm,
+            &image,
+            None,
+            limit,
+            super::capacity::Waiter::Warm,
+            Some(&alias),
+            ctx,
+        )
+        .await;
+        let (pid, port) = match booted {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = power_off::quit(&vm, ctx).await;
+                return Err(e);
+            }
+        };
+        Ok((vm, pid, port))
     }
 }
 
@@ -120,48 +180,7 @@ impl WarmMachines for QemuProvider {
         ssh_public_key: &str,
         ctx: &Ctx,
     ) -> Result<Machine> {
-        let image = self.default_image()?;
-        let vm = self.warm_vm(warm);
-        vm.ensure()?;
-        let user_data = crate::provider::cloud_init::user_data(
-            warm.id,
-            Some(ssh_public_key),
-            &self.settings.ssh_user,
-        )?;
-        tools::create_seed(&vm, &user_data, &super::vm::meta_data(warm.id))?;
-        // Pinned like any VM's: a hand-over moves `image.json` with the VM.
-        let image = self.pins().for_new_vm(&vm, &image, ctx).await?;
-        if !vm.overlay().exists() {
-            tools::create_overlay(
-                &self.settings.qemu_img,
-                image.disk(),
-                self.settings.disk_size.as_deref(),
-                &vm,
-            )?;
-        }
-        // One slot less than max_environments: a refill never takes the
-        // last slot a job could need.
-        let limit = match self.settings.max_environments {
-            0 => 0,
-            max => max.saturating_sub(1).max(1),
-        };
-        let booted = power::boot_within(
-            self,
-            &vm,
-            &image,
-            None,
-            limit,
-            super::capacity::Waiter::Warm,
-            ctx,
-        )
-        .await;
-        let (pid, port) = match booted {
-            Ok(b) => b,
-            Err(e) => {
-                let _ = power_off::quit(&vm, ctx).await;
-                return Err(e);
-            }
-        };
+        let (vm, pid, port) = self.boot_warm(warm, ssh_public_key, ctx).await?;
         if let Err(e) = self.wait_ready(&vm, pid, port, ctx).await {
             let _ = power_off::quit(&vm, ctx).await;
             return Err(e);
@@ -193,13 +212,19 @@ impl WarmMachines for QemuProvider {
                 .with_context(|| format!("warm VM {} has no launch.json", from.name()))?;
             if launch.running_as.is_none() {
                 // The next start is the environment's: its name, its paths.
+                // (Its disks were given through the alias: the next start
+                // opens them by the environment's own path.)
                 let (old_dir, new_dir) =
                     (from.dir.display().to_string(), to.dir.display().to_string());
+                let alias_dir = alias::path(self.store.root(), warm.id)
+                    .display()
+                    .to_string();
                 launch.argv = launch
                     .argv
                     .iter()
                     .map(|a| {
                         a.replace(&old_dir, &new_dir)
+                            .replace(&alias_dir, &new_dir)
                             .replace(&from.name(), &to.name())
                     })
                     .collect();
@@ -221,6 +246,15 @@ impl WarmMachines for QemuProvider {
                 crate::state::store::sync_dir(dir)
                     .with_context(|| format!("syncing {}", dir.display()))?;
             }
+        }
+        // The running QEMU opens its disks through the alias: it follows the
+        // directory (also when a killed hand-over is finished here).
+        if to
+            .read_launch()?
+            .and_then(|l| l.running_as)
+            .is_some_and(|r| r.id == warm.id)
+        {
+            alias::follow(self.store.root(), warm.id, &to.dir)?;
         }
         let launch = to
             .read_launch()?
@@ -245,7 +279,8 @@ impl WarmMachines for QemuProvider {
     async fn retire(&self, warm: &WarmPaths, _machine: Option<&Machine>, ctx: &Ctx) -> Result<()> {
         let vm = self.warm_vm(warm);
         power_off::quit(&vm, ctx).await?;
-        vm.remove()
+        vm.remove()?;
+        alias::remove(self.store.root(), warm.id)
     }
 
     async fn alive(&self, warm: &WarmPaths, _machine: &Machine, _ctx: &Ctx) -> Result<bool> {
@@ -465,3 +500,7 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+#[path = "warm_qemu_tests.rs"]
+mod qemu_tests;
