@@ -67,6 +67,7 @@ mod moto;
 mod moto_refusals;
 mod notify;
 mod pause;
+mod pause_host;
 mod qemu;
 mod qemu_attach;
 mod qemu_pins;

@@ -14,7 +14,7 @@ mod channel;
 mod hostkey;
 mod kept;
 mod master;
-mod pause;
+pub(crate) mod pause;
 pub mod ready;
 mod remote;
 pub mod repin;
