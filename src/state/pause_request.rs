@@ -4,8 +4,8 @@
 //! stage runs and asks the machine to freeze the script. The intent is on
 //! disk before any effect: a `dormant pause` killed after writing it still
 //! pauses the stage; one for a stage that has ended is never acted on (the
-//! stage id is unique) and goes with the next stage's start or the job's
-//! cleanup.
+//! stage id is unique) and is removed by the next run stage's start (or
+//! goes with the environment's directory).
 
 use std::path::{Path, PathBuf};
 
