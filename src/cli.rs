@@ -106,6 +106,22 @@ pub enum Command {
         #[arg(long)]
         from_now: bool,
     },
+    /// Pause a running job: its running build_script or step_script ends
+    /// successfully at once (its output so far in the job log), its script is
+    /// frozen on the machine, and the job's cleanup suspends the environment
+    /// keeping it; a job that resumes the environment wakes it with
+    /// `dormant-continue` (ssh provider only). Exit 3: no such environment or
+    /// job here; 4: another runner manager's key; 5: it runs no job; 7: the
+    /// environment cannot keep a paused script (the setting is named); 8: the
+    /// job runs no user script now.
+    Pause {
+        /// The environment's key or id, or the job's id.
+        #[arg(value_name = "KEY|ID|JOB_ID")]
+        key: String,
+        /// Shown as the paused job's question (job log, list, events, notify).
+        #[arg(long, value_name = "TEXT")]
+        reason: Option<String>,
+    },
     /// Delete suspended environments past the TTL; report machines with no record.
     Sweep {
         /// Also delete machines the provider manages that have no record (lost state).

@@ -36,7 +36,7 @@ impl Failure {
 }
 
 /// An operator command refused what it was asked (`dormant attach`, `dormant
-/// shell`): its own exit code, so a script can tell the cases apart. Raised
+/// shell`, `dormant pause`): its own exit code, so a script can tell the cases apart. Raised
 /// as the error of a bare `?` (a system failure) and picked out of it by
 /// [`ExitCodes::exit_code`].
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +60,12 @@ pub enum Refused {
     /// Not on this provider (`shell` beside a job on `local`: the job's
     /// directory is on this host, the message says where).
     NotOnThisProvider,
+    /// `dormant pause`: the environment cannot keep a paused script (the
+    /// message names the setting: `suspend.enabled = false`, ...).
+    CannotKeep,
+    /// `dormant pause`: the job runs no user script stage now (it is in
+    /// prepare, between stages, in after_script, caches or artifacts).
+    NotInScript,
 }
 
 impl Refused {
@@ -69,6 +75,8 @@ impl Refused {
             Refused::OtherRunner => 4,
             Refused::NotRunning => 5,
             Refused::NotOnThisProvider => 6,
+            Refused::CannotKeep => 7,
+            Refused::NotInScript => 8,
         }
     }
 

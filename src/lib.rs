@@ -199,6 +199,9 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
             ops::attach::attach(&settings, &job, &req, log, cancel, &mut out).await?;
             Ok(())
         }
+        Command::Pause { key, reason } => {
+            Ok(ops::pause::pause(&settings, &job, &key, reason.as_deref(), log, cancel).await?)
+        }
         Command::Sweep { delete_orphans } => {
             Ok(ops::sweep::sweep(&settings, &job, delete_orphans, log, cancel).await?)
         }

@@ -58,6 +58,21 @@ pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String
     }
 }
 
+/// The stages whose script `dormant pause` may freeze: the job's own script.
+/// (after_script is the job's too, but it runs after the pause would have
+/// ended the stage; the runner's own stages move caches and artifacts.)
+pub const USER_STAGES: &[&str] = &["build_script", "step_script"];
+
+/// What a job paused from the host (`dormant pause`) shows as its question,
+/// in the job log, the record, `list`, the event log and notify.
+pub fn host_question(reason: Option<&str>) -> String {
+    let q = match reason.map(str::trim).filter(|r| !r.is_empty()) {
+        Some(r) => format!("paused by dormant pause: {r}"),
+        None => "paused by dormant pause".to_string(),
+    };
+    question_text(q.as_bytes())
+}
+
 /// The question as kept on the runner host: bounded, lossy UTF-8.
 pub fn question_text(question: &[u8]) -> String {
     let q = &question[..question.len().min(QUESTION_MAX)];

@@ -1,6 +1,6 @@
 //! Operator commands beside the four stages: `list`, `inspect`, `events`,
 //! `release`, `sweep`, `adopt` (take over a lost host's EC2 environments),
-//! `metrics`, `shell`, `attach` (watch a running job), `warm` (top up the warm pool), and `try`, which drives a whole job like GitLab Runner
+//! `metrics`, `shell`, `attach` (watch a running job), `pause` (pause a running job), `warm` (top up the warm pool), and `try`, which drives a whole job like GitLab Runner
 //! would. They use the lifecycle (`crate::lifecycle`), never a stage.
 
 pub mod adopt;
@@ -9,6 +9,7 @@ pub mod events;
 pub mod find;
 pub mod list;
 pub mod metrics;
+pub mod pause;
 pub mod release;
 pub mod shell;
 pub mod sweep;

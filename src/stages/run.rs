@@ -110,6 +110,11 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
     let marked_before = paths.stages_left.exists();
     crate::transport::write_private(&paths.stages_left, b"")
         .with_context(|| format!("marking {} (a stage runs)", paths.stages_left.display()))?;
+    // A `dormant pause` request names one stage run: one for an earlier
+    // stage (its `dormant pause` came too late) goes now, before this
+    // stage is announced below (where `dormant pause` learns its id).
+    let pause_file = crate::state::pause_request::path(&paths);
+    let _ = crate::state::pause_request::clear(&paths);
     // The job log's copy for `dormant attach`: a watcher learns of the stage
     // here. Never fails the stage (it would run unwatched).
     let now = StageNow {
@@ -141,6 +146,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
                 id: &id,
                 machine: Some(&check),
                 copy: copy.as_ref(),
+                pause: Some(&pause_file),
             },
             &ctx,
         )

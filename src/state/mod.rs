@@ -13,10 +13,13 @@
 //! - `environments/<id>/output/`: a copy of what the running (or last) stage
 //!   printed, for `dormant attach` ([`stage_output`]).
 //! - `warm/<id>/`: a warm machine booted ahead of any job ([`pool`]).
+//! - `environments/<id>/pause-request.json`: a `dormant pause` waiting for its
+//!   stage ([`pause_request`]).
 //! - `trash/`: directories being deleted (renamed here first).
 
 pub mod job;
 pub mod lock;
+pub mod pause_request;
 pub mod pool;
 pub mod record;
 pub mod registry;

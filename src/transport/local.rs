@@ -61,6 +61,9 @@ pub struct LocalTransport {
     workdir: PathBuf,
     shell: PathBuf,
     base_env: Vec<(String, String)>,
+    /// Where `dormant-ask` and `dormant-continue` are put for the script's
+    /// PATH (docs/pause.md); `None`: not at all.
+    tools: Option<PathBuf>,
 }
 
 impl LocalTransport {
@@ -69,7 +72,33 @@ impl LocalTransport {
             workdir,
             shell,
             base_env,
+            tools: None,
         }
+    }
+
+    /// Puts `dormant-ask` and `dormant-continue` in `dir` (made once) on
+    /// every script's PATH. On this provider they refuse at once, naming
+    /// why (`DORMANT_PAUSE`): a script here is dormant's child on a pipe,
+    /// which a suspension cannot keep.
+    pub fn with_tools(mut self, dir: PathBuf) -> Self {
+        self.tools = Some(dir);
+        self
+    }
+
+    /// The PATH a script gets: the tools' directory first, when there is one
+    /// and it could be made (else the script goes on without them).
+    fn script_path(&self) -> Option<String> {
+        let dir = self.tools.as_ref()?;
+        if let Err(e) = install_tools(dir) {
+            tracing::debug!("writing dormant-ask into {}: {e:#}", dir.display());
+            return None;
+        }
+        let inherited = self
+            .base_env
+            .iter()
+            .find(|(k, _)| k == "PATH")
+            .map_or("/usr/local/bin:/usr/bin:/bin", |(_, v)| v.as_str());
+        Some(format!("{}:{inherited}", dir.display()))
     }
 
     fn command(&self) -> Command {
@@ -134,6 +163,7 @@ impl Transport for LocalTransport {
         let mut cmd = self.command();
         cmd.arg("/dev/fd/3")
             .envs(script.env.iter().map(|(k, v)| (k, v)))
+            .envs(self.script_path().map(|p| ("PATH", p)))
             .stdout(
                 out_write
                     .try_clone()
@@ -415,5 +445,34 @@ fn kill_group(pgid: i32, signal: i32) {
     // SAFETY: kill(2) with a negative pid signals a process group; no memory is touched.
     unsafe {
         libc::kill(-pgid, signal);
+    }
+}
+
+/// Writes the two tools into `dir` once: into a new directory beside it,
+/// then renamed into place whole (a concurrent stage's rename wins; ours goes).
+fn install_tools(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let tmp = dir.with_extension(format!("new-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir(&tmp)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o700))?;
+    for (name, text) in [
+        ("dormant-ask", super::ssh::pause::ASK),
+        ("dormant-continue", super::ssh::pause::CONTINUE),
+    ] {
+        let f = tmp.join(name);
+        std::fs::write(&f, text)?;
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o700))?;
+    }
+    match std::fs::rename(&tmp, dir) {
+        Ok(()) => Ok(()),
+        Err(_) if dir.is_dir() => std::fs::remove_dir_all(&tmp),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Err(e)
+        }
     }
 }

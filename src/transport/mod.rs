@@ -101,6 +101,11 @@ pub struct Script<'a> {
     /// Where the stage's job log is copied as it is written, for `dormant
     /// attach` (`crate::state::stage_output`); `None`: nowhere.
     pub copy: Option<&'a crate::state::stage_output::OutputCopy>,
+    /// Where `dormant pause` writes its request for this stage run
+    /// (`crate::state::pause_request`); `None`: the stage cannot be paused
+    /// from the host. Read while the stage runs by the transports that can
+    /// keep a paused script (the `ssh` provider's kept stages).
+    pub pause: Option<&'a std::path::Path>,
 }
 
 /// How one of dormant's own commands in the environment ended ([`Transport::exec`]).
@@ -207,11 +212,10 @@ pub fn open(
                 .iter()
                 .filter_map(|k| job.driver_var(k).map(|v| (k.to_string(), v.to_string())))
                 .collect();
-            Ok(Box::new(local::LocalTransport::new(
-                workdir.clone(),
-                settings.local.shell.clone(),
-                base_env,
-            )))
+            Ok(Box::new(
+                local::LocalTransport::new(workdir.clone(), settings.local.shell.clone(), base_env)
+                    .with_tools(paths.dir.join(ssh::pause::tools_dir())),
+            ))
         }
         Target::Ssh(t) => Ok(Box::new(ssh::SshTransport::new(
             t.clone(),

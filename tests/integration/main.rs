@@ -69,6 +69,7 @@ mod moto;
 mod moto_refusals;
 mod notify;
 mod pause;
+mod pause_host;
 mod qemu;
 mod qemu_attach;
 mod qemu_pause;

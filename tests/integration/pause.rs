@@ -217,3 +217,38 @@ fn a_run_killed_after_recording_the_pause_loses_no_question() {
     assert_result(&r2, JobResult::BuildFailure(Some(7)));
     assert!(r2.log().contains("answer=[ok]"), "{}", r2.log());
 }
+
+/// Where a script cannot pause, both commands say why at once (not a
+/// missing command, exit 127), naming the setting, and the script goes on.
+#[track_caller]
+fn assert_refused_naming(log: &str, why: &str) {
+    assert!(
+        log.contains(&format!("dormant-ask: cannot pause here: {why}"))
+            && log.contains("ask rc=2 went on")
+            && log.contains(&format!(
+                "dormant-continue: nothing can be paused here: {why}"
+            ))
+            && log.contains("continue rc=3"),
+        "{log}"
+    );
+}
+
+const BOTH: &str = "dormant-ask 'q?' || echo \"ask rc=$? went on\"; \
+                    dormant-continue x || echo \"continue rc=$?\"";
+
+#[test]
+fn on_local_ask_and_continue_refuse_at_once_naming_the_provider() {
+    let rig = Rig::local("87", "s_87aa87aa87aa");
+    let r = rig.run(&job(87).script(BOTH));
+    assert_result(&r, JobResult::Success);
+    assert_refused_naming(&r.log(), "provider = \"local\"");
+}
+
+#[test]
+fn on_stages_run_direct_ask_and_continue_refuse_at_once_naming_the_setting() {
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig_with(&sshd, "reconnect_timeout = \"0s\"");
+    let r = rig.run(&job(88).script(BOTH));
+    assert_result(&r, JobResult::Success);
+    assert_refused_naming(&r.log(), "ssh.reconnect_timeout = \"0s\"");
+}

@@ -598,6 +598,7 @@ async fn the_environments_own_key_and_a_changed_address_keep_the_pin() {
                     id: "build_script.1",
                     machine: None,
                     copy: None,
+                    pause: None,
                 },
                 &ctx,
             )

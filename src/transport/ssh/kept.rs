@@ -3,7 +3,8 @@
 //! left running, from the byte where the job log stopped ([`Stream`]).
 //!
 //! The session's stdin carries the script (when it starts the stage), then
-//! control lines: `TERM`/`KILL` on SIGTERM. The stage is over when the
+//! control lines: `TERM`/`KILL` on SIGTERM, `PAUSE <question>` on a
+//! `dormant pause` request. The stage is over when the
 //! wrapper has reported the exit code with the output's length and that many
 //! bytes have arrived: no end of file is waited for, so the follower that
 //! copies the output costs the stage's end nothing. Then dormant just closes
@@ -31,6 +32,11 @@ use crate::transport::{Ran, Script, ScriptExit};
 /// (the master sends what it read before it closes a channel whose client
 /// left). Only on the rare path of a session broken over a live connection.
 const KEEP_HANDOFF: Duration = Duration::from_millis(200);
+
+/// How often a running stage looks for a `dormant pause` request: the pause
+/// takes effect at most this long after it was recorded (plus the machine's
+/// 50 ms owner step).
+const PAUSE_POLL: Duration = Duration::from_millis(100);
 
 /// What dormant knows of a stage across its sessions.
 pub struct Stage<W: std::io::Write> {
@@ -120,7 +126,7 @@ pub async fn run_once<W: std::io::Write>(
     ) else {
         bail!("the SSH session for {} has no pipes", script.stage);
     };
-    let (control, control_rx) = tokio::sync::mpsc::unbounded_channel::<&'static str>();
+    let (control, control_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
     let writer = write_control(stdin, upload, control_rx);
     tokio::pin!(writer);
     let mut lines = BufReader::new(stderr).lines();
@@ -129,6 +135,11 @@ pub async fn run_once<W: std::io::Write>(
     let mut writing = true;
     let (mut stdout_done, mut stderr_done) = (false, false);
     let mut escalation: Option<(tokio::time::Instant, &'static str)> = None;
+    // `dormant pause` (docs/pause.md): its request is looked for while the
+    // script runs; once passed on, the owner's `dormant-paused` ends the stage.
+    let mut pause_poll = tokio::time::interval(PAUSE_POLL);
+    pause_poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut pause_sent = script.pause.is_none();
     let ended = loop {
         if let Some((at, _)) = &s.paused {
             if st.stream.offset() >= *at {
@@ -149,7 +160,7 @@ pub async fn run_once<W: std::io::Write>(
             () = ctx.cancel.cancelled(), if !s.cancelled => {
                 s.cancelled = true;
                 ctx.log.info(format!("termination: stopping {} on {}", script.stage, place.dest));
-                let _ = control.send("TERM");
+                let _ = control.send("TERM".into());
                 escalation = Some((tokio::time::Instant::now() + TERM_GRACE, "KILL"));
             }
             () = sleep_until(next_step), if next_step.is_some() => {
@@ -160,10 +171,23 @@ pub async fn run_once<W: std::io::Write>(
                             script.stage,
                             TERM_GRACE.as_secs()
                         ));
-                        let _ = control.send("KILL");
+                        let _ = control.send("KILL".into());
                         escalation = Some((tokio::time::Instant::now() + KILL_STEP, "give up"));
                     }
                     _ => break None,
+                }
+            }
+            _ = pause_poll.tick(), if !pause_sent && s.attached && !s.cancelled => {
+                let asked = script
+                    .pause
+                    .and_then(|file| crate::state::pause_request::for_stage(file, script.id));
+                if let Some(question) = asked {
+                    ctx.log.info(format!("dormant pause: pausing {} on {}", script.stage, place.dest));
+                    let _ = control.send(format!(
+                        "PAUSE {}",
+                        super::pause::encode_base64(question.as_bytes())
+                    ));
+                    pause_sent = true;
                 }
             }
             line = lines.next_line(), if !stderr_done => match line {
@@ -203,7 +227,7 @@ pub async fn run_once<W: std::io::Write>(
     if !s.cancelled && s.error.is_none() {
         // Following again: the script must not take the closed session for
         // dormant's end.
-        let _ = control.send("KEEP");
+        let _ = control.send("KEEP".into());
         drop(control);
         if writing {
             let _ = tokio::time::timeout(KEEP_HANDOFF * 2, &mut writer).await;
@@ -317,11 +341,11 @@ impl Heard {
 async fn write_control(
     mut stdin: ChildStdin,
     upload: &[u8],
-    mut lines: tokio::sync::mpsc::UnboundedReceiver<&'static str>,
+    mut lines: tokio::sync::mpsc::UnboundedReceiver<String>,
 ) -> std::io::Result<()> {
     stdin.write_all(upload).await?;
     while let Some(line) = lines.recv().await {
-        stdin.write_all(&remote::signal_line(line)).await?;
+        stdin.write_all(&remote::signal_line(&line)).await?;
     }
     stdin.flush().await?;
     let started = Instant::now();

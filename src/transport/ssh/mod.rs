@@ -15,7 +15,7 @@ mod client;
 mod hostkey;
 mod kept;
 mod master;
-mod pause;
+pub(crate) mod pause;
 pub mod ready;
 mod remote;
 pub mod repin;

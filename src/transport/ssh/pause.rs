@@ -1,7 +1,8 @@
 //! The machine's side of pausing a job (docs/pause.md): `dormant-ask` and
 //! `dormant-continue`, two bash scripts (bash and coreutils only) that the
 //! kept wrapper writes once per boot into the stage directory and puts on
-//! the script's PATH, and the owner's `dormant-paused` report.
+//! the script's PATH, the owner's `dormant-paused` report, and the
+//! `PAUSE` control line's encoding (`dormant pause`).
 
 use super::remote::shell_quote;
 
@@ -54,6 +55,26 @@ pub fn parse_paused(rest: &str) -> Option<(u64, Vec<u8>)> {
     Some((at, question))
 }
 
+/// Standard base64 with padding, as coreutils' `base64 -d` reads it.
+pub fn encode_base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i)) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
 /// Standard base64 (coreutils' `base64 -w0`), `None` if it is not.
 pub fn decode_base64(text: &str) -> Option<Vec<u8>> {
     fn value(c: u8) -> Option<u32> {
@@ -102,6 +123,10 @@ mod tests {
         assert!(decode_base64("YQ=").is_none());
         assert!(decode_base64("YQ==YQ==").is_none());
         assert!(decode_base64("Y!==").is_none());
+        for text in [&b""[..], b"a", b"ab", b"abc", b"\0\xff\na", b"paused: why?"] {
+            assert_eq!(decode_base64(&encode_base64(text)).unwrap(), text);
+        }
+        assert_eq!(encode_base64(b"a"), "YQ==");
     }
 
     #[test]

@@ -9,6 +9,9 @@
 umask 077
 LC_ALL=C
 max=65536
+if [ -n "${DORMANT_PAUSE-}" ] && [ "$DORMANT_PAUSE" != ok ]; then
+  echo "dormant-continue: nothing can be paused here: $DORMANT_PAUSE" >&2; exit 3
+fi
 T=${DORMANT_STAGE-}
 if [ -z "$T" ] || [ ! -e "$T.out" ]; then
   echo "dormant-continue: this stage's output is not kept on the machine (ssh.reconnect_timeout = \"0s\", or the host cannot keep it): nothing can be continued here" >&2; exit 3
@@ -31,6 +34,19 @@ if [ -z "$P" ]; then
   exit 3
 fi
 read -r pr at < "$P.paused"
+# Paused from the host (`dormant pause`, `$P.stop`): the script's group is
+# frozen and asks nothing; it is woken (again, if a continue killed after
+# the SIGCONT is retried: harmless), then the pause's files go. An answer
+# given is not read.
+if [ -e "$P.stop" ]; then
+  { read -r n; } < "$P.ask" 2>/dev/null
+  if [ "${n-}" = "$pr" ]; then
+    { read -r _ g; } < "$P.pid" 2>/dev/null
+    [ -n "${g-}" ] && kill -s CONT -- "-$g" 2>/dev/null
+    rm -f -- "$P.ask" "$P.stop"
+  fi
+  set --; exec 0</dev/null
+fi
 if [ $# -gt 0 ]; then a=$(printf '%s' "$*" | base64 -w0); else a=$(head -c $((max + 1)) | base64 -w0); fi
 pad=${a##*[!=]}; size=$(( ${#a} / 4 * 3 - ${#pad} ))
 if [ "$size" -gt "$max" ]; then echo "dormant-continue: the answer is over $max bytes: not sent (the script still waits)" >&2; exit 2; fi

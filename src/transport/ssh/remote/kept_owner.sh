@@ -30,6 +30,33 @@ asked() {
   echo "dormant-paused $at $q" >&2
   pz=1
 }
+# `dormant pause` from the host (PAUSE <question in base64>, docs/pause.md):
+# the script's group is frozen (SIGSTOP) and, once every process of it has
+# stopped (a write under way ends first, so the output's length is final),
+# the pause is asked as dormant-ask would ask it: `asked` reports it. Intent
+# first: `$o.stop` says the group is (to be) frozen, so whoever meets it
+# later wakes the group (dormant-continue) or stops it for good (SIGCONT
+# after SIGTERM: fin, leftovers.sh).
+halt() {
+  local r=0 i=0 s st q=${1# }
+  [ -n "$p" ] && [ ! -e "$o.ask" ] && [ ! -e "$o.exit" ] || return
+  { read -r r _ < "$o.paused"; } 2>/dev/null
+  r=$((${r:-0} + 1))
+  echo "$r" > "$o.stop" || return
+  kill -s STOP -- "-$p" 2>/dev/null
+  while [ $((i += 1)) -le 100 ]; do
+    st=
+    for s in /proc/[1-9]*/stat; do
+      { read -r st < "$s"; } 2>/dev/null || continue
+      set -- ${st##*) }
+      [ "$3" = "$p" ] && case $1 in T|t|Z|X) ;; *) st=run; break;; esac
+      st=
+    done
+    [ -z "$st" ] && break
+    nap 0.02
+  done
+  { echo "$r"; printf '%s' "$q" | base64 -d; } > "$o.ask.t" 2>/dev/null && mv -f -- "$o.ask.t" "$o.ask"
+}
 # Stops what is left of the stage, drops its files, and goes.
 fin() {
   local i=0 x y
@@ -39,6 +66,8 @@ fin() {
       { read -r x y < "$o.pid" && [ -n "$y" ] && m=$x p=$y; } 2>/dev/null || nap 0.05
     done
     kill -s TERM -- "-$p" 2>/dev/null
+    # (A group frozen by `dormant pause` takes the TERM once woken.)
+    [ -e "$o.stop" ] && kill -s CONT -- "-$p" 2>/dev/null
     while [ "/proc/$m/fd/3" -ef "$o.out" ] && [ $((i += 1)) -le 50 ]; do nap 0.1; done
     kill -s KILL -- "-$p" 2>/dev/null
     while [ "/proc/$m/fd/3" -ef "$o.out" ] && [ $((i += 1)) -le 70 ]; do nap 0.1; done
@@ -88,6 +117,7 @@ own() {
         case $c in
           TERM|KILL) if [ -n "$p" ]; then kill -s "$c" -- "-$p" 2>/dev/null; else pend=$c; fi;;
           KEEP) keep=1;;
+          PAUSE*) [ -z "$pz" ] && halt "${c#PAUSE}";;
         esac
       elif [ -z "$e" ]; then
         e=1 dl=$((SECONDS + L)); nap 0; exec 0<&8

@@ -40,7 +40,8 @@ if [ -d "$t" ] && [ -O "$t" ] && [ ! -L "$t" ]; then
     # may be gone already and the wrapper still to record the stage's end
     # here, and the owner to mark the bound: both are waited for, or what
     # they write would stay behind the files' removal.
-    if [ "/proc/$m/fd/3" -ef "$o.out" ]; then kill -s TERM -- "-$p" 2>/dev/null; else m= p=; fi
+    # (A group frozen by `dormant pause` takes the TERM once woken: CONT.)
+    if [ "/proc/$m/fd/3" -ef "$o.out" ]; then kill -s TERM -- "-$p" 2>/dev/null; kill -s CONT -- "-$p" 2>/dev/null; else m= p=; fi
     [ -z "$m$w" ] || g="$g $m:$p:$w:$o"
   done
   i=0
