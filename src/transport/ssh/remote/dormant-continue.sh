@@ -77,7 +77,7 @@ while :; do
     echo "$n $z" > "$P.paused.t" && mv -f -- "$P.paused.t" "$P.paused"
     { echo 1; tail -n +2 -- "$P.ask"; } > "$T.ask.t" && mv -f -- "$T.ask.t" "$T.ask"
     i=0
-    until [ -e "$T.paused" ] || [ $((i += 1)) -gt 600 ]; do nap 0.05; done
+    until [ -e "$T.told" ] || [ $((i += 1)) -gt 600 ]; do nap 0.05; done
     read -r _ _ _ _ g _ < /proc/$$/stat
     kill -s KILL -- "-$g"
     exit 0

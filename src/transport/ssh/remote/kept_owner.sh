@@ -28,6 +28,11 @@ asked() {
   fi
   q=$(tail -n +2 -- "$o.ask" | head -c 4096 | base64 -w0)
   echo "dormant-paused $at $q" >&2
+  # Told: a dormant-continue relaying a later round (its own stage is this
+  # one) may end the stage now. Ended before this line, the wrapper's
+  # `dormant-exit 137` could reach dormant ahead of the pause (the two write
+  # the session's stderr apart), and the job would end killed, not paused.
+  : > "$o.told"
   pz=1
 }
 # `dormant pause` from the host (PAUSE <question in base64>, docs/pause.md):
