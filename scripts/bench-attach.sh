@@ -9,7 +9,9 @@
 # stage prints LINES lines, each carrying the time it was written (bash's
 # $EPOCHREALTIME, no exec), 5 ms apart. Each side stamps every line as it
 # reads it: the job log (the run stage's stdout, as the runner reads it) and
-# the watcher's stdout. Prints the delay's median, p90, p99 and max per side.
+# the watcher's stdout. Prints the delay's median, p90, p99 and max per side,
+# and the stage's own time without and with the watcher (the same stage run
+# first alone, then watched).
 #
 # Usage: scripts/bench-attach.sh [--release] [LINES]   (default 1000 lines, debug build)
 # Env:   DORMANT_BIN (use this binary), DORMANT_TEST_SSHD (default /usr/sbin/sshd).
@@ -113,11 +115,18 @@ call prepare > "$work/prepare.log" 2>&1
   printf 'for ((i = 1; i <= %s; i++)); do printf "line %%s %%s\\n" "$i" "$EPOCHREALTIME"; read -t 0.005 -u 8 _ || true; done\n' "$LINES_N"
   printf 'exit 0\n'
 } > "$tmp/script"
-# The watcher first: it waits for the stage.
+# The same stage without a watcher first, then with one: the job's own time
+# must not change (the "timing not changed", measured, not asserted).
+t0=$EPOCHREALTIME
+call run "$tmp/script" build_script > /dev/null 2> "$work/run0.err"
+t1=$EPOCHREALTIME
+# The watcher: it waits for the next stage.
 call attach "$job_id" 2> "$work/attach.err" | stamp > "$work/attach.lines" &
 attach_pid=$!
 for _ in $(seq 500); do grep -q "waiting for the next stage" "$work/attach.err" 2>/dev/null && break; sleep 0.01; done
+t2=$EPOCHREALTIME
 call run "$tmp/script" build_script 2> "$work/run.err" | stamp > "$work/joblog.lines"
+t3=$EPOCHREALTIME
 status=success
 call cleanup > "$work/cleanup.log" 2>&1
 wait "$attach_pid" || true
@@ -141,3 +150,4 @@ printf '| a watcher (`dormant attach`'"'"'s stdout)            | %5s | %9s | %6s
 echo
 echo "the watcher saw the job log's lines, in order, all of them: $same"
 awk -v a="$amed" -v b="$jmed" -v c="$a99" -v d="$j99" 'BEGIN { printf "added by attach: median %.1f ms, p99 %.1f ms (goal: at most 50 ms)\n", a - b, c - d }'
+awk -v a="$t0" -v b="$t1" -v c="$t2" -v d="$t3" 'BEGIN { printf "the run stage took %.2f s alone and %.2f s with the watcher following (ratio %.3f)\n", b - a, d - c, (d - c) / (b - a) }'
