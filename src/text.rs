@@ -1,4 +1,4 @@
-//! Untrusted text in messages.
+//! Untrusted text in messages, and in shell command lines (`shell_quote`).
 //!
 //! Environment keys, job payload values, job variables and settings values can
 //! be anything a job (or a typo) puts there: 64 KiB of it, escape sequences
@@ -85,9 +85,21 @@ fn needs_escape(c: char) -> bool {
         || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
+/// POSIX single-quoting: `s` as one word for sh and bash, whatever it holds.
+pub fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shell_quote_makes_one_word_of_anything() {
+        assert_eq!(shell_quote("a b"), "'a b'");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+        assert_eq!(shell_quote(""), "''");
+    }
 
     #[test]
     fn short_text_is_kept_as_is() {

@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 use crate::context::Ctx;
 use crate::model::GuestMount;
-use crate::transport::ssh::shell_quote;
+use crate::text::shell_quote;
 use crate::transport::{ExecOutput, Transport};
 
 /// The mount waits up to [`DEVICE_WAIT`] for the device to show; formatting

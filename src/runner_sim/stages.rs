@@ -5,6 +5,7 @@
 use anyhow::Result;
 
 use crate::contract::{stage, JobEnd, JobStatus, StageExit, StageSequence};
+use crate::text::shell_quote;
 
 use super::attempt::Attempt;
 use super::process::{self, CallSpec};
@@ -144,9 +145,4 @@ fn body(job: &SimJob, name: &str) -> String {
             .map(|(_, body)| body.clone())
             .unwrap_or_else(|| "true".into()),
     }
-}
-
-/// Single-quotes `s` for bash.
-fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
 }

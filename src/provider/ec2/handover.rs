@@ -32,6 +32,7 @@ use aws_sdk_ec2::Client;
 
 use super::call::call;
 use crate::context::Ctx;
+use crate::text::shell_quote;
 
 pub mod tag {
     pub const EPOCH: &str = "dormant:epoch";
@@ -293,17 +294,6 @@ pub fn boot_hook_yaml(user: &str) -> String {
         out.push('\n');
     }
     out
-}
-
-fn shell_quote(s: &str) -> String {
-    if !s.is_empty()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
-    {
-        s.to_string()
-    } else {
-        format!("'{}'", s.replace('\'', r#"'\''"#))
-    }
 }
 
 #[cfg(test)]

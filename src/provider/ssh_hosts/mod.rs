@@ -27,7 +27,8 @@ use super::{
 use crate::context::Ctx;
 use crate::settings::ssh::{SshHost, SshSettings};
 use crate::state::{EnvPaths, EnvStatus, StateStore};
-use crate::transport::ssh::{shell_quote, Master, Purpose};
+use crate::text::shell_quote;
+use crate::transport::ssh::{Master, Purpose};
 
 /// Remote housekeeping commands (mkdir, test, rm) finish in well under this.
 const REMOTE_CALL_TIMEOUT: Duration = Duration::from_secs(120);

@@ -33,7 +33,6 @@ pub use master::{Master, Purpose};
 pub fn release_command(env: &str) -> String {
     remote::release_command(env)
 }
-pub use remote::shell_quote;
 
 use std::time::Duration;
 
@@ -45,6 +44,7 @@ use crate::context::Ctx;
 use crate::model::EnvPaths;
 use crate::model::SshTarget;
 use crate::settings::ssh::SshSettings;
+use crate::text::shell_quote;
 
 pub struct SshTransport {
     master: Master,
@@ -111,7 +111,7 @@ impl Transport for SshTransport {
             "for t in bash git gitlab-runner; do command -v $t >/dev/null 2>&1 || echo missing:$t; done; \
              if [ -n {w} ] && [ ! -d {w} ]; then echo missing:workdir; fi; {on_login}\n\
              if command -v bash >/dev/null 2>&1; then {leftovers}; fi\ntrue",
-            w = remote::shell_quote(&workdir),
+            w = shell_quote(&workdir),
             on_login = self.master.target.on_login.as_deref().unwrap_or(""),
             leftovers = remote::leftovers_command(&self.master.paths.id.simple().to_string(), keeps),
         );
@@ -295,7 +295,7 @@ const JOIN_END_BOUND: Duration = Duration::from_secs(9);
 /// The remote side of `shell_command`: into the job's project dir (or say why
 /// not), then a login shell or the command line.
 fn shell_line(dir: &str, command: Option<&str>) -> String {
-    let dir = remote::shell_quote(dir);
+    let dir = shell_quote(dir);
     match command {
         Some(line) => format!("cd -- {dir} || exit 1\n{line}"),
         None => format!(
@@ -316,7 +316,7 @@ fn take_file_command(path: &str, max: usize) -> String {
         "f={}; if [ -L \"$f\" ]; then rm -f -- \"$f\"; echo absent; \
          elif [ -f \"$f\" ]; then echo present; head -c {max} -- \"$f\" && rm -f -- \"$f\"; \
          else echo absent; fi",
-        remote::shell_quote(path)
+        shell_quote(path)
     )
 }
 

@@ -4,7 +4,7 @@
 //! the script's PATH, the owner's `dormant-paused` report, and the
 //! `PAUSE` control line's encoding (`dormant pause`).
 
-use super::remote::shell_quote;
+use crate::text::shell_quote;
 
 /// `dormant-ask QUESTION...` (see the script's header).
 pub const ASK: &str = include_str!("remote/dormant-ask.sh");

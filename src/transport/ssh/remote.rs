@@ -82,6 +82,8 @@
 //! exit. The script's commands start with every signal at its default, as
 //! sshd gives them to the wrapper.
 
+use crate::text::shell_quote;
+
 /// The wrapper without kept output. `$1` = the script's length in bytes,
 /// `$2` = the work directory, `$3` = the file to watch (see [`command_line`]).
 pub const DIRECT: &str = include_str!("remote/direct.sh");
@@ -355,11 +357,6 @@ pub fn parse_report(line: &str) -> Report {
         return Report::Error(rest.to_string());
     }
     Report::Other(line.to_string())
-}
-
-/// POSIX single-quoting.
-pub fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
 }
 
 #[cfg(test)]
