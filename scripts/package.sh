@@ -53,7 +53,7 @@ expected="-rw-r--r-- ./etc/dormant/config.toml
 -rw-r--r-- ./usr/share/doc/dormant/copyright
 -rw-r--r-- ./usr/share/doc/dormant/examples/gitlab-runner-config.toml
 -rw-r--r-- ./usr/share/fish/vendor_completions.d/dormant.fish
-$(for c in "" -adopt -attach -cleanup -config -events -inspect -list -metrics -prepare -release -run -shell -sweep -try -warm; do
+$(for c in "" -adopt -attach -cleanup -config -events -inspect -list -metrics -pause -prepare -release -run -shell -sweep -try -warm; do
     echo "-rw-r--r-- ./usr/share/man/man1/dormant$c.1.gz"; done)
 -rw-r--r-- ./usr/share/zsh/vendor-completions/_dormant"
 actual=$(dpkg-deb -c "$deb" | awk '$1 !~ /^d/ {print $1, $6}' | sort -k2)
