@@ -18,7 +18,7 @@ use crate::ssh::ssh_rig_with;
 use crate::sshd::{alive, Sshd};
 
 /// The pid the script wrote into `file` (its own shell's).
-fn pid_in(file: &Path) -> u32 {
+pub fn pid_in(file: &Path) -> u32 {
     std::fs::read_to_string(file)
         .unwrap()
         .trim()
@@ -28,7 +28,7 @@ fn pid_in(file: &Path) -> u32 {
 
 /// The script of the first job: a value only its memory holds, its pid, one
 /// line that must never run again, then the ask.
-fn asking(d: &Path, question: &str) -> String {
+pub fn asking(d: &Path, question: &str) -> String {
     format!(
         "v=mem-$RANDOM$RANDOM; echo $v > '{mem}'; echo $BASHPID > '{pid}'; echo \"before the ask\" >> '{runs}'; \
          echo 'line before'; a=$(dormant-ask '{question}'); \
@@ -40,7 +40,7 @@ fn asking(d: &Path, question: &str) -> String {
 }
 
 #[track_caller]
-fn assert_paused_line(log: &str, key: &str, question_json: &str) {
+pub fn assert_paused_line(log: &str, key: &str, question_json: &str) {
     let want = format!("dormant-ask: paused key={key} question={question_json}");
     assert!(
         log.lines().any(|l| l == want),
