@@ -7,15 +7,46 @@
 //! this proves is dormant's bookkeeping on EC2: the loopback host is not
 //! stopped by the emulator, so the script stays alive there as a real
 //! hibernated instance would keep it in its memory (qemu_pause.rs shows a
-//! hibernation keeping one for real). With `suspend_mode = "stop"`
-//! `dormant-ask` refuses at once, naming the setting.
+//! hibernation keeping one for real). `dormant pause` from the host is
+//! taken the same way. With `suspend_mode = "stop"` `dormant-ask`,
+//! `dormant-continue` and `dormant pause` refuse at once, naming the setting.
 
 use aws_sdk_ec2::types::InstanceStateName;
 
 use crate::ec2_rig::{instances, is_live, Ec2Env};
 use crate::harness::*;
-use crate::pause::{asking, assert_paused_line, pid_in};
+use crate::pause::{asking, assert_paused_line, assert_refused_naming, pid_in, BOTH};
+use crate::pause_host::{counter, numbers, pause_cmd, paused_counter, text, wait_for};
 use crate::sshd::alive;
+
+/// `ec2` settings in `hibernate` mode (which needs an encrypted root volume
+/// big enough for the RAM), SSH to the loopback sshd.
+fn hibernating(env: &Ec2Env) -> String {
+    env.settings(
+        &format!(
+            "{}suspend_mode = \"hibernate\"\nroot_volume_encrypted = true\nroot_volume_size_gb = 30\n",
+            env.connect_address()
+        ),
+        "",
+    )
+}
+
+/// The one StopInstances the suspension sent asked to hibernate.
+#[track_caller]
+fn assert_hibernated(env: &Ec2Env) {
+    let stops: Vec<_> = env
+        .proxy
+        .calls()
+        .into_iter()
+        .filter(|c| c.action == "StopInstances")
+        .collect();
+    assert_eq!(stops.len(), 1, "one StopInstances");
+    assert!(
+        stops[0].body.contains("Hibernate=true"),
+        "{}",
+        stops[0].body
+    );
+}
 
 /// The JSON lines `dormant <args>` printed.
 fn json_lines(rig: &Rig, args: &[&str]) -> Vec<serde_json::Value> {
@@ -30,14 +61,7 @@ fn json_lines(rig: &Rig, args: &[&str]) -> Vec<serde_json::Value> {
 #[test]
 fn ec2_hibernate_keeps_a_paused_script_and_a_resumed_job_continues_it() {
     let env = Ec2Env::start();
-    let settings = env.settings(
-        &format!(
-            "{}suspend_mode = \"hibernate\"\nroot_volume_encrypted = true\nroot_volume_size_gb = 30\n",
-            env.connect_address()
-        ),
-        "",
-    );
-    let rig = env.rig("71", "s_71aa71aa71aa", &settings);
+    let rig = env.rig("71", "s_71aa71aa71aa", &hibernating(&env));
     let d = tempfile::tempdir().unwrap();
     // No trigger: the ask alone keeps the environment.
     let r = rig.run(&job(71).script(&asking(d.path(), "Deploy to prod?")));
@@ -52,18 +76,7 @@ fn ec2_hibernate_keeps_a_paused_script_and_a_resumed_job_continues_it() {
     assert!(alive(pid), "the asking script waits on the (loopback) host");
 
     // The instance was hibernated, not stopped.
-    let stops: Vec<_> = env
-        .proxy
-        .calls()
-        .into_iter()
-        .filter(|c| c.action == "StopInstances")
-        .collect();
-    assert_eq!(stops.len(), 1, "one StopInstances");
-    assert!(
-        stops[0].body.contains("Hibernate=true"),
-        "{}",
-        stops[0].body
-    );
+    assert_hibernated(&env);
     let live: Vec<_> = instances(&env).into_iter().filter(is_live).collect();
     assert_eq!(live.len(), 1);
     assert_eq!(
@@ -133,6 +146,30 @@ fn ec2_hibernate_keeps_a_paused_script_and_a_resumed_job_continues_it() {
     );
 }
 
+/// `dormant pause` from the host on EC2 in `hibernate` mode: the running
+/// script is frozen, the instance hibernated, and a resumed job's
+/// `dormant-continue` wakes it: every line once, its exit code.
+#[test]
+fn ec2_hibernate_takes_a_pause_from_the_host() {
+    let env = Ec2Env::start();
+    let rig = env.rig("73", "s_73aa73aa73aa", &hibernating(&env));
+    let d = tempfile::tempdir().unwrap();
+    let (key, _pid, log) = paused_counter(&rig, d.path(), &|job_id| {
+        let out = pause_cmd(&rig, &[&job_id.to_string()], &[]);
+        assert!(out.status.success(), "{}", text(&out));
+    });
+    assert_paused_line(&log, &key, "\"paused by dormant pause\"");
+    assert_hibernated(&env);
+    std::fs::write(d.path().join("release"), "").unwrap();
+    let r2 = rig.run(&job(91).resume(&key).script("dormant-continue"));
+    assert_result(&r2, JobResult::BuildFailure(Some(3)));
+    let log2 = r2.log();
+    assert!(log2.contains("end\n"), "{log2}");
+    let all: Vec<u64> = numbers(&log).into_iter().chain(numbers(&log2)).collect();
+    let want: Vec<u64> = (1..=all.len() as u64).collect();
+    assert_eq!(all, want, "every line once:\n{log}\n---\n{log2}");
+}
+
 #[test]
 fn ec2_stop_mode_refuses_to_ask_naming_the_setting() {
     let env = Ec2Env::start();
@@ -141,12 +178,28 @@ fn ec2_stop_mode_refuses_to_ask_naming_the_setting() {
         "s_72aa72aa72aa",
         &env.settings(&env.connect_address(), ""),
     );
-    let r = rig.run(&job(72).script("dormant-ask 'q?' || echo \"rc=$? went on\""));
+    let r = rig.run(&job(72).script(BOTH));
     assert_result(&r, JobResult::Success);
-    let log = r.log();
+    assert_refused_naming(&r.log(), "ec2.suspend_mode = \"stop\"");
+
+    // `dormant pause` refuses too (exit 7), and the job runs on to its end.
+    let d = tempfile::tempdir().unwrap();
+    let j = job(72);
+    let job_id = j.id;
+    let sim = j.script(&counter(d.path()));
+    let (r, out) = std::thread::scope(|s| {
+        let running = s.spawn(|| rig.run(&sim));
+        wait_for(&d.path().join("started"));
+        let out = pause_cmd(&rig, &[&job_id.to_string()], &[]);
+        std::fs::write(d.path().join("release"), "").unwrap();
+        (running.join().unwrap(), out)
+    });
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out));
     assert!(
-        log.contains("dormant-ask: cannot pause here: ec2.suspend_mode = \"stop\"")
-            && log.contains("rc=2 went on"),
-        "{log}"
+        text(&out).contains("ec2.suspend_mode = \"stop\""),
+        "{}",
+        text(&out)
     );
+    assert_result(&r, JobResult::BuildFailure(Some(3)));
+    assert!(r.log().contains("end\n"), "{}", r.log());
 }

@@ -221,7 +221,7 @@ fn a_run_killed_after_recording_the_pause_loses_no_question() {
 /// Where a script cannot pause, both commands say why at once (not a
 /// missing command, exit 127), naming the setting, and the script goes on.
 #[track_caller]
-fn assert_refused_naming(log: &str, why: &str) {
+pub fn assert_refused_naming(log: &str, why: &str) {
     assert!(
         log.contains(&format!("dormant-ask: cannot pause here: {why}"))
             && log.contains("ask rc=2 went on")
@@ -233,7 +233,7 @@ fn assert_refused_naming(log: &str, why: &str) {
     );
 }
 
-const BOTH: &str = "dormant-ask 'q?' || echo \"ask rc=$? went on\"; \
+pub const BOTH: &str = "dormant-ask 'q?' || echo \"ask rc=$? went on\"; \
                     dormant-continue x || echo \"continue rc=$?\"";
 
 #[test]
