@@ -4,6 +4,7 @@
 //! parseable job-log line that shows the question.
 
 use crate::model::StorageMode;
+use crate::settings::ec2::SuspendMode;
 use crate::settings::qemu::QemuSuspendMode;
 use crate::settings::{ProviderKind, Settings};
 use crate::state::EnvironmentRecord;
@@ -19,8 +20,8 @@ pub const SUMMARY_MAX: usize = 200;
 
 /// Why a script in this environment cannot pause, naming the setting; `None`
 /// when a paused script is kept: the `ssh` provider's kept stages (the
-/// script waits on the host) and qemu's in `hibernate` mode (it waits in the
-/// guest, whose memory the suspension saves).
+/// script waits on the host), and qemu's and EC2's in `hibernate` mode (it
+/// waits in the guest or instance, whose memory the suspension saves).
 pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String> {
     if !settings.suspend.enabled {
         return Some("suspend.enabled = false: the environment is released, not kept".into());
@@ -32,8 +33,10 @@ pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String
     }
     // Every provider below runs its stages through the ssh transport's kept
     // stages, where a paused script waits.
-    if matches!(settings.provider, ProviderKind::Ssh | ProviderKind::Qemu)
-        && settings.ssh.reconnect_timeout.is_zero()
+    if matches!(
+        settings.provider,
+        ProviderKind::Ssh | ProviderKind::Qemu | ProviderKind::Ec2
+    ) && settings.ssh.reconnect_timeout.is_zero()
     {
         return Some(
             "ssh.reconnect_timeout = \"0s\": stages run direct, their script ends with the session"
@@ -50,9 +53,17 @@ pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String
              processes (suspend_mode = \"hibernate\" keeps them)"
                 .into(),
         ),
+        // As qemu's: the hibernated instance's memory holds the script.
+        // (Volume mode, which never hibernates, was refused above.)
+        ProviderKind::Ec2 if settings.ec2.suspend_mode == SuspendMode::Hibernate => None,
+        ProviderKind::Ec2 => Some(
+            "ec2.suspend_mode = \"stop\": a suspension stops the instance, ending its \
+             processes (suspend_mode = \"hibernate\" keeps them)"
+                .into(),
+        ),
         other => Some(format!(
             "provider = \"{}\": this dormant keeps a paused script only on the ssh provider \
-             and on qemu with suspend_mode = \"hibernate\"",
+             and on qemu and ec2 with suspend_mode = \"hibernate\"",
             other.as_str()
         )),
     }
@@ -158,11 +169,29 @@ mod tests {
         s.suspend.enabled = false;
         let off = refusal(&s, &machine).unwrap();
         assert!(off.contains("suspend.enabled = false"), "{off}");
-        s.provider = ProviderKind::Ec2;
+        s.provider = ProviderKind::Local;
         s.suspend.enabled = true;
         assert!(refusal(&s, &machine)
             .unwrap()
-            .contains("provider = \"ec2\""));
+            .contains("provider = \"local\""));
+    }
+
+    #[test]
+    fn ec2_keeps_a_paused_script_only_when_it_hibernates_in_machine_mode() {
+        let machine = record(StorageMode::Machine);
+        let mut s = Settings {
+            provider: ProviderKind::Ec2,
+            ..Settings::default()
+        };
+        let stop = refusal(&s, &machine).unwrap();
+        assert!(stop.contains("ec2.suspend_mode = \"stop\""), "{stop}");
+        s.ec2.suspend_mode = SuspendMode::Hibernate;
+        assert_eq!(refusal(&s, &machine), None);
+        let volume = refusal(&s, &record(StorageMode::Volume)).unwrap();
+        assert!(volume.contains("storage = \"volume\""), "{volume}");
+        s.ssh.reconnect_timeout = crate::settings::HumanDuration::from_secs(0);
+        let direct = refusal(&s, &machine).unwrap();
+        assert!(direct.contains("ssh.reconnect_timeout"), "{direct}");
     }
 
     #[test]

@@ -34,6 +34,8 @@ mod ec2_holds;
 #[cfg(feature = "ec2")]
 mod ec2_job;
 #[cfg(feature = "ec2")]
+mod ec2_pause;
+#[cfg(feature = "ec2")]
 mod ec2_placement;
 #[cfg(feature = "ec2")]
 mod ec2_resume;

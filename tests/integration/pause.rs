@@ -18,7 +18,7 @@ use crate::ssh::ssh_rig_with;
 use crate::sshd::{alive, Sshd};
 
 /// The pid the script wrote into `file` (its own shell's).
-fn pid_in(file: &Path) -> u32 {
+pub fn pid_in(file: &Path) -> u32 {
     std::fs::read_to_string(file)
         .unwrap()
         .trim()
@@ -28,7 +28,7 @@ fn pid_in(file: &Path) -> u32 {
 
 /// The script of the first job: a value only its memory holds, its pid, one
 /// line that must never run again, then the ask.
-fn asking(d: &Path, question: &str) -> String {
+pub fn asking(d: &Path, question: &str) -> String {
     format!(
         "v=mem-$RANDOM$RANDOM; echo $v > '{mem}'; echo $BASHPID > '{pid}'; echo \"before the ask\" >> '{runs}'; \
          echo 'line before'; a=$(dormant-ask '{question}'); \
@@ -40,7 +40,7 @@ fn asking(d: &Path, question: &str) -> String {
 }
 
 #[track_caller]
-fn assert_paused_line(log: &str, key: &str, question_json: &str) {
+pub fn assert_paused_line(log: &str, key: &str, question_json: &str) {
     let want = format!("dormant-ask: paused key={key} question={question_json}");
     assert!(
         log.lines().any(|l| l == want),
@@ -221,7 +221,7 @@ fn a_run_killed_after_recording_the_pause_loses_no_question() {
 /// Where a script cannot pause, both commands say why at once (not a
 /// missing command, exit 127), naming the setting, and the script goes on.
 #[track_caller]
-fn assert_refused_naming(log: &str, why: &str) {
+pub fn assert_refused_naming(log: &str, why: &str) {
     assert!(
         log.contains(&format!("dormant-ask: cannot pause here: {why}"))
             && log.contains("ask rc=2 went on")
@@ -233,7 +233,7 @@ fn assert_refused_naming(log: &str, why: &str) {
     );
 }
 
-const BOTH: &str = "dormant-ask 'q?' || echo \"ask rc=$? went on\"; \
+pub const BOTH: &str = "dormant-ask 'q?' || echo \"ask rc=$? went on\"; \
                     dormant-continue x || echo \"continue rc=$?\"";
 
 #[test]

@@ -14,7 +14,7 @@ use crate::harness::*;
 use crate::ssh::ssh_rig_with;
 use crate::sshd::{alive, Sshd};
 
-fn wait_for(path: &Path) {
+pub fn wait_for(path: &Path) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !path.exists() {
         assert!(
@@ -28,7 +28,7 @@ fn wait_for(path: &Path) {
 
 /// A script that prints `line <n>` every 10 ms from its start until it has
 /// printed 20 and `release` exists, then `end` and exit 3.
-fn counter(d: &Path) -> String {
+pub fn counter(d: &Path) -> String {
     format!(
         "echo $BASHPID > '{pid}'; i=0; while :; do i=$((i+1)); echo \"line $i\"; \
          [ $i -eq 20 ] && : > '{started}'; [ $i -ge 20 ] && [ -e '{release}' ] && break; sleep 0.01; done; \
@@ -40,13 +40,13 @@ fn counter(d: &Path) -> String {
 }
 
 /// The numbers of the `line <n>` lines of a job log, in order.
-fn numbers(log: &str) -> Vec<u64> {
+pub fn numbers(log: &str) -> Vec<u64> {
     log.lines()
         .filter_map(|l| l.strip_prefix("line ")?.parse().ok())
         .collect()
 }
 
-fn text(o: &Output) -> String {
+pub fn text(o: &Output) -> String {
     format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),
@@ -62,7 +62,7 @@ fn state_of(pid: u32) -> String {
 }
 
 /// `dormant pause` with `extra` variables in its environment.
-fn pause_cmd(rig: &Rig, args: &[&str], extra: &[(&str, &str)]) -> Output {
+pub fn pause_cmd(rig: &Rig, args: &[&str], extra: &[(&str, &str)]) -> Output {
     Command::new(BIN)
         .arg("pause")
         .args(args)
@@ -75,7 +75,7 @@ fn pause_cmd(rig: &Rig, args: &[&str], extra: &[(&str, &str)]) -> Output {
 
 /// Runs the counter job, pauses it with `pause` once it printed 20 lines,
 /// and checks the first half; returns (key, pid, first job's log).
-fn paused_counter(rig: &Rig, d: &Path, pause: &dyn Fn(u64)) -> (String, u32, String) {
+pub fn paused_counter(rig: &Rig, d: &Path, pause: &dyn Fn(u64)) -> (String, u32, String) {
     let j = job(91);
     let job_id = j.id;
     // No trigger: the pause alone keeps the environment.
