@@ -76,11 +76,14 @@ pub fn find(vm: &VmDir) -> Option<Pid> {
     }
     identities.iter().find_map(|(id, dir)| {
         let root = dir.parent().and_then(Path::parent).unwrap_or(dir);
+        // Every match, not the first: a daemonizing QEMU's parent has this
+        // VM's command line too until it exits, and one that exits between
+        // the scan and the look below must not hide the child that runs on.
         scan(root)
             .into_iter()
-            .find(|(found, _)| found == id)
+            .filter(|(found, _)| found == id)
             .map(|(_, pid)| pid)
-            .filter(|pid| cmdline(pid.0).is_some_and(|a| matches(&a)))
+            .find(|pid| cmdline(pid.0).is_some_and(|a| matches(&a)))
     })
 }
 
