@@ -19,8 +19,8 @@ pub const QUESTION_MAX: usize = 4096;
 pub const SUMMARY_MAX: usize = 200;
 
 /// Why a script in this environment cannot pause, naming the setting; `None`
-/// when a paused script is kept: the `ssh` provider's kept stages (the
-/// script waits on the host), and qemu's and EC2's in `hibernate` mode (it
+/// when a paused script is kept: the `ssh` and `local` providers' kept
+/// stages (the script waits on the host), and qemu's and EC2's in `hibernate` mode (it
 /// waits in the guest or instance, whose memory the suspension saves).
 pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String> {
     if !settings.suspend.enabled {
@@ -46,6 +46,9 @@ pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String
     match settings.provider {
         // The script waits on the host, which stays up.
         ProviderKind::Ssh => None,
+        // The same: its stages run kept in a local bash (the local
+        // transport keeps them under these same conditions).
+        ProviderKind::Local => None,
         // Hibernation saves the guest's memory, the paused script with it.
         ProviderKind::Qemu if settings.qemu.suspend_mode == QemuSuspendMode::Hibernate => None,
         ProviderKind::Qemu => Some(
@@ -61,11 +64,6 @@ pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String
              processes (suspend_mode = \"hibernate\" keeps them)"
                 .into(),
         ),
-        other => Some(format!(
-            "provider = \"{}\": this dormant keeps a paused script only on the ssh provider \
-             and on qemu and ec2 with suspend_mode = \"hibernate\"",
-            other.as_str()
-        )),
     }
 }
 
@@ -169,11 +167,19 @@ mod tests {
         s.suspend.enabled = false;
         let off = refusal(&s, &machine).unwrap();
         assert!(off.contains("suspend.enabled = false"), "{off}");
-        s.provider = ProviderKind::Local;
-        s.suspend.enabled = true;
-        assert!(refusal(&s, &machine)
-            .unwrap()
-            .contains("provider = \"local\""));
+    }
+
+    #[test]
+    fn local_keeps_a_paused_script_where_it_suspends_in_machine_mode() {
+        let machine = record(StorageMode::Machine);
+        let mut s = Settings::default();
+        assert_eq!(s.provider, ProviderKind::Local);
+        assert_eq!(refusal(&s, &machine), None);
+        let volume = refusal(&s, &record(StorageMode::Volume)).unwrap();
+        assert!(volume.contains("storage = \"volume\""), "{volume}");
+        s.suspend.enabled = false;
+        let off = refusal(&s, &machine).unwrap();
+        assert!(off.contains("suspend.enabled = false"), "{off}");
     }
 
     #[test]

@@ -1,7 +1,10 @@
 //! `dormant try`: drives a sample job through every stage exactly as GitLab
 //! Runner would (through [`crate::runner_sim`]), suspends it, resumes it in a
 //! second job that proves a file survived and `get_sources` was skipped,
-//! releases it, and prints a summary with per-stage timings. It uses whatever
+//! releases it, and prints a summary with per-stage timings. Where the
+//! environment can keep a paused script, job 1 also asks a question
+//! (`dormant-ask`) and job 2 answers it (`dormant-continue`): the same
+//! process goes on (docs/pause.md). It uses whatever
 //! provider the settings select, so an operator can check a real setup before
 //! registering the runner.
 
@@ -31,6 +34,20 @@ const PASSED_VARS: &[&str] = &[
 ];
 
 const WRITE_FILE: &str = "echo \"written by dormant try job $CI_JOB_ID at $(date)\" > dormant-try.txt\necho wrote dormant-try.txt in $PWD";
+/// Job 1 then pauses (docs/pause.md): it asks a question and waits, alive,
+/// for job 2's answer. Where the environment cannot keep a paused script,
+/// it says why and goes on.
+const ASK: &str = "\nif [ \"$DORMANT_PAUSE\" = ok ]; then\n\
+    answer=$(dormant-ask 'Which colour should the build be?')\n\
+    echo \"job 1's script (pid $BASHPID) got the answer: $answer\"\n\
+    else echo \"this environment cannot pause a job: $DORMANT_PAUSE\"; fi";
+
+/// Job 2 answers the question, when there is one.
+const CONTINUE: &str = "\nif [ \"$DORMANT_PAUSE\" = ok ]; then dormant-continue blue; fi";
+
+/// In job 1's log when its script asked (`lifecycle::pause::log_line`).
+const ASKED: &str = "dormant-ask: paused key=";
+
 const CHECK_FILE: &str = "if [ ! -f dormant-try.txt ]; then echo 'dormant-try.txt is missing: the environment was not preserved' >&2; exit 3; fi\n\
     echo \"found: $(cat dormant-try.txt)\"\n\
     if [ -e .fetched-by-job-2 ]; then echo 'get_sources ran on the resumed environment' >&2; exit 4; fi";
@@ -73,7 +90,7 @@ pub fn try_job(
     // (`"suspend_options": {}` when GitLab set nothing).
     let mut first = SimJob::new(base, project)
         .var("DORMANT_SUSPEND_ON_SUCCESS", "true")
-        .script(WRITE_FILE);
+        .script(&format!("{WRITE_FILE}{ASK}"));
     first.get_sources = "echo 'fetching sources (simulated)'; touch .fetched-by-job-1".into();
     let r1 = runner.run_job(&first)?;
     print_job(
@@ -81,6 +98,20 @@ pub fn try_job(
         "job 1: new environment, suspend on success (asked by DORMANT_SUSPEND_ON_SUCCESS=true)",
         &r1,
     )?;
+    let asked = r1.log().contains(ASKED);
+    if asked {
+        writeln!(
+            out,
+            "  job 1's script asked a question (dormant-ask) and waits, alive, in the suspended \
+             environment: the job ended successfully at the question"
+        )?;
+    } else if let Some(why) = r1
+        .log()
+        .lines()
+        .find(|l| l.starts_with("this environment cannot pause a job"))
+    {
+        writeln!(out, "  {why}")?;
+    }
     let mut checks: Vec<(bool, String)> = Vec::new();
     checks.push((r1.result == JobResult::Success, "job 1 succeeded".into()));
     checks.push((
@@ -111,7 +142,7 @@ pub fn try_job(
         wait_for_refill(&state_dir, settings.prepare_timeout.get(), out)?;
         let mut second = SimJob::new(base + 1, project)
             .resume(key)
-            .script(CHECK_FILE);
+            .script(&format!("{CHECK_FILE}{CONTINUE}"));
         second.get_sources = "touch .fetched-by-job-2".into();
         let r2 = runner.run_job(&second)?;
         print_job(
@@ -127,6 +158,20 @@ pub fn try_job(
             r2.log().contains("skipping get_sources"),
             "job 2 skipped get_sources".into(),
         ));
+        if asked {
+            let answered = r2.log().contains("got the answer: blue");
+            if answered {
+                writeln!(
+                    out,
+                    "  job 2 answered it (dormant-continue blue): job 1's script went on in the \
+                     same process, its output in job 2's log"
+                )?;
+            }
+            checks.push((
+                answered,
+                "job 2 continued job 1's paused script with an answer".into(),
+            ));
+        }
         let gone = env_id.is_some_and(|id| !store.env_paths(id).exists());
         checks.push((gone, "job 2 released the environment".into()));
         if r2.result != JobResult::Success {

@@ -155,6 +155,19 @@ impl Provider for LocalProvider {
 
     async fn delete(&self, machine: &Machine, _ctx: &Ctx) -> Result<()> {
         let dir = self.checked_dir(machine)?;
+        // A script paused in the environment (docs/pause.md) goes with it,
+        // and whatever else its kept stages left.
+        if let Some(env_dir) = dir.parent() {
+            let env = env_dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| uuid::Uuid::parse_str(n).ok());
+            if let Some(env) = env {
+                crate::transport::local_kept::release(env_dir, &env.simple().to_string())
+                    .await
+                    .with_context(|| format!("releasing environment {env}'s kept stages"))?;
+            }
+        }
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

@@ -1,6 +1,18 @@
 //! The local transport: each stage script runs in a bash on this host, in its
 //! own process group so a termination kills everything the script started.
 //!
+//! Two modes. Where the environment can keep a paused script (suspension
+//! enabled, machine storage: `lifecycle::pause::refusal`), every stage runs
+//! *kept* ([`super::local_kept`]): through the `ssh` transport's kept
+//! wrapper in a local bash, so a script that asks (`dormant-ask`) or is
+//! paused (`dormant pause`) outlives its `dormant run` and a later job
+//! continues it. Everywhere else a stage runs as described below, the script
+//! dormant's child. The two differ in what a SIGKILLed `dormant run` leaves:
+//! below, nothing, at once (parent-death signal and watchdog); kept, the
+//! script runs on until the job's cleanup stops it, at most
+//! [`super::local_kept::LINGER_SECS`] — the price of a script that can
+//! outlive dormant on purpose. The rest of this comment is the other mode.
+//!
 //! The script gets a clean environment: a few basics from the runner process
 //! (PATH, HOME, ...) and `DORMANT_ENVIRONMENT_KEY`, never dormant's own
 //! `CUSTOM_ENV_*` (they hold the job token); the runner's script exports every
@@ -36,7 +48,7 @@ use anyhow::{bail, Context, Result};
 use async_trait::async_trait;
 use tokio::process::Command;
 
-use super::{relay, ExecOutput, Ran, Script, ScriptExit, Transport};
+use super::{relay, ExecOutput, MachineCheck, Ran, Script, ScriptExit, Transport};
 use crate::context::Ctx;
 use crate::wait::{Schedule, Wait};
 
@@ -64,6 +76,9 @@ pub struct LocalTransport {
     /// Where `dormant-ask` and `dormant-continue` are put for the script's
     /// PATH (docs/pause.md); `None`: not at all.
     tools: Option<PathBuf>,
+    /// Stages run kept ([`super::local_kept`]): the environment can keep a
+    /// paused script. `None`: the script is dormant's child, as below.
+    kept: Option<super::local_kept::KeptHere>,
 }
 
 impl LocalTransport {
@@ -73,13 +88,22 @@ impl LocalTransport {
             shell,
             base_env,
             tools: None,
+            kept: None,
         }
     }
 
+    /// Runs every stage kept in `here` ([`super::local_kept`]): where the
+    /// environment can keep a paused script.
+    pub fn with_kept(mut self, here: super::local_kept::KeptHere) -> Self {
+        self.kept = Some(here);
+        self
+    }
+
     /// Puts `dormant-ask` and `dormant-continue` in `dir` (made once) on
-    /// every script's PATH. On this provider they refuse at once, naming
-    /// why (`DORMANT_PAUSE`): a script here is dormant's child on a pipe,
-    /// which a suspension cannot keep.
+    /// every script's PATH, for stages that do not run kept: there they
+    /// refuse at once, naming why (`DORMANT_PAUSE`: the environment is not
+    /// suspended, or suspends without its processes). Kept stages get them
+    /// from their wrapper.
     pub fn with_tools(mut self, dir: PathBuf) -> Self {
         self.tools = Some(dir);
         self
@@ -157,6 +181,17 @@ impl Transport for LocalTransport {
 
     async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<Ran> {
         self.remove_legacy_script();
+        if let Some(here) = &self.kept {
+            return super::local_kept::run(
+                &self.shell,
+                &self.workdir,
+                &self.base_env,
+                here,
+                script,
+                ctx,
+            )
+            .await;
+        }
         let file = memory_file(script.body)
             .with_context(|| format!("holding the {} script in memory", script.stage))?;
         let (out_read, out_write) = std::io::pipe().context("making the output pipe")?;
@@ -238,6 +273,14 @@ impl Transport for LocalTransport {
     async fn close(&self, _ctx: &Ctx) -> Result<()> {
         self.remove_legacy_script();
         Ok(())
+    }
+
+    async fn stop_leftovers(&self, _machine: Option<&dyn MachineCheck>, ctx: &Ctx) -> Result<()> {
+        match &self.kept {
+            Some(here) => super::local_kept::stop_leftovers(here, ctx).await,
+            // The watchdog took the group with the stage's dormant.
+            None => Ok(()),
+        }
     }
 
     async fn take_file(&self, path: &str, max: usize, _ctx: &Ctx) -> Result<Option<Vec<u8>>> {

@@ -3,6 +3,7 @@
 
 pub mod keys;
 pub mod local;
+pub mod local_kept;
 mod relay;
 pub mod signals;
 pub mod ssh;
@@ -212,10 +213,23 @@ pub fn open(
                 .iter()
                 .filter_map(|k| job.driver_var(k).map(|v| (k.to_string(), v.to_string())))
                 .collect();
-            Ok(Box::new(
+            let local =
                 local::LocalTransport::new(workdir.clone(), settings.local.shell.clone(), base_env)
-                    .with_tools(paths.dir.join(ssh::pause::tools_dir())),
-            ))
+                    .with_tools(paths.dir.join(ssh::pause::tools_dir()));
+            // Kept where a paused script can be kept (the same conditions as
+            // `lifecycle::pause::refusal`'s for this provider): elsewhere a
+            // stage keeps the stronger guarantee that it dies with dormant.
+            let keeps = settings.suspend.enabled
+                && settings.local.storage == crate::model::StorageMode::Machine;
+            Ok(Box::new(if keeps {
+                local.with_kept(local_kept::KeptHere {
+                    env: paths.id.simple().to_string(),
+                    dir: local_kept::dir(&paths.dir),
+                    bound: settings.ssh.kept_output_bytes(),
+                })
+            } else {
+                local
+            }))
         }
         Target::Ssh(t) => Ok(Box::new(ssh::SshTransport::new(
             t.clone(),

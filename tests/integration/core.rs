@@ -701,6 +701,15 @@ fn dormant_try_passes_on_the_local_provider() {
         text.contains("job 1's suspension was read from its job variable"),
         "{text}"
     );
+    // It shows pausing: job 1 asks, job 2 answers and the script goes on.
+    assert!(
+        text.contains("job 1's script asked a question (dormant-ask)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("ok    job 2 continued job 1's paused script with an answer"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -72,6 +72,7 @@ mod moto_refusals;
 mod notify;
 mod pause;
 mod pause_host;
+mod pause_local;
 mod qemu;
 mod qemu_attach;
 mod qemu_pause;

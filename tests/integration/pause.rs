@@ -237,14 +237,6 @@ pub const BOTH: &str = "dormant-ask 'q?' || echo \"ask rc=$? went on\"; \
                     dormant-continue x || echo \"continue rc=$?\"";
 
 #[test]
-fn on_local_ask_and_continue_refuse_at_once_naming_the_provider() {
-    let rig = Rig::local("87", "s_87aa87aa87aa");
-    let r = rig.run(&job(87).script(BOTH));
-    assert_result(&r, JobResult::Success);
-    assert_refused_naming(&r.log(), "provider = \"local\"");
-}
-
-#[test]
 fn on_stages_run_direct_ask_and_continue_refuse_at_once_naming_the_setting() {
     let sshd = Sshd::start();
     let (rig, _) = ssh_rig_with(&sshd, "reconnect_timeout = \"0s\"");

@@ -18,8 +18,8 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use openssh::{ChildStdin, Session};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use openssh::Session;
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 
 use super::channel::{self, KILL_STEP, TERM_GRACE};
 use super::remote::{self, Kept, Mode, Report};
@@ -119,13 +119,39 @@ pub async fn run_once<W: std::io::Write>(
         channel::Opened::MasterUnreachable(why) => return Ok(Once::MasterUnreachable(why)),
     };
     st.sent |= !upload.is_empty();
-    let (Some(stdin), Some(mut stdout), Some(stderr)) = (
+    let (Some(stdin), Some(stdout), Some(stderr)) = (
         child.stdin().take(),
         child.stdout().take(),
         child.stderr().take(),
     ) else {
         bail!("the SSH session for {} has no pipes", script.stage);
     };
+    drive(child, stdin, stdout, stderr, upload, place, script, st, ctx).await
+}
+
+/// Reads one session of the stage, whatever carries it: an SSH session's
+/// pipes (the `ssh` transport), or a local bash's running the same wrapper
+/// (the `local` transport's kept stages, [`crate::transport::local_kept`]).
+/// `child` is held while the session is read and dropped (closing the
+/// session) once its end is known; `upload` is what goes first on `stdin`.
+#[allow(clippy::too_many_arguments)]
+pub async fn drive<C, I, O, E, W>(
+    child: C,
+    stdin: I,
+    mut stdout: O,
+    stderr: E,
+    upload: &[u8],
+    place: &Place<'_>,
+    script: &Script<'_>,
+    st: &mut Stage<W>,
+    ctx: &Ctx,
+) -> Result<Once>
+where
+    I: AsyncWrite + AsRawFd + Unpin,
+    O: AsyncRead + Unpin,
+    E: AsyncRead + Unpin,
+    W: std::io::Write,
+{
     let (control, control_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
     let writer = write_control(stdin, upload, control_rx);
     tokio::pin!(writer);
@@ -338,8 +364,8 @@ impl Heard {
 /// The session's stdin: the script, then control lines until the sender is
 /// dropped; then it waits (at most [`KEEP_HANDOFF`]) until the master has
 /// taken them.
-async fn write_control(
-    mut stdin: ChildStdin,
+async fn write_control<I: AsyncWrite + AsRawFd + Unpin>(
+    mut stdin: I,
     upload: &[u8],
     mut lines: tokio::sync::mpsc::UnboundedReceiver<String>,
 ) -> std::io::Result<()> {
@@ -357,7 +383,7 @@ async fn write_control(
 
 /// Bytes written into the pipe the master reads the session's stdin from,
 /// not read by it yet.
-fn pending_in_pipe(stdin: &ChildStdin) -> i32 {
+fn pending_in_pipe(stdin: &impl AsRawFd) -> i32 {
     let mut n: libc::c_int = 0;
     // SAFETY: FIONREAD writes one int through a valid pointer; the fd is ours.
     let r = unsafe { libc::ioctl(stdin.as_raw_fd(), libc::FIONREAD, &mut n) };

@@ -13,14 +13,14 @@
 mod channel;
 mod client;
 mod hostkey;
-mod kept;
+pub(crate) mod kept;
 mod master;
 pub(crate) mod pause;
 pub mod ready;
-mod remote;
+pub(crate) mod remote;
 pub mod repin;
 mod stage;
-mod stream;
+pub(crate) mod stream;
 
 // The transport's public API for providers that reach machines over SSH (the
 // `ssh` provider removes workspaces over an environment's master); providers
