@@ -37,8 +37,7 @@ const WRITE_FILE: &str = "echo \"written by dormant try job $CI_JOB_ID at $(date
 /// Job 1 then pauses (docs/pause.md): it asks a question and waits, alive,
 /// for job 2's answer. Where the environment cannot keep a paused script,
 /// it says why and goes on.
-const ASK: &str = "\nif [ \"$DORMANT_PAUSE\" = ok ]; then\n\
-    answer=$(dormant-ask 'Which colour should the build be?')\n\
+const ASK: &str = "\nif [ \"$DORMANT_PAUSE\" = ok ] && answer=$(dormant-ask 'Which colour should the build be?'); then\n\
     echo \"job 1's script (pid $BASHPID) got the answer: $answer\"\n\
     else echo \"this environment cannot pause a job: $DORMANT_PAUSE\"; fi";
 
