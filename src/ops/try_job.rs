@@ -41,8 +41,8 @@ const ASK: &str = "\nif [ \"$DORMANT_PAUSE\" = ok ] && answer=$(dormant-ask 'Whi
     echo \"job 1's script (pid $BASHPID) got the answer: $answer\"\n\
     else echo \"this environment cannot pause a job: $DORMANT_PAUSE\"; fi";
 
-/// Job 2 answers the question, when there is one.
-const CONTINUE: &str = "\nif [ \"$DORMANT_PAUSE\" = ok ]; then dormant-continue blue; fi";
+/// Job 2 answers the question, when job 1 asked one.
+const CONTINUE: &str = "\ndormant-continue blue";
 
 /// In job 1's log when its script asked (`lifecycle::pause::log_line`).
 const ASKED: &str = "dormant-ask: paused key=";
@@ -139,9 +139,10 @@ pub fn try_job(
 
     if let (Some(key), true) = (&key, suspended) {
         wait_for_refill(&state_dir, settings.prepare_timeout.get(), out)?;
-        let mut second = SimJob::new(base + 1, project)
-            .resume(key)
-            .script(&format!("{CHECK_FILE}{CONTINUE}"));
+        let mut second = SimJob::new(base + 1, project).resume(key).script(&format!(
+            "{CHECK_FILE}{}",
+            if asked { CONTINUE } else { "" }
+        ));
         second.get_sources = "touch .fetched-by-job-2".into();
         let r2 = runner.run_job(&second)?;
         print_job(

@@ -2,16 +2,17 @@
 //! own process group so a termination kills everything the script started.
 //!
 //! Two modes. Where the environment can keep a paused script (suspension
-//! enabled, machine storage: `lifecycle::pause::refusal`), every stage runs
-//! *kept* ([`super::local_kept`]): through the `ssh` transport's kept
+//! enabled, machine storage: `lifecycle::pause::refusal`), the job's own
+//! script stages run *kept* ([`super::local_kept`]): through the `ssh` transport's kept
 //! wrapper in a local bash, so a script that asks (`dormant-ask`) or is
 //! paused (`dormant pause`) outlives its `dormant run` and a later job
-//! continues it. Everywhere else a stage runs as described below, the script
-//! dormant's child. The two differ in what a SIGKILLed `dormant run` leaves:
+//! continues it. Every other stage (the runner's own: sources, caches,
+//! artifacts; and every stage where nothing can be kept) runs as described
+//! below, the script dormant's child. The two differ in what a SIGKILLed `dormant run` leaves:
 //! below, nothing, at once (parent-death signal and watchdog); kept, the
-//! script runs on until the job's cleanup stops it, at most
-//! [`super::local_kept::LINGER_SECS`] — the price of a script that can
-//! outlive dormant on purpose. The rest of this comment is the other mode.
+//! script runs on until its wrapper's owner or the job's cleanup stops it
+//! (within [`super::local_kept::LINGER_SECS`], then SIGTERM and SIGKILL
+//! 5 s later) — the price of a script that can outlive dormant on purpose. The rest of this comment is the other mode.
 //!
 //! The script gets a clean environment: a few basics from the runner process
 //! (PATH, HOME, ...) and `DORMANT_ENVIRONMENT_KEY`, never dormant's own
@@ -181,7 +182,11 @@ impl Transport for LocalTransport {
 
     async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<Ran> {
         self.remove_legacy_script();
-        if let Some(here) = &self.kept {
+        if let Some(here) = self
+            .kept
+            .as_ref()
+            .filter(|_| super::local_kept::runs_kept(script.stage))
+        {
             return super::local_kept::run(
                 &self.shell,
                 &self.workdir,
