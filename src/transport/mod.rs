@@ -105,7 +105,7 @@ pub struct Script<'a> {
     /// Where `dormant pause` writes its request for this stage run
     /// (`crate::state::pause_request`); `None`: the stage cannot be paused
     /// from the host. Read while the stage runs by the transports that can
-    /// keep a paused script (the `ssh` provider's kept stages).
+    /// keep a paused script (kept stages: over SSH, and local ones).
     pub pause: Option<&'a std::path::Path>,
 }
 

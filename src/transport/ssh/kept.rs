@@ -13,6 +13,11 @@
 //! for. A session that ends before that is [`Once::Broken`]: dormant first
 //! says `KEEP` (it will follow again; the script must run on), and the caller
 //! reconnects if need be and follows again.
+//!
+//! The reading itself ([`drive`]) does not care what carries the session:
+//! the local transport runs the same wrapper in a local bash and reads it
+//! with it (`transport/local_kept.rs`), so pausing works there by this one
+//! protocol.
 
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
