@@ -203,6 +203,19 @@ impl Transport for LocalTransport {
         let mut cmd = self.command();
         cmd.arg("/dev/fd/3")
             .envs(script.env.iter().map(|(k, v)| (k, v)))
+            // The environment can pause, but not this stage (one of the
+            // runner's own, not kept): the tools say so in these words
+            // (`lifecycle::pause::VAR`, which this layer does not import).
+            .envs(self.kept.as_ref().map(|_| {
+                (
+                    "DORMANT_PAUSE",
+                    format!(
+                        "{} is one of the runner's own stages on provider = \"local\": only the \
+                         job's script stages (build_script, step_*, after_script) can pause",
+                        script.stage
+                    ),
+                )
+            }))
             .envs(self.script_path().map(|p| ("PATH", p)))
             .stdout(
                 out_write

@@ -218,6 +218,35 @@ fn on_local_continue_with_nothing_paused_fails_at_once_and_a_release_leaves_no_p
         wait_gone(w, "the paused stage's wrapper ended with the release");
     }
     assert!(!kept.exists() && !rig.env_dir(&key).exists());
+
+    // A resumed job with no trigger that does not continue it releases the
+    // environment, and the paused script with it.
+    let r = rig.run(&job(97).script(&asking(d.path(), "again")));
+    let key = r.key.clone().unwrap();
+    let pid = pid_in(&d.path().join("pid"));
+    assert!(alive(pid));
+    let r2 = rig.run(&job(97).resume(&key).script("echo not continued"));
+    assert_result(&r2, JobResult::Success);
+    wait_gone(
+        pid,
+        "releasing by a job without trigger ended the paused script",
+    );
+    assert!(!rig.env_dir(&key).exists());
+}
+
+/// The runner's own stages run as before (not kept) where the environment
+/// can pause: there the two tools refuse at once, naming the stage.
+#[test]
+fn on_local_a_runner_stage_cannot_pause_and_says_so() {
+    let rig = Rig::local("99", "s_99aa99aa99aa");
+    let mut j = job(99).script("echo built");
+    j.get_sources = BOTH.into();
+    let r = rig.run(&j);
+    assert_result(&r, JobResult::Success);
+    assert_refused_naming(
+        &r.log(),
+        "get_sources is one of the runner's own stages on provider = \"local\"",
+    );
 }
 
 #[test]
