@@ -67,7 +67,8 @@ const HERE: &str = "this host";
 /// `after_script`), where `dormant-ask` and `dormant pause` have a use. The
 /// runner's own stages (sources, caches, artifacts, file variables) never
 /// ask; they keep the cheaper path whose script dies with dormant (in
-/// `dormant try`'s two jobs, kept runner stages made it ≈ 2× slower).
+/// `dormant try`, every stage kept took it from ≈ 0.3 s to ≈ 0.75 s:
+/// docs/pause.md).
 pub fn runs_kept(stage: &str) -> bool {
     matches!(stage, "build_script" | "after_script") || stage.starts_with("step_")
 }
