@@ -283,3 +283,28 @@ fn on_local_a_run_killed_after_recording_the_pause_leaves_a_script_to_continue()
     assert!(log2.contains("answer=[ok]"), "{log2}");
     assert!(log2.contains(&format!("pid={pid}")), "{log2}");
 }
+
+/// The TTL's sweep releases a paused environment as `dormant release` does:
+/// the paused script ends with it.
+#[test]
+fn on_local_the_ttl_sweep_ends_a_paused_script() {
+    let rig = Rig::local("90", "s_90aa90aa90aa");
+    let d = tempfile::tempdir().unwrap();
+    let r = rig.run(&job(90).script(&asking(d.path(), "q")));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    let pid = pid_in(&d.path().join("pid"));
+    assert!(alive(pid));
+    let store = dormant::state::StateStore::open(&rig.state_dir).unwrap();
+    let id = dormant::envkey::EnvironmentKey::parse(&key).unwrap().env_id;
+    dormant::state::testing::backdate(&store, id, 2 * 3600).unwrap();
+    Rig::write_settings(
+        &rig.settings_path,
+        "s_90aa90aa90aa",
+        "[suspend]\nttl = \"1h\"\n",
+    );
+    let out = rig.dormant(&["sweep"]);
+    assert!(out.status.success(), "{}", text(&out));
+    wait_gone(pid, "the sweep ended the paused script");
+    assert!(!rig.env_dir(&key).exists());
+}
