@@ -233,6 +233,12 @@ fn continue_job(place: &mut Place, by: By, key: &str, d: &Path, pending: Duratio
     assert_result(&r, want);
     assert_eq!(r.prepare_attempts, 1, "{}", r.log());
     run.prepare = Some(call_time(&r, |c| c.name.starts_with("prepare#")));
+    // Where the time went: the resume's lines as they arrived.
+    for c in r.calls.iter().filter(|c| c.name.starts_with("prepare#")) {
+        for (at, line) in &c.arrivals {
+            eprintln!("  prepare +{:.3} s: {line}", at.as_secs_f64());
+        }
+    }
     run.first_byte = Some(
         prepare_to_line(&r, "build_script", marker)
             .unwrap_or_else(|| panic!("no {marker:?} in the resumed job's log:\n{}", r.log())),
