@@ -140,7 +140,8 @@ pub enum Command {
     /// machine; the Debian package's timer runs it every minute.
     Warm,
     /// Print Prometheus text: the registry (environments by status, oldest
-    /// suspension) and the event log's counters and histograms.
+    /// suspension, paused jobs waiting for an answer and the oldest question)
+    /// and the event log's counters and histograms.
     Metrics,
     /// Drive a sample job through every stage like GitLab Runner, suspend it,
     /// resume it in a second job, release it, and print a summary.

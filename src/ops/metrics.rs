@@ -2,7 +2,9 @@
 //! or a cron job. Gauges of the registry as it is now (environments by status
 //! and provider, the age of the oldest suspended one, the storage suspended
 //! environments keep — `crate::provider::kept`, from the records it reads
-//! anyway, a few `stat`s on qemu and no call — and unreadable records), then
+//! anyway, a few `stat`s on qemu and no call —, the suspended environments
+//! whose script waits paused for an answer (docs/pause.md) and the age of
+//! the oldest such question, and unreadable records), then
 //! the counters and histograms of what happened, folded from the event log
 //! (`crate::events::tally`, which says why that stays cheap as the log grows).
 
@@ -42,6 +44,11 @@ pub fn metrics(
         kept.insert((provider.to_string(), mode.as_str()), (0, 0));
     }
     let mut oldest_suspended: u64 = 0;
+    // provider → suspended environments holding a paused script (their
+    // record's `paused`: a question waits for an answer).
+    let mut paused: BTreeMap<String, u64> = BTreeMap::new();
+    paused.insert(provider.to_string(), 0);
+    let mut oldest_paused: u64 = 0;
     let mut unreadable = 0u64;
     let now = now_unix();
     for id in store.environment_ids()? {
@@ -51,6 +58,7 @@ pub fn metrics(
                     for status in EnvStatus::ALL {
                         counts.insert((rec.provider.clone(), status.as_str()), 0);
                     }
+                    paused.entry(rec.provider.clone()).or_default();
                 }
                 *counts
                     .entry((rec.provider.clone(), rec.status().as_str()))
@@ -58,6 +66,10 @@ pub fn metrics(
                 if rec.status() == EnvStatus::Suspended {
                     let age = now.saturating_sub(rec.suspended_at.unwrap_or(rec.created_at));
                     oldest_suspended = oldest_suspended.max(age);
+                    if let Some(p) = &rec.paused {
+                        *paused.entry(rec.provider.clone()).or_default() += 1;
+                        oldest_paused = oldest_paused.max(now.saturating_sub(p.at));
+                    }
                     let k = kept
                         .entry((rec.provider.clone(), rec.storage.as_str()))
                         .or_default();
@@ -88,6 +100,25 @@ pub fn metrics(
     )?;
     writeln!(out, "# TYPE dormant_oldest_suspended_seconds gauge")?;
     writeln!(out, "dormant_oldest_suspended_seconds {oldest_suspended}")?;
+    writeln!(
+        out,
+        "# HELP dormant_paused_environments Suspended environments whose job script waits paused for an answer \
+         (dormant-ask or dormant pause), by provider."
+    )?;
+    writeln!(out, "# TYPE dormant_paused_environments gauge")?;
+    for (provider, n) in &paused {
+        writeln!(
+            out,
+            "dormant_paused_environments{{provider=\"{provider}\"}} {n}"
+        )?;
+    }
+    writeln!(
+        out,
+        "# HELP dormant_oldest_paused_seconds Age of the oldest question a paused environment waits to have answered \
+         (0 when none waits)."
+    )?;
+    writeln!(out, "# TYPE dormant_oldest_paused_seconds gauge")?;
+    writeln!(out, "dormant_oldest_paused_seconds {oldest_paused}")?;
     writeln!(
         out,
         "# HELP dormant_suspended_storage_bytes Storage suspended environments keep, by provider and storage mode: \
@@ -197,6 +228,51 @@ mod tests {
             text.contains("dormant_environments{provider=\"local\",status=\"releasing\"} 0"),
             "{text}"
         );
+    }
+
+    /// A suspended environment whose script waits paused counts in
+    /// `dormant_paused_environments` of its provider, and its question's age
+    /// is `dormant_oldest_paused_seconds`; one suspended without a question,
+    /// and an active one whose record still has the question (a resumed job
+    /// that has not continued it yet: no one is waiting for a human), do not.
+    #[test]
+    fn counts_paused_environments_and_the_oldest_question() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::open(dir.path()).unwrap();
+        let ask = |age: u64| crate::state::Paused {
+            question: "Deploy?".into(),
+            job_id: 9,
+            at: now_unix() - age,
+        };
+        for (status, question) in [
+            (EnvStatus::Suspended, Some(ask(300))),
+            (EnvStatus::Suspended, Some(ask(40))),
+            (EnvStatus::Suspended, None),
+            (EnvStatus::Active, Some(ask(900))),
+        ] {
+            let id = uuid::Uuid::new_v4();
+            crate::state::testing::place(&store, id, status, None, 1000, None).unwrap();
+            crate::state::testing::rewrite(&store, id, |_, _, rec| rec.paused = question).unwrap();
+        }
+        let mut out = Vec::new();
+        metrics(&settings("ssh"), &store, &JobLog::capture().0, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.contains("dormant_paused_environments{provider=\"local\"} 2\n"),
+            "{text}"
+        );
+        // The configured provider shows a zero, not "No data".
+        assert!(
+            text.contains("dormant_paused_environments{provider=\"ssh\"} 0\n"),
+            "{text}"
+        );
+        let oldest: u64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("dormant_oldest_paused_seconds "))
+            .unwrap_or_else(|| panic!("no dormant_oldest_paused_seconds:\n{text}"))
+            .parse()
+            .unwrap();
+        assert!((300..310).contains(&oldest), "{oldest}");
     }
 
     /// The series selectors of a PromQL expression: each `dormant_*` name
@@ -342,7 +418,8 @@ mod tests {
         );
         // What the dashboard is for: resume latency percentiles, failures,
         // environments by status, the oldest suspension, what suspensions
-        // keep and what the warm pool idles.
+        // keep, what the warm pool idles, and the paused jobs waiting for
+        // an answer.
         let joined = dashboard_exprs().join("\n");
         for needle in [
             "histogram_quantile(0.9, sum by (le) (rate(dormant_prepare_seconds_bucket{provider=~\"$provider\",mode=\"resume\"}",
@@ -351,6 +428,8 @@ mod tests {
             "dormant_oldest_suspended_seconds",
             "sum by (provider, storage) (dormant_suspended_storage_bytes",
             "increase(dormant_warm_idle_seconds_total",
+            "sum by (provider) (dormant_paused_environments{provider=~\"$provider\"})",
+            "dormant_oldest_paused_seconds",
         ] {
             assert!(joined.contains(needle), "the dashboard does not plot {needle}");
         }

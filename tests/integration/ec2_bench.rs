@@ -223,50 +223,9 @@ fn measure(
     env.proxy.hold_transitions(holds.pending, Duration::ZERO);
     env.proxy.hold_attaches(holds.attaching);
     env.proxy.clear_calls();
-    if boots {
-        env.sshd.stop();
-    }
-    let since = Instant::now();
     let mut first_stage = None;
-    let report = std::thread::scope(|s| {
-        let proxy = &env.proxy;
-        let sshd = &mut env.sshd;
-        let gate = boots.then(|| {
-            s.spawn(move || {
-                // The machine boots: SSH answers once EC2 says running.
-                let end = Instant::now() + Duration::from_secs(300);
-                let booted = loop {
-                    let seen = proxy.calls().into_iter().find(|c| {
-                        c.at >= since
-                            && matches!(c.action.as_str(), "RunInstances" | "StartInstances")
-                    });
-                    if let Some(c) = seen {
-                        break Some(c.at);
-                    }
-                    if Instant::now() >= end {
-                        break None;
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                };
-                if let Some(at) = booted {
-                    std::thread::sleep(
-                        (at + holds.pending).saturating_duration_since(Instant::now()),
-                    );
-                }
-                sshd.restart();
-                booted.is_some()
-            })
-        });
-        let report = rig
-            .runner
-            .run_job_with(job, &mut |_| {
-                first_stage.get_or_insert_with(Instant::now);
-            })
-            .unwrap();
-        if let Some(g) = gate {
-            assert!(g.join().unwrap(), "the job launched or started no instance");
-        }
-        report
+    let report = run_booting(env, rig, job, holds.pending, boots, &mut |_| {
+        first_stage.get_or_insert_with(Instant::now);
     });
     assert_result(&report, JobResult::Success);
     let split = first_stage.expect("a stage ran");
@@ -298,6 +257,59 @@ fn measure(
         calls,
         report,
     }
+}
+
+/// Runs `job` through `rig` (`before_stage` as for
+/// [`dormant::runner_sim::Runner::run_job_with`]); with `boots`, the
+/// loopback sshd standing in for the instance is down until `pending` has
+/// passed since the job's first RunInstances or StartInstances, as a booting
+/// (or resuming) instance answers SSH only once EC2 says `running`. The
+/// proxy's holds are the caller's.
+pub fn run_booting(
+    env: &mut Ec2Env,
+    rig: &Rig,
+    job: &SimJob,
+    pending: Duration,
+    boots: bool,
+    before_stage: &mut dyn FnMut(&str),
+) -> JobReport {
+    if boots {
+        env.sshd.stop();
+    }
+    let since = Instant::now();
+    std::thread::scope(|s| {
+        let proxy = &env.proxy;
+        let sshd = &mut env.sshd;
+        let gate = boots.then(|| {
+            s.spawn(move || {
+                // The machine boots: SSH answers once EC2 says running.
+                let end = Instant::now() + Duration::from_secs(300);
+                let booted = loop {
+                    let seen = proxy.calls().into_iter().find(|c| {
+                        c.at >= since
+                            && matches!(c.action.as_str(), "RunInstances" | "StartInstances")
+                    });
+                    if let Some(c) = seen {
+                        break Some(c.at);
+                    }
+                    if Instant::now() >= end {
+                        break None;
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                };
+                if let Some(at) = booted {
+                    std::thread::sleep((at + pending).saturating_duration_since(Instant::now()));
+                }
+                sshd.restart();
+                booted.is_some()
+            })
+        });
+        let report = rig.runner.run_job_with(job, before_stage).unwrap();
+        if let Some(g) = gate {
+            assert!(g.join().unwrap(), "the job launched or started no instance");
+        }
+        report
+    })
 }
 
 /// A warm row's run starts with a warm instance ready: `dormant warm`

@@ -21,7 +21,7 @@ use crate::sshd::alive;
 
 /// `ec2` settings in `hibernate` mode (which needs an encrypted root volume
 /// big enough for the RAM), SSH to the loopback sshd.
-fn hibernating(env: &Ec2Env) -> String {
+pub fn hibernating(env: &Ec2Env) -> String {
     env.settings(
         &format!(
             "{}suspend_mode = \"hibernate\"\nroot_volume_encrypted = true\nroot_volume_size_gb = 30\n",

@@ -71,6 +71,7 @@ mod moto;
 mod moto_refusals;
 mod notify;
 mod pause;
+mod pause_bench;
 mod pause_host;
 mod pause_local;
 mod qemu;

@@ -383,3 +383,39 @@ warm = 1
         Some(idle)
     );
 }
+
+/// A job paused on the `ssh` provider (its script asks, docs/pause.md) is
+/// visible to an operator: `dormant_paused_environments{provider="ssh"}` is 1
+/// while its environment waits suspended, with `dormant_oldest_paused_seconds`
+/// its question's age, and both drop back to 0 once a resumed job has
+/// continued the script to its end (the environment released).
+#[test]
+fn a_paused_job_shows_in_the_paused_gauges_until_it_is_continued() {
+    let sshd = crate::sshd::Sshd::start();
+    let (rig, _) = crate::ssh::ssh_rig_with(&sshd, "");
+    let ssh = [("provider", "ssh")];
+    assert_eq!(metric(&rig, "dormant_paused_environments", &ssh), Some(0.0));
+    let r = rig.run(&job(83).script("a=$(dormant-ask 'Merge it?'); echo \"got $a\""));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().expect("the ask keeps the environment");
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert_eq!(metric(&rig, "dormant_paused_environments", &ssh), Some(1.0));
+    let at = rig.record(&key).unwrap()["paused"]["at"].as_u64().unwrap();
+    let age = metric(&rig, "dormant_oldest_paused_seconds", &[]).unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(
+        age >= 0.0 && age as u64 <= now - at + 1,
+        "the oldest question's age {age} s, asked at {at}, now {now}"
+    );
+    let r2 = rig.run(&job(83).resume(&key).script("dormant-continue yes"));
+    assert_result(&r2, JobResult::Success);
+    assert!(r2.log().contains("got yes\n"), "{}", r2.log());
+    assert_eq!(metric(&rig, "dormant_paused_environments", &ssh), Some(0.0));
+    assert_eq!(
+        metric(&rig, "dormant_oldest_paused_seconds", &[]),
+        Some(0.0)
+    );
+}

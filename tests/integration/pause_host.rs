@@ -4,7 +4,8 @@
 //! environment suspends keeping it, and a resumed job's `dormant-continue`
 //! wakes it and prints the rest — every line exactly once across the two
 //! job logs, the same process, its exit code. The refusals, each with its
-//! exit code; a `dormant pause` killed right after recording its request.
+//! exit code; a `dormant pause` killed right after recording its request;
+//! a pause of a job that relays the paused script (`dormant-continue`).
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -250,4 +251,69 @@ fn a_pause_killed_after_recording_its_request_still_pauses() {
     assert_result(&r2, JobResult::BuildFailure(Some(3)));
     assert!(r2.log().contains("end\n"), "{}", r2.log());
     assert!(!alive(pid) || state_of(pid) != "T");
+}
+
+/// A job whose `dormant-continue` relays the paused script is paused from
+/// the host: the script it relays is what freezes (not the relay), the job
+/// ends paused, and a third job continues it — every line exactly once
+/// across the three job logs.
+#[test]
+fn a_continued_script_paused_from_the_host_again_freezes_the_script_not_its_relay() {
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    let (key, pid, log) = paused_counter(&rig, d.path(), &|job_id| {
+        let out = pause_cmd(&rig, &[&job_id.to_string()], &[]);
+        assert!(out.status.success(), "{}", text(&out));
+    });
+    let j2 = job(91).resume(&key);
+    let job2 = j2.id;
+    let sim2 = j2.script("dormant-continue");
+    let r2 = std::thread::scope(|s| {
+        let running = s.spawn(|| rig.run(&sim2));
+        // Woken by the relay: the counter runs again (and never ends: no
+        // `release` yet).
+        let t = Instant::now();
+        while state_of(pid) == "T" {
+            if t.elapsed() > Duration::from_secs(60) {
+                std::fs::write(d.path().join("release"), "").unwrap();
+                panic!("never woken: {}", running.join().unwrap().log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let out = pause_cmd(&rig, &[&job2.to_string(), "--reason", "again"], &[]);
+        if !out.status.success() {
+            std::fs::write(d.path().join("release"), "").unwrap();
+        }
+        assert!(out.status.success(), "{}", text(&out));
+        running.join().unwrap()
+    });
+    assert_result(&r2, JobResult::Success);
+    assert_eq!(r2.key.as_deref(), Some(key.as_str()));
+    let log2 = r2.log();
+    let want = format!("dormant-ask: paused key={key} question=\"paused by dormant pause: again\"");
+    assert!(log2.lines().any(|l| l == want), "{want}\n{log2}");
+    assert!(alive(pid), "the paused script is kept");
+    assert_eq!(state_of(pid), "T", "the relayed script is frozen");
+
+    std::fs::write(d.path().join("release"), "").unwrap();
+    let r3 = rig.run(&job(91).resume(&key).script("dormant-continue"));
+    assert_result(&r3, JobResult::BuildFailure(Some(3)));
+    let log3 = r3.log();
+    assert!(log3.contains("end\n"), "{log3}");
+    let all: Vec<u64> = [&log, &log2, &log3]
+        .iter()
+        .flat_map(|l| numbers(l))
+        .collect();
+    let want: Vec<u64> = (1..=all.len() as u64).collect();
+    assert_eq!(
+        all, want,
+        "every line exactly once across the three job logs:\n--- 1\n{log}\n--- 2\n{log2}\n--- 3\n{log3}"
+    );
+    let t = Instant::now();
+    while alive(pid) {
+        assert!(t.elapsed() < Duration::from_secs(10), "the script ended");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    crate::reattach::assert_nothing_kept(&sshd);
 }

@@ -76,15 +76,23 @@ pub fn find(vm: &VmDir) -> Option<Pid> {
     }
     identities.iter().find_map(|(id, dir)| {
         let root = dir.parent().and_then(Path::parent).unwrap_or(dir);
-        // Every match, not the first: a daemonizing QEMU's parent has this
-        // VM's command line too until it exits, and one that exits between
-        // the scan and the look below must not hide the child that runs on.
-        scan(root)
-            .into_iter()
-            .filter(|(found, _)| found == id)
-            .map(|(_, pid)| pid)
-            .find(|pid| cmdline(pid.0).is_some_and(|a| matches(&a)))
+        still_running(scan(root), *id, |pid| {
+            cmdline(pid.0).is_some_and(|a| matches(&a))
+        })
     })
+}
+
+/// Of the processes a scan found, the first of VM `id` that still runs it
+/// when looked at again. Every match is looked at, not only the first: a
+/// daemonizing QEMU's parent has the VM's command line too until it exits,
+/// and one that exits between the scan and the look must not hide the child
+/// that runs on (the VM would be taken for gone).
+fn still_running(found: Vec<(Uuid, Pid)>, id: Uuid, runs_it: impl Fn(Pid) -> bool) -> Option<Pid> {
+    found
+        .into_iter()
+        .filter(|(found, _)| *found == id)
+        .map(|(_, pid)| pid)
+        .find(|pid| runs_it(*pid))
 }
 
 /// Every live dormant QEMU whose files are under `environments` (a state
@@ -338,6 +346,21 @@ mod tests {
     use super::fake::FakeQemu;
     use super::*;
     use crate::state::EnvPaths;
+
+    #[test]
+    fn a_match_gone_since_the_scan_does_not_hide_the_vms_qemu_that_runs_on() {
+        // A daemonizing QEMU: the parent (listed first, lower pid) exits
+        // between the scan and the look; its child runs the VM on.
+        let (vm, other) = (Uuid::new_v4(), Uuid::new_v4());
+        let found = vec![(other, Pid(10)), (vm, Pid(11)), (vm, Pid(12))];
+        let gone = Pid(11);
+        assert_eq!(
+            still_running(found.clone(), vm, |p| p != gone),
+            Some(Pid(12))
+        );
+        assert_eq!(still_running(found.clone(), vm, |_| false), None);
+        assert_eq!(still_running(found, Uuid::new_v4(), |_| true), None);
+    }
 
     #[test]
     fn a_vms_qemu_is_found_by_its_command_line_and_only_it_is_killed() {

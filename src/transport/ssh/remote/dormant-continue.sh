@@ -34,6 +34,8 @@ if [ -z "$P" ]; then
   exit 3
 fi
 read -r pr at < "$P.paused"
+# Relaying P: a `dormant pause` of this stage pauses P (kept_owner.sh, halt).
+echo "$P" > "$T.relay"
 # Paused from the host (`dormant pause`, `$P.stop`): the script's group is
 # frozen and asks nothing; it is woken (again, if a continue killed after
 # the SIGCONT is retried: harmless), then the pause's files go. An answer

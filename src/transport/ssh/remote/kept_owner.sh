@@ -42,25 +42,39 @@ asked() {
 # first: `$o.stop` says the group is (to be) frozen, so whoever meets it
 # later wakes the group (dormant-continue) or stops it for good (SIGCONT
 # after SIGTERM: fin, leftovers.sh).
+#
+# A stage whose script relays a paused script (`dormant-continue` wrote the
+# paused stage's path in `$o.relay`) pauses that script instead: frozen and
+# asked the same way, the relay sees a new round and ends this stage paused
+# with its question, as when the script asks again.
 halt() {
-  local r=0 i=0 s st q=${1# }
+  local r=0 i=0 s st q=${1# } t=$o g=$p x=
   [ -n "$p" ] && [ ! -e "$o.ask" ] && [ ! -e "$o.exit" ] || return
-  { read -r r _ < "$o.paused"; } 2>/dev/null
+  { read -r x < "$o.relay"; } 2>/dev/null
+  if [ -n "$x" ]; then
+    t=$x g=
+    { read -r _ g < "$t.pid"; } 2>/dev/null
+    # (An answer just delivered: its dormant-ask removes `.ask` at once.)
+    while [ -e "$t.ask" ] && [ $((i += 1)) -le 40 ]; do nap 0.05; done
+    [ -n "$g" ] && [ ! -e "$t.ask" ] && [ ! -e "$t.exit" ] || return
+    i=0
+  fi
+  { read -r r _ < "$t.paused"; } 2>/dev/null
   r=$((${r:-0} + 1))
-  echo "$r" > "$o.stop" || return
-  kill -s STOP -- "-$p" 2>/dev/null
+  echo "$r" > "$t.stop" || return
+  kill -s STOP -- "-$g" 2>/dev/null
   while [ $((i += 1)) -le 100 ]; do
     st=
     for s in /proc/[1-9]*/stat; do
       { read -r st < "$s"; } 2>/dev/null || continue
       set -- ${st##*) }
-      [ "$3" = "$p" ] && case $1 in T|t|Z|X) ;; *) st=run; break;; esac
+      [ "$3" = "$g" ] && case $1 in T|t|Z|X) ;; *) st=run; break;; esac
       st=
     done
     [ -z "$st" ] && break
     nap 0.02
   done
-  { echo "$r"; printf '%s' "$q" | base64 -d; } > "$o.ask.t" 2>/dev/null && mv -f -- "$o.ask.t" "$o.ask"
+  { echo "$r"; printf '%s' "$q" | base64 -d; } > "$t.ask.t" 2>/dev/null && mv -f -- "$t.ask.t" "$t.ask"
 }
 # Stops what is left of the stage, drops its files, and goes.
 fin() {
