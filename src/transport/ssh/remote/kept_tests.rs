@@ -401,7 +401,10 @@ fn a_script_that_asks_after_its_connection_was_lost_outlives_the_linger() {
         pid_file.display(),
         go.display()
     );
-    let s = m.session("build.7", Mode::Start, &script, 1 << 20, 1);
+    // The linger (5 s; counted in whole seconds, so 4 to 5) leaves the
+    // script time to ask after the cut on a loaded machine: with 1 s it
+    // could end before the script had asked (a flaky failure).
+    let s = m.session("build.7", Mode::Start, &script, 1 << 20, 5);
     assert_eq!(s.report(), Report::Kept);
     let pid = pids_in(&pid_file)[0];
     s.cut();
@@ -410,8 +413,17 @@ fn a_script_that_asks_after_its_connection_was_lost_outlives_the_linger() {
         || m.file("build.7", "paused").exists(),
         "the owner to record the pause",
     );
-    // Well past the linger (1 s), which stops a script that did not ask.
-    std::thread::sleep(Duration::from_secs(4));
+    // No timed sleep past the linger: the owner, which alone would stop the
+    // script at the linger's end, goes once the pause is recorded. Had it
+    // lingered, it would have stopped the script before going.
+    let owner: i32 = std::fs::read_to_string(m.file("build.7", "own"))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    wait_for(|| !alive(owner), "the stage's owner to go");
     assert!(
         alive(pid),
         "the paused script was stopped by the loss timeout"
