@@ -38,7 +38,7 @@ fn a_whole_life_goes_through_the_allowed_transitions() {
     r.activate(&j1).unwrap();
     assert!(r.claim_for_resume(&j2).is_err(), "held by job 1");
     r.begin_suspend(&j1).unwrap();
-    r.suspended(&j1, None, true).unwrap();
+    r.suspended(&j1, None, true, None).unwrap();
     assert_eq!(r.status(), EnvStatus::Suspended);
     assert!(r.claim().is_none());
     r.claim_for_resume(&j2).unwrap();
