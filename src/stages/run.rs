@@ -101,6 +101,8 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
     if let Some(lost) = crate::lifecycle::pause::lost_message(&record) {
         env.push((crate::lifecycle::pause::LOST_VAR.to_string(), lost));
     }
+    // Test builds: the crash points of the scripts on the machine.
+    env.extend(crate::failpoint::script_env());
     let job_code = crate::job_request::runs_job_code(stage);
     let id = format!("{stage}.{:016x}", fastrand::u64(..));
     let check = lost::Watch {

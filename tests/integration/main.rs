@@ -71,6 +71,8 @@ mod moto;
 mod moto_refusals;
 mod notify;
 mod pause;
+#[cfg(feature = "testing")]
+mod pause_crash;
 mod pause_host;
 mod qemu;
 mod qemu_attach;

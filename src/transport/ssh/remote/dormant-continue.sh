@@ -52,6 +52,8 @@ if [ -e "$P.stop" ]; then
   if [ "${n-}" = "$pr" ]; then
     { read -r _ g; } < "$P.pid" 2>/dev/null
     [ -n "${g-}" ] && kill -s CONT -- "-$g" 2>/dev/null
+    # (Crash point for tests, a no-op here: src/failpoint.rs `in_script`.)
+    : failpoint continue:woken
     rm -f -- "$P.ask" "$P.stop"
   fi
   set --; exec 0</dev/null
