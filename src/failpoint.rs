@@ -94,8 +94,9 @@ macro_rules! failpoint {
 /// no-op (one builtin) in every build. A `testing` build sends it as code
 /// that, when `DORMANT_FAILPOINT` names NAME on the machine (see
 /// [`script_env`] for how it gets there), says the same last words as
-/// [`hit`] and SIGKILLs the shell that runs it ($BASHPID), once per
-/// `DORMANT_FAILPOINT_ONCE` file as here.
+/// [`hit`] and SIGKILLs the shell that runs it ($BASHPID; or the pids the
+/// words after NAME give, e.g. `$$ $BASHPID` for a pipeline's subshell and
+/// its script), once per `DORMANT_FAILPOINT_ONCE` file as here.
 pub fn in_script(text: &str) -> std::borrow::Cow<'_, str> {
     #[cfg(feature = "testing")]
     {
@@ -105,12 +106,15 @@ pub fn in_script(text: &str) -> std::borrow::Cow<'_, str> {
                 .map(|l| {
                     let t = l.trim_start();
                     match t.strip_prefix(": failpoint ") {
-                        Some(name) => format!(
+                        Some(rest) => {
+                            let (name, pids) = rest.split_once(' ').unwrap_or((rest, "$BASHPID"));
+                            format!(
                             "{indent}case ,${{DORMANT_FAILPOINT-}}, in *,{name},*) if [ -z \"${{DORMANT_FAILPOINT_ONCE-}}\" ] \
                              || ( set -C; : > \"$DORMANT_FAILPOINT_ONCE\" ) 2>/dev/null; then \
-                             echo \"dormant: failpoint {name}: SIGKILL\" >&2; kill -s KILL $BASHPID; fi;; esac\n",
+                             echo \"dormant: failpoint {name}: SIGKILL\" >&2; kill -s KILL {pids}; fi;; esac\n",
                             indent = &l[..l.len() - t.len()],
-                        ),
+                        )
+                        }
                         None => format!("{l}\n"),
                     }
                 })

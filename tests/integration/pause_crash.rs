@@ -113,3 +113,51 @@ fn an_owner_killed_between_freezing_and_asking_still_pauses_the_job() {
     assert_eq!(all, want, "every line once:\n{log}\n---\n{log2}");
     crate::reattach::assert_nothing_kept(&sshd);
 }
+
+/// `dormant-continue` SIGKILLed mid-frame (`continue:mid-frame`: the
+/// frame's header is in the FIFO, the answer is not): `dormant-ask` drops
+/// the short frame and waits on, so no partial answer is delivered, the
+/// question is not lost, and a retry in a later job delivers its own answer
+/// once: the same process, nothing before the ask run again.
+#[test]
+fn a_continue_killed_mid_frame_delivers_nothing_and_a_retry_answers() {
+    let sshd = Sshd::start();
+    let (mut rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    let r = rig.run(&job(94).script(&crate::pause::asking(d.path(), "which?")));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    let pid = crate::pause::pid_in(&d.path().join("pid"));
+    arm(&mut rig, Some("continue:mid-frame"), true);
+    let r2 = rig.run(
+        &job(94)
+            .resume(&key)
+            .suspend_on(true, true)
+            .script("dormant-continue first || echo \"rc=$?\""),
+    );
+    assert_result(&r2, JobResult::Success);
+    let log2 = r2.log();
+    assert_script_killed_at(&rig, &log2, "continue:mid-frame");
+    assert!(
+        log2.contains("rc=137\n") && !log2.contains("answer="),
+        "{log2}"
+    );
+    assert!(alive(pid), "the script still waits for its answer");
+    // (The record drops `paused` after a resumed job that ran stages and did
+    // not end paused, by design (stages/cleanup.rs `keep_question`); the
+    // question stays asked on the machine, as the retry shows.)
+
+    let r3 = rig.run(&job(94).resume(&key).script("dormant-continue second"));
+    assert_result(&r3, JobResult::BuildFailure(Some(7)));
+    let log3 = r3.log();
+    assert!(
+        log3.contains("answer=[second] v=") && log3.contains(&format!("pid={pid}")),
+        "{log3}"
+    );
+    assert!(!log3.contains("first"), "{log3}");
+    assert_eq!(
+        std::fs::read_to_string(d.path().join("runs")).unwrap(),
+        "before the ask\n"
+    );
+    crate::reattach::assert_nothing_kept(&sshd);
+}

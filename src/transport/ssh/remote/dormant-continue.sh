@@ -65,7 +65,11 @@ if [ "$size" -gt "$max" ]; then echo "dormant-continue: the answer is over $max 
 if [ -e "$P.ask" ]; then
   { read -r n; } < "$P.ask"
   if [ "$n" = "$pr" ]; then
-    if ! printf '%s %s\n%s\n' "$n" "${#a}" "$a" | timeout 10 tee -- "$P.fifo" >/dev/null 2>&1; then
+    # (The frame in two writes only for the crash point between them, a
+    # no-op here: src/failpoint.rs `in_script`.)
+    if ! { printf '%s %s\n' "$n" "${#a}"
+      : failpoint continue:mid-frame $$ $BASHPID
+      printf '%s\n' "$a"; } | timeout 10 tee -- "$P.fifo" >/dev/null 2>&1; then
       if [ -e "$P.ask" ]; then echo "dormant-continue: the paused dormant-ask does not take the answer (its process is gone?): nothing was delivered; run the work again from the start" >&2; exit 125; fi
     fi
   fi
