@@ -110,8 +110,9 @@ pub enum Command {
     /// successfully at once (its output so far in the job log), its script is
     /// frozen on the machine, and the job's cleanup suspends the environment
     /// keeping it; a job that resumes the environment wakes it with
-    /// `dormant-continue` (local and ssh providers; qemu and ec2 in hibernate
-    /// mode). Exit 3: no such environment or
+    /// `dormant-continue`, which exits with the script's code (125 when it
+    /// cannot continue: its own failures). local and ssh providers; qemu and
+    /// ec2 with suspend_mode = "hibernate". Exit 3: no such environment or
     /// job here; 4: another runner manager's key; 5: it runs no job; 7: the
     /// environment cannot keep a paused script (the setting is named); 8: the
     /// job runs no user script now.

@@ -88,3 +88,55 @@ macro_rules! failpoint {
         $crate::failpoint::hit($name);
     };
 }
+
+/// Crash points in the shell scripts dormant sends to a machine (the kept
+/// stage's owner, `dormant-continue`): a line `: failpoint NAME` there is a
+/// no-op (one builtin) in every build. A `testing` build sends it as code
+/// that, when `DORMANT_FAILPOINT` names NAME on the machine (see
+/// [`script_env`] for how it gets there), says the same last words as
+/// [`hit`] and SIGKILLs the shell that runs it ($BASHPID; or the pids the
+/// words after NAME give, e.g. `$$ $BASHPID` for a pipeline's subshell and
+/// its script), once per `DORMANT_FAILPOINT_ONCE` file as here.
+pub fn in_script(text: &str) -> std::borrow::Cow<'_, str> {
+    #[cfg(feature = "testing")]
+    {
+        if text.contains(": failpoint ") {
+            return text
+                .lines()
+                .map(|l| {
+                    let t = l.trim_start();
+                    match t.strip_prefix(": failpoint ") {
+                        Some(rest) => {
+                            let (name, pids) = rest.split_once(' ').unwrap_or((rest, "$BASHPID"));
+                            format!(
+                            "{indent}case ,${{DORMANT_FAILPOINT-}}, in *,{name},*) if [ -z \"${{DORMANT_FAILPOINT_ONCE-}}\" ] \
+                             || ( set -C; : > \"$DORMANT_FAILPOINT_ONCE\" ) 2>/dev/null; then \
+                             echo \"dormant: failpoint {name}: SIGKILL\" >&2; kill -s KILL {pids}; fi;; esac\n",
+                            indent = &l[..l.len() - t.len()],
+                        )
+                        }
+                        None => format!("{l}\n"),
+                    }
+                })
+                .collect::<String>()
+                .into();
+        }
+    }
+    text.into()
+}
+
+/// The variables that arm [`in_script`]'s crash points on the machine: this
+/// process's own `DORMANT_FAILPOINT` and `DORMANT_FAILPOINT_ONCE` (`testing`
+/// builds; none otherwise). `dormant run` puts them in the stage script's
+/// environment (`dormant-continue` runs there) and in the owner's functions.
+pub fn script_env() -> Vec<(String, String)> {
+    #[cfg(feature = "testing")]
+    {
+        ["DORMANT_FAILPOINT", "DORMANT_FAILPOINT_ONCE"]
+            .into_iter()
+            .filter_map(|k| Some((k.to_string(), std::env::var(k).ok()?)))
+            .collect()
+    }
+    #[cfg(not(feature = "testing"))]
+    Vec::new()
+}

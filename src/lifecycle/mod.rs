@@ -29,7 +29,7 @@ use anyhow::{Context, Result};
 use crate::context::Ctx;
 use crate::events::{Event, EventLog, Kind, ReleaseCause, Step, SuspendCause};
 use crate::model::{EnvPaths, StorageMode};
-use crate::provider::Provider;
+use crate::provider::{Provider, Suspended};
 use crate::state::registry::{self, UpdateError};
 use crate::state::{EnvironmentRecord, Holder, StateStore};
 use crate::transport::Transport;
@@ -101,20 +101,25 @@ pub async fn suspend(
     crate::failpoint!("suspend:intent");
     let started = Instant::now();
     let stopped = match (&rec.storage, &rec.machine) {
-        (StorageMode::Volume, _) => volume::settle_detached(w, paths, holder, guest, &ctx).await,
+        (StorageMode::Volume, _) => volume::settle_detached(w, paths, holder, guest, &ctx)
+            .await
+            .map(|()| Suspended::lost("storage = \"volume\": the machine was deleted")),
         (StorageMode::Machine, Some(m)) => w.provider.stop(m, &ctx).await,
-        (StorageMode::Machine, None) => Ok(()),
+        (StorageMode::Machine, None) => Ok(Suspended::kept()),
     };
     let took = started.elapsed();
     crate::failpoint!("suspend:stopped");
     let error = stopped.as_ref().err().map(|e| format!("{e:#}"));
-    let (rec, ()) = registry::update(paths, &ctx, |r| r.suspended(holder, error.clone(), fresh))
-        .await
-        .map_err(update_error)?;
+    let lost = stopped.as_ref().ok().and_then(|s| s.memory_lost.clone());
+    let (rec, ()) = registry::update(paths, &ctx, |r| {
+        r.suspended(holder, error.clone(), fresh, lost.clone())
+    })
+    .await
+    .map_err(update_error)?;
     let event = Event::about(Kind::Suspended, why.cause.as_str(), &rec)
         .by(holder)
         .job(why.job)
-        .reason(&why.text)
+        .reason(&paused_lost(&why.text, &rec))
         .duration(took);
     if let Some(error) = &error {
         w.events.record(event.clone().error_text(error), &ctx).await;
@@ -126,7 +131,7 @@ pub async fn suspend(
     } else {
         w.events.record(event, &ctx).await;
     }
-    stopped.with_context(|| match rec.storage {
+    stopped.map(drop).with_context(|| match rec.storage {
         StorageMode::Machine => format!(
             "stopping the machine of environment {} (it is kept as suspended; the next resume starts it)",
             paths.id
@@ -138,6 +143,15 @@ pub async fn suspend(
         ),
     })?;
     Ok(rec)
+}
+
+/// The words of a suspension, with what became of a paused script whose
+/// machine lost its memory (the event log and the notify hook say so).
+pub fn paused_lost(text: &str, rec: &EnvironmentRecord) -> String {
+    match rec.paused.as_ref().and_then(|p| p.lost.as_deref()) {
+        Some(lost) => format!("{text}; the paused script is gone: {lost}"),
+        None => text.to_string(),
+    }
 }
 
 /// Deletes the machine, then the environment's files: `begin_release`

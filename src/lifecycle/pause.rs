@@ -12,6 +12,23 @@ use crate::state::EnvironmentRecord;
 /// The variable `dormant-ask` reads: `ok`, or why it cannot pause here.
 pub const VAR: &str = "DORMANT_PAUSE";
 
+/// The variable `dormant-continue` reads first: set (to the whole message)
+/// only when the environment's paused script was lost with its machine's
+/// memory (a hibernation that fell back to a power-off), so it fails at once
+/// saying so instead of finding nothing or waiting.
+pub const LOST_VAR: &str = "DORMANT_PAUSE_LOST";
+
+/// The message behind [`LOST_VAR`] for this record, if its paused script
+/// was lost: names the environment, what happened, and what to do.
+pub fn lost_message(record: &EnvironmentRecord) -> Option<String> {
+    let lost = record.paused.as_ref()?.lost.as_deref()?;
+    let name = record.key.clone().unwrap_or_else(|| record.id.to_string());
+    Some(format!(
+        "environment {name}: the script paused there is gone: {lost} (the suspension kept the \
+         disk only); nothing to continue: run its work again from the start"
+    ))
+}
+
 /// The most of a question the job state and the record keep.
 pub const QUESTION_MAX: usize = 4096;
 

@@ -47,8 +47,19 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
                     .map(|h| h.describe())
                     .unwrap_or_else(|| "-".into());
                 // A suspended environment whose script waits for an answer
-                // (docs/pause.md) says so, and what it asks, after its key.
+                // (docs/pause.md) says so, and what it asks, after its key;
+                // one whose script was lost with the machine's memory is
+                // not paused, and says that instead.
                 let (status, asks) = match &rec.paused {
+                    Some(p) if rec.status() == EnvStatus::Suspended && p.lost.is_some() => (
+                        rec.status().as_str(),
+                        format!(
+                            "  paused script lost: {}",
+                            serde_json::Value::String(crate::lifecycle::pause::summary(
+                                p.lost.as_deref().unwrap_or_default()
+                            ))
+                        ),
+                    ),
                     Some(p) if rec.status() == EnvStatus::Suspended => (
                         "paused",
                         format!(

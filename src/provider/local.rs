@@ -16,7 +16,8 @@ use async_trait::async_trait;
 
 use super::{
     Dirs, GuestMount, Machine, MachineGone, MachineSpec, MachineState, ManagedMachine,
-    ManagedVolume, Provider, StorageMode, Target, Volume, VolumeGone, VolumeSpec, Volumes,
+    ManagedVolume, Provider, StorageMode, Suspended, Target, Volume, VolumeGone, VolumeSpec,
+    Volumes,
 };
 use crate::context::Ctx;
 use crate::state::{EnvPaths, StateStore};
@@ -142,7 +143,7 @@ impl Provider for LocalProvider {
         Ok(machine.clone())
     }
 
-    async fn stop(&self, machine: &Machine, _ctx: &Ctx) -> Result<()> {
+    async fn stop(&self, machine: &Machine, _ctx: &Ctx) -> Result<Suspended> {
         let dir = self.checked_dir(machine)?;
         if !dir.is_dir() {
             bail!(
@@ -150,7 +151,8 @@ impl Provider for LocalProvider {
                 dir.display()
             );
         }
-        Ok(())
+        // Nothing is stopped: the runner host runs on.
+        Ok(Suspended::kept())
     }
 
     async fn delete(&self, machine: &Machine, _ctx: &Ctx) -> Result<()> {

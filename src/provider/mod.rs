@@ -50,6 +50,31 @@ pub struct Refusal(pub String);
 #[error("{0}")]
 pub struct MachineGone(pub String);
 
+/// What a suspension kept of the machine besides its disk. A paused script
+/// (docs/pause.md) waits in the machine's memory: when a suspension that
+/// should keep it (a hibernation) fell back to a power-off, the lifecycle
+/// records in the environment's record that the script is gone, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Suspended {
+    /// `None`: the memory (and every process) is kept; else why it was lost.
+    pub memory_lost: Option<String>,
+}
+
+impl Suspended {
+    /// The machine's processes outlive the suspension (a hibernation, a host
+    /// that stays up, or a machine an earlier suspension already stopped).
+    pub fn kept() -> Self {
+        Suspended { memory_lost: None }
+    }
+
+    /// The machine was powered off: its processes are gone (`why` says how).
+    pub fn lost(why: impl Into<String>) -> Self {
+        Suspended {
+            memory_lost: Some(why.into()),
+        }
+    }
+}
+
 /// What a provider needs to create (or reclaim) the machine of an environment.
 #[derive(Debug, Clone)]
 pub struct MachineSpec {
@@ -120,7 +145,8 @@ pub trait Provider: Send + Sync {
     async fn start(&self, machine: &Machine, ctx: &Ctx) -> Result<Machine>;
 
     /// Suspend: stops the machine keeping its disk; waits until stopped.
-    async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<()>;
+    /// Says whether its memory was kept (see [`Suspended`]).
+    async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<Suspended>;
 
     /// Release: deletes the machine. Already gone is success.
     async fn delete(&self, machine: &Machine, ctx: &Ctx) -> Result<()>;

@@ -338,6 +338,7 @@ async fn keep_question(state: &JobState, paths: &EnvPaths, rec: &EnvironmentReco
         question: question.clone(),
         job_id: state.job_id,
         at: crate::state::now_unix(),
+        lost: None,
     });
     let ran = !state.stages.is_empty();
     if paused.is_none() && (rec.paused.is_none() || !ran) {
@@ -407,7 +408,18 @@ async fn suspend(
         "environment {id} suspended; key: {}",
         rec.key.as_deref().unwrap_or("(none recorded)")
     ));
-    announce(s, Event::Suspend, &rec, reason.text).await;
+    if let Some(lost) = rec.paused.as_ref().and_then(|p| p.lost.as_deref()) {
+        s.log.warn(format!(
+            "environment {id}: the paused script is gone ({lost}); the next dormant-continue says so"
+        ));
+    }
+    announce(
+        s,
+        Event::Suspend,
+        &rec,
+        lifecycle::paused_lost(&reason.text, &rec),
+    )
+    .await;
     Ok(())
 }
 

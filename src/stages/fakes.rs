@@ -13,7 +13,7 @@ use crate::context::{Ctx, JobLog};
 use crate::job::{Job, JobInput, SuspendRequest};
 use crate::provider::{
     GuestMount, Machine, MachineSpec, MachineState, ManagedMachine, ManagedVolume, Provider,
-    SshTarget, StorageMode, Target, Volume, VolumeGone, VolumeSpec, Volumes,
+    SshTarget, StorageMode, Suspended, Target, Volume, VolumeGone, VolumeSpec, Volumes,
 };
 use crate::settings::Settings;
 use crate::state::{EnvPaths, StateStore};
@@ -37,6 +37,9 @@ pub struct FakeCloud {
     /// Volume mode: volume id → "available", "attached to <machine>", "deleted".
     pub volumes: BTreeMap<String, String>,
     pub fail_detach: bool,
+    /// A stop that loses the machine's memory (a hibernation that fell back
+    /// to a power-off), and why.
+    pub memory_lost: Option<String>,
 }
 
 #[derive(Clone, Default)]
@@ -90,7 +93,7 @@ impl Provider for FakeProvider {
         Ok(m.clone())
     }
 
-    async fn stop(&self, m: &Machine, ctx: &Ctx) -> Result<()> {
+    async fn stop(&self, m: &Machine, ctx: &Ctx) -> Result<Suspended> {
         self.call(format!("stop {}", m.id));
         let (fail, cancel) = {
             let c = self.cloud.lock().unwrap();
@@ -110,7 +113,8 @@ impl Provider for FakeProvider {
             .unwrap()
             .machines
             .insert(m.id.clone(), MachineState::Stopped);
-        Ok(())
+        let lost = self.cloud.lock().unwrap().memory_lost.clone();
+        Ok(Suspended { memory_lost: lost })
     }
 
     async fn delete(&self, m: &Machine, _ctx: &Ctx) -> Result<()> {

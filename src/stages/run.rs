@@ -85,7 +85,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
     let paths = s.store.env_paths(state.env_id);
     let transport = s.transports.open(&s.provider.target(&machine)?, &paths)?;
     let request_file = crate::job_request::path_for(&s.settings, &paths, record.storage)?;
-    let env = vec![
+    let mut env = vec![
         (
             "DORMANT_ENVIRONMENT_KEY".to_string(),
             record.key.clone().unwrap_or_default(),
@@ -96,6 +96,13 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
             crate::lifecycle::pause::refusal(&s.settings, &record).unwrap_or_else(|| "ok".into()),
         ),
     ];
+    // The paused script went with the machine's memory: `dormant-continue`
+    // says so at once (the record stops saying paused at this job's cleanup).
+    if let Some(lost) = crate::lifecycle::pause::lost_message(&record) {
+        env.push((crate::lifecycle::pause::LOST_VAR.to_string(), lost));
+    }
+    // Test builds: the crash points of the scripts on the machine.
+    env.extend(crate::failpoint::script_env());
     let job_code = crate::job_request::runs_job_code(stage);
     let id = format!("{stage}.{:016x}", fastrand::u64(..));
     let check = lost::Watch {

@@ -320,4 +320,8 @@ pub struct Paused {
     pub job_id: u64,
     /// When that job's cleanup kept it (Unix seconds).
     pub at: u64,
+    /// The paused script is gone, and why: a suspension did not keep the
+    /// machine's memory (a hibernation that fell back to a power-off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost: Option<String>,
 }

@@ -233,14 +233,21 @@ impl EnvironmentRecord {
     /// is kept all the same (its disk holds the job's work; the next resume
     /// starts it, or the TTL deletes it), with the error recorded.
     /// `fresh`: a new suspension (its TTL starts now), not a failed resume
-    /// put back.
+    /// put back. `memory_lost`: the machine's memory did not survive (why):
+    /// a paused script is marked gone (docs/pause.md), and stays so until a
+    /// job that ran stages settles the question (`dormant-continue` says so
+    /// at once in the meantime).
     pub fn suspended(
         &mut self,
         holder: &Holder,
         error: Option<String>,
         fresh: bool,
+        memory_lost: Option<String>,
     ) -> Result<(), NotAllowed> {
         self.require(holder, &[EnvStatus::Suspending], "be marked suspended")?;
+        if let (Some(paused), Some(why)) = (self.paused.as_mut(), memory_lost) {
+            paused.lost.get_or_insert(why);
+        }
         self.status = EnvStatus::Suspended;
         self.claim = None;
         if fresh || self.suspended_at.is_none() {

@@ -38,7 +38,7 @@ fn a_whole_life_goes_through_the_allowed_transitions() {
     r.activate(&j1).unwrap();
     assert!(r.claim_for_resume(&j2).is_err(), "held by job 1");
     r.begin_suspend(&j1).unwrap();
-    r.suspended(&j1, None, true).unwrap();
+    r.suspended(&j1, None, true, None).unwrap();
     assert_eq!(r.status(), EnvStatus::Suspended);
     assert!(r.claim().is_none());
     r.claim_for_resume(&j2).unwrap();
@@ -211,4 +211,46 @@ fn stale_claims_settle_to_what_loses_nothing() {
             }
         }
     }
+}
+
+/// A suspension that lost the machine's memory marks a paused script lost
+/// (the first reason stays); one that kept it, or a record with nothing
+/// paused, records nothing (docs/pause.md, "A suspension that lost the memory").
+#[test]
+fn a_suspension_that_lost_the_memory_marks_the_paused_script_lost() {
+    let j1 = job(1, Mode::New);
+    let j2 = job(2, Mode::Resume);
+    let mut r = record();
+    r.machine_made(&j1, Machine::new("m"), "k".into()).unwrap();
+    r.activate(&j1).unwrap();
+    r.begin_suspend(&j1).unwrap();
+    r.suspended(&j1, None, true, Some("powered off".into()))
+        .unwrap();
+    assert_eq!(r.paused, None, "nothing paused: nothing to mark");
+    r.claim_for_resume(&j2).unwrap();
+    r.machine_started(&j2, Machine::new("m")).unwrap();
+    r.activate(&j2).unwrap();
+    r.paused = Some(crate::state::Paused {
+        question: "q".into(),
+        job_id: 2,
+        at: 0,
+        lost: None,
+    });
+    r.begin_suspend(&j2).unwrap();
+    r.suspended(&j2, None, true, None).unwrap();
+    assert_eq!(r.paused.as_ref().unwrap().lost, None, "memory kept");
+    let j3 = job(3, Mode::Resume);
+    r.claim_for_resume(&j3).unwrap();
+    r.begin_suspend(&j3).unwrap();
+    r.suspended(&j3, None, false, Some("hibernation fell back".into()))
+        .unwrap();
+    let j4 = job(4, Mode::Resume);
+    r.claim_for_resume(&j4).unwrap();
+    r.begin_suspend(&j4).unwrap();
+    r.suspended(&j4, None, false, Some("later".into())).unwrap();
+    assert_eq!(
+        r.paused.unwrap().lost.as_deref(),
+        Some("hibernation fell back"),
+        "the first reason stays"
+    );
 }

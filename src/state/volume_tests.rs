@@ -60,7 +60,7 @@ fn a_volume_mode_life_goes_through_every_step() {
     assert_eq!(step(&r), VolumeStep::DeletingMachine);
     r.machine_deleted(&j1).unwrap();
     assert_eq!((step(&r), r.machine.clone()), (VolumeStep::Detached, None));
-    r.suspended(&j1, None, true).unwrap();
+    r.suspended(&j1, None, true, None).unwrap();
 
     r.claim_for_resume(&j2).unwrap();
     r.begin_attach(&j2, true).unwrap();
@@ -123,7 +123,7 @@ fn a_killed_launch_is_found_again_or_forgotten() {
     r.begin_detach(&j1).unwrap();
     r.volume_detached(&j1).unwrap();
     r.machine_deleted(&j1).unwrap();
-    r.suspended(&j1, None, true).unwrap();
+    r.suspended(&j1, None, true, None).unwrap();
     // A resume launched a machine and died before recording it.
     r.claim_for_resume(&j2).unwrap();
     r.begin_attach(&j2, true).unwrap();
@@ -137,7 +137,7 @@ fn a_killed_launch_is_found_again_or_forgotten() {
     r.volume_detached(&j2).unwrap();
     r.machine_deleted(&j2).unwrap();
     // Or none was launched: the step goes back to detached.
-    r.suspended(&j2, None, false).unwrap();
+    r.suspended(&j2, None, false, None).unwrap();
     r.claim_for_resume(&j2).unwrap();
     r.begin_attach(&j2, true).unwrap();
     r.machine_deleted(&j2).unwrap();

@@ -203,3 +203,95 @@ fn ec2_stop_mode_refuses_to_ask_naming_the_setting() {
     assert_result(&r, JobResult::BuildFailure(Some(3)));
     assert!(r.log().contains("end\n"), "{}", r.log());
 }
+
+/// A hibernation EC2 refuses (`UnsupportedHibernationConfiguration`) falls
+/// back to a plain stop, which on a real instance ends the paused script
+/// (the emulator leaves the loopback host's running: what is proven here is
+/// that dormant says so). The record keeps the question with why the script
+/// is lost (`list` no longer says paused), the `suspended` event says it, the
+/// resumed job's `dormant-continue` fails at once with 125 naming the
+/// environment and the fallback, and after that job the record no longer
+/// claims the environment is paused.
+#[test]
+fn ec2_a_hibernation_that_falls_back_to_a_stop_says_the_paused_script_is_gone() {
+    let env = Ec2Env::start();
+    let rig = env.rig("74", "s_74aa74aa74aa", &hibernating(&env));
+    let d = tempfile::tempdir().unwrap();
+    env.proxy.fail(
+        "StopInstances",
+        0,
+        1,
+        400,
+        "UnsupportedHibernationConfiguration",
+    );
+    let r = rig.run(&job(74).script(&asking(d.path(), "Deploy?")));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().expect("the ask suspends the environment");
+    let pid = pid_in(&d.path().join("pid"));
+    let stops: Vec<_> = env
+        .proxy
+        .calls()
+        .into_iter()
+        .filter(|c| c.action == "StopInstances")
+        .collect();
+    assert_eq!(stops.len(), 2, "a refused hibernation, then a plain stop");
+    assert!(
+        stops[1].body.contains("Hibernate=false"),
+        "{}",
+        stops[1].body
+    );
+
+    let rec = rig.record(&key).unwrap();
+    assert_eq!(rec["paused"]["question"], "Deploy?", "{rec}");
+    let lost = rec["paused"]["lost"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        lost.contains("could not hibernate (UnsupportedHibernationConfiguration)"),
+        "the record says the paused script is lost, and why: {rec}"
+    );
+    let id = rec["id"].as_str().unwrap().to_string();
+    let table = String::from_utf8_lossy(&rig.dormant(&["list"]).stdout).into_owned();
+    let row = table
+        .lines()
+        .find(|l| l.starts_with(&id))
+        .unwrap_or_else(|| panic!("{id} in list:\n{table}"));
+    assert!(
+        row.contains(" suspended ") && row.contains("paused script lost: "),
+        "{row}"
+    );
+    let events = json_lines(&rig, &["events", "--json", &key]);
+    assert!(
+        events.iter().any(|e| e["event"] == "suspended"
+            && e["cause"] == "paused"
+            && e["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("the paused script is gone"))),
+        "{events:?}"
+    );
+
+    // The resumed job is told at once, even though the emulator left the
+    // loopback host's script waiting.
+    let r2 = rig.run(
+        &job(74)
+            .resume(&key)
+            .suspend_on(true, true)
+            .script("dormant-continue yes || echo \"rc=$?\""),
+    );
+    assert_result(&r2, JobResult::Success);
+    let log2 = r2.log();
+    assert!(
+        log2.contains(&format!(
+            "dormant-continue: environment {key}: the script paused there is gone: instance "
+        )) && log2.contains("UnsupportedHibernationConfiguration")
+            && log2.contains("rc=125\n")
+            && !log2.contains("answer="),
+        "{log2}"
+    );
+    let rec = rig.record(&key).unwrap();
+    assert!(rec["paused"].is_null(), "no longer paused: {rec}");
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+}

@@ -72,6 +72,8 @@ mod moto_refusals;
 mod notify;
 mod pause;
 mod pause_bench;
+#[cfg(feature = "testing")]
+mod pause_crash;
 mod pause_host;
 mod pause_local;
 mod qemu;

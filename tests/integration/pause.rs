@@ -155,7 +155,8 @@ fn continue_with_nothing_paused_fails_at_once_and_a_release_ends_a_paused_script
     assert_result(&r, JobResult::Success);
     let log = r.log();
     assert!(
-        log.contains("dormant-continue: nothing is paused in this environment\nrc=3\n"),
+        log.contains("dormant-continue: nothing is paused in this environment (")
+            && log.contains("\nrc=125\n"),
         "{log}"
     );
 
@@ -178,6 +179,30 @@ fn continue_with_nothing_paused_fails_at_once_and_a_release_ends_a_paused_script
     assert_nothing_kept(&sshd);
 }
 
+/// `dormant-continue`'s own failures exit 125, not a code the continued
+/// script could give: an answer over the bound is refused (125, saying so)
+/// and not delivered, and the script still waits for a good one.
+#[test]
+fn an_answer_over_the_bound_exits_125_and_the_script_still_waits() {
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    let r = rig.run(&job(89).script(&asking(d.path(), "big?")));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    let r2 = rig.run(&job(89).resume(&key).script(
+        "head -c 70000 /dev/zero | dormant-continue || echo \"rc=$?\"; dormant-continue small",
+    ));
+    assert_result(&r2, JobResult::BuildFailure(Some(7)));
+    let log2 = r2.log();
+    assert!(
+        log2.contains("dormant-continue: the answer is over 65536 bytes: not sent")
+            && log2.contains("rc=125\n")
+            && log2.contains("answer=[small]"),
+        "{log2}"
+    );
+}
+
 #[test]
 fn ask_fails_at_once_naming_the_setting_where_a_script_cannot_be_kept() {
     let sshd = Sshd::start();
@@ -190,7 +215,7 @@ fn ask_fails_at_once_naming_the_setting_where_a_script_cannot_be_kept() {
     let log = r.log();
     assert!(
         log.contains("dormant-ask: cannot pause here: suspend.enabled = false")
-            && log.contains("rc=2 went on"),
+            && log.contains("rc=125 went on"),
         "{log}"
     );
 }
@@ -224,11 +249,11 @@ fn a_run_killed_after_recording_the_pause_loses_no_question() {
 pub fn assert_refused_naming(log: &str, why: &str) {
     assert!(
         log.contains(&format!("dormant-ask: cannot pause here: {why}"))
-            && log.contains("ask rc=2 went on")
+            && log.contains("ask rc=125 went on")
             && log.contains(&format!(
                 "dormant-continue: nothing can be paused here: {why}"
             ))
-            && log.contains("continue rc=3"),
+            && log.contains("continue rc=125"),
         "{log}"
     );
 }

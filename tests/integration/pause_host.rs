@@ -56,7 +56,7 @@ pub fn text(o: &Output) -> String {
 }
 
 /// The process's state letter (`T`: stopped).
-fn state_of(pid: u32) -> String {
+pub fn state_of(pid: u32) -> String {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
     let rest = &stat[stat.rfind(')').unwrap() + 2..];
     rest[..1].to_string()

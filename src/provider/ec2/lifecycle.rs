@@ -22,7 +22,7 @@ use super::instance::InstanceInfo;
 use super::wait::{wait_for, wait_for_seeing, StoppedForCapacity, Want};
 use super::{field, Ec2Provider};
 use crate::context::Ctx;
-use crate::provider::{Machine, MachineGone, MachineState};
+use crate::provider::{Machine, MachineGone, MachineState, Suspended};
 use crate::settings::ec2::SuspendMode;
 use crate::transport::ssh::ready;
 
@@ -212,7 +212,10 @@ impl Ec2Provider {
         Ok(fresh)
     }
 
-    pub(super) async fn suspend(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
+    /// Stops (or hibernates) the instance; says whether its memory was kept.
+    /// An instance already stopped was stopped by an earlier suspension,
+    /// whose outcome was said then.
+    pub(super) async fn suspend(&self, machine: &Machine, ctx: &Ctx) -> Result<Suspended> {
         let (client, region) = self.client_for(machine).await?;
         let id = &machine.id;
         let Some(info) = instance::describe(&client, id, ctx).await? else {
@@ -220,10 +223,10 @@ impl Ec2Provider {
         };
         self.verify_tags(machine, &info, "stop")?;
         match info.state {
-            MachineState::Stopped => return Ok(()),
+            MachineState::Stopped => return Ok(Suspended::kept()),
             MachineState::Stopping => {
                 wait_for(&client, id, Want::Stopped, ctx).await?;
-                return Ok(());
+                return Ok(Suspended::kept());
             }
             MachineState::Gone => bail!("instance {id} is {}: nothing to suspend", info.state_name),
             MachineState::Pending => {
@@ -247,6 +250,11 @@ impl Ec2Provider {
                     .send()
             })
         };
+        let mut suspended = if hibernate {
+            Suspended::kept()
+        } else {
+            Suspended::lost("ec2.suspend_mode = \"stop\": the instance was stopped")
+        };
         match stop(hibernate).await {
             Ok(_) => {}
             Err(e)
@@ -265,6 +273,13 @@ impl Ec2Provider {
                 stop(false)
                     .await
                     .with_context(|| format!("stopping instance {id}"))?;
+                suspended = Suspended::lost(format!(
+                    "instance {id} could not hibernate ({}), so it was stopped instead: its memory \
+                     was lost",
+                    api_error(&e)
+                        .and_then(|a| a.code.as_deref())
+                        .unwrap_or("refused")
+                ));
             }
             Err(e)
                 if api_error(&e).and_then(|a| a.code.as_deref())
@@ -275,7 +290,7 @@ impl Ec2Provider {
             Err(e) => return Err(e).with_context(|| format!("stopping instance {id}")),
         }
         wait_for(&client, id, Want::Stopped, ctx).await?;
-        Ok(())
+        Ok(suspended)
     }
 
     /// The suspension time on the instance (before it is stopped) or the

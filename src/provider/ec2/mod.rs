@@ -54,7 +54,8 @@ use aws_sdk_ec2::Client;
 
 use self::instance::{tag, tag_filter};
 use super::{
-    Machine, MachineSpec, MachineState, ManagedMachine, Provider, StorageMode, Target, Volumes,
+    Machine, MachineSpec, MachineState, ManagedMachine, Provider, StorageMode, Suspended, Target,
+    Volumes,
 };
 use crate::context::Ctx;
 use crate::settings::ec2::Ec2Settings;
@@ -188,7 +189,7 @@ impl Provider for Ec2Provider {
         self.resume(machine, ctx).await
     }
 
-    async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
+    async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<Suspended> {
         self.suspend(machine, ctx).await
     }
 

@@ -40,7 +40,7 @@ use self::process::Pid;
 use self::vm::VmDir;
 use super::{
     Machine, MachineGone, MachineSpec, MachineState, ManagedMachine, Provider, Refusal, SshTarget,
-    StorageMode, Target, Volumes,
+    StorageMode, Suspended, Target, Volumes,
 };
 use crate::context::Ctx;
 use crate::settings::boot_image::BootImage;
@@ -280,7 +280,7 @@ impl Provider for QemuProvider {
         Ok(self.machine(env_id, port, &image_name))
     }
 
-    async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
+    async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<Suspended> {
         let vm = self.vm(self.env_of(machine)?);
         power_off::suspend(self, &vm, ctx).await
     }

@@ -13,6 +13,7 @@ use super::qmp::Qmp;
 use super::vm::{self, VmDir};
 use super::{guest, QemuProvider};
 use crate::context::Ctx;
+use crate::provider::Suspended;
 use crate::settings::qemu::QemuSuspendMode;
 use crate::wait::{Poll, Schedule, Wait};
 
@@ -32,8 +33,11 @@ const FIRST_PRESS_WITHIN: Duration = Duration::from_secs(30);
 /// How often the first press is tried while the socket is not there.
 const SOCKET_RETRY: Duration = Duration::from_millis(250);
 
-/// Suspend in the configured mode; a VM that is not running is already suspended.
-pub async fn suspend(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<()> {
+/// Suspend in the configured mode; a VM that is not running is already
+/// suspended (by an earlier suspension, whose outcome was said then). Says
+/// whether the VM's memory was kept: a hibernation that fails falls back to
+/// a power-off, which ends every process of the guest (a paused script).
+pub async fn suspend(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<Suspended> {
     let Some(pid) = process::find(vm) else {
         if !vm.exists() {
             bail!(
@@ -42,11 +46,11 @@ pub async fn suspend(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<()> {
                 vm.overlay().display()
             );
         }
-        return Ok(());
+        return Ok(Suspended::kept());
     };
-    if p.settings.suspend_mode == QemuSuspendMode::Hibernate {
+    let lost = if p.settings.suspend_mode == QemuSuspendMode::Hibernate {
         match hibernate(p, vm, pid, ctx).await {
-            Ok(()) => return Ok(()),
+            Ok(()) => return Ok(Suspended::kept()),
             Err(e) => {
                 ctx.log.warn(format!(
                     "hibernating VM {} failed ({e:#}): powering it off instead (disk kept, memory lost)",
@@ -56,10 +60,23 @@ pub async fn suspend(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<()> {
                 if let Ok(mut q) = Qmp::connect(&vm.qmp()) {
                     let _ = q.execute("cont", None);
                 }
+                fell_back(vm, &e)
             }
         }
-    }
-    powerdown(p, vm, ctx).await
+    } else {
+        Suspended::lost("qemu.suspend_mode = \"shutdown\": the VM was powered off")
+    };
+    powerdown(p, vm, ctx).await?;
+    Ok(lost)
+}
+
+/// What a hibernation that failed with `e` and fell back to a power-off
+/// kept: the disk, not the memory.
+fn fell_back(vm: &VmDir, e: &anyhow::Error) -> Suspended {
+    Suspended::lost(format!(
+        "hibernating VM {} failed ({e:#}), so it was powered off instead: its memory was lost",
+        vm.name()
+    ))
 }
 
 /// ACPI power button, a bounded wait, then `quit`.

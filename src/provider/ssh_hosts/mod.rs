@@ -22,7 +22,8 @@ use async_trait::async_trait;
 use uuid::Uuid;
 
 use super::{
-    Machine, MachineGone, MachineSpec, MachineState, ManagedMachine, Provider, SshTarget, Target,
+    Machine, MachineGone, MachineSpec, MachineState, ManagedMachine, Provider, SshTarget,
+    Suspended, Target,
 };
 use crate::context::Ctx;
 use crate::settings::ssh::{SshHost, SshSettings};
@@ -181,7 +182,7 @@ impl Provider for SshHostsProvider {
         Ok(machine.clone())
     }
 
-    async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {
+    async fn stop(&self, machine: &Machine, ctx: &Ctx) -> Result<Suspended> {
         let env = Self::env_of(machine)?;
         self.release_slot(env, ctx).await?;
         ctx.log.info(format!(
@@ -189,7 +190,9 @@ impl Provider for SshHostsProvider {
             machine.field("workspace").unwrap_or("?"),
             machine.field("host").unwrap_or("?")
         ));
-        Ok(())
+        // The host stays up: what the job left waiting on it (a paused
+        // script) waits on.
+        Ok(Suspended::kept())
     }
 
     async fn delete(&self, machine: &Machine, ctx: &Ctx) -> Result<()> {

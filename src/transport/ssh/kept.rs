@@ -43,6 +43,14 @@ const KEEP_HANDOFF: Duration = Duration::from_millis(200);
 /// 50 ms owner step).
 const PAUSE_POLL: Duration = Duration::from_millis(100);
 
+/// How long the stage's owner may take to report a `PAUSE` it was sent
+/// (`halt` freezes the group within 2 s, then asks). Past it the owner is
+/// taken for dead (killed between `$o.stop` and `$o.ask`, docs/pause.md):
+/// its session does not end by itself — the wrapper still holds its stderr
+/// while it waits for the frozen script —, so dormant follows the stage
+/// again, and the new session's owner takes over and halts again.
+const PAUSE_TAKEN: Duration = Duration::from_secs(10);
+
 /// What dormant knows of a stage across its sessions.
 pub struct Stage<W: std::io::Write> {
     pub stream: Stream<W>,
@@ -171,6 +179,7 @@ where
     let mut pause_poll = tokio::time::interval(PAUSE_POLL);
     pause_poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut pause_sent = script.pause.is_none();
+    let mut pause_due: Option<tokio::time::Instant> = None;
     let ended = loop {
         if let Some((at, _)) = &s.paused {
             if st.stream.offset() >= *at {
@@ -208,6 +217,16 @@ where
                     _ => break None,
                 }
             }
+            () = sleep_until(pause_due), if pause_due.is_some() && s.paused.is_none() && !s.cancelled => {
+                ctx.log.warn(format!(
+                    "{} on {}: its owner on the machine did not take the pause within {} s (it \
+                     died?): following the stage again",
+                    script.stage,
+                    place.dest,
+                    PAUSE_TAKEN.as_secs()
+                ));
+                break None;
+            }
             _ = pause_poll.tick(), if !pause_sent && s.attached && !s.cancelled => {
                 let asked = script
                     .pause
@@ -219,6 +238,7 @@ where
                         super::pause::encode_base64(question.as_bytes())
                     ));
                     pause_sent = true;
+                    pause_due = Some(tokio::time::Instant::now() + PAUSE_TAKEN);
                 }
             }
             line = lines.next_line(), if !stderr_done => match line {

@@ -11,6 +11,18 @@ pub const ASK: &str = include_str!("remote/dormant-ask.sh");
 /// `dormant-continue [ANSWER...]` (see the script's header).
 pub const CONTINUE: &str = include_str!("remote/dormant-continue.sh");
 
+/// The two tools as sent (their `: failpoint` lines armed in `testing`
+/// builds: `crate::failpoint::in_script`).
+fn sent() -> &'static (String, String) {
+    static SENT: std::sync::OnceLock<(String, String)> = std::sync::OnceLock::new();
+    SENT.get_or_init(|| {
+        (
+            crate::failpoint::in_script(ASK).into_owned(),
+            crate::failpoint::in_script(CONTINUE).into_owned(),
+        )
+    })
+}
+
 /// The tools' directory in the stage directory: named by their content, so a
 /// dormant with other tools never runs an older copy a machine still has.
 pub fn tools_dir() -> &'static str {
@@ -18,7 +30,8 @@ pub fn tools_dir() -> &'static str {
     DIR.get_or_init(|| {
         // FNV-1a: a name, not a defence (the directory is the user's own, 0700).
         let mut h: u64 = 0xcbf29ce484222325;
-        for b in ASK.bytes().chain(CONTINUE.bytes()) {
+        let (ask, cont) = sent();
+        for b in ask.bytes().chain(cont.bytes()) {
             h ^= u64::from(b);
             h = h.wrapping_mul(0x100000001b3);
         }
@@ -37,8 +50,8 @@ pub fn install_command() -> &'static str {
              && printf '%s' {cont} > \"$b/dormant-continue\" && chmod 700 \"$b/dormant-ask\" \"$b/dormant-continue\" \
              && mv -T -- \"$b\" \"$t/{dir}\" 2>/dev/null; rm -rf -- \"$b\" ) 2>/dev/null",
             dir = tools_dir(),
-            ask = shell_quote(ASK),
-            cont = shell_quote(CONTINUE),
+            ask = shell_quote(&sent().0),
+            cont = shell_quote(&sent().1),
         )
     })
 }

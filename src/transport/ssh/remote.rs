@@ -190,10 +190,22 @@ fn sent(which: Text) -> &'static str {
         Text::KeptOwner => KEPT_OWNER,
     };
     SENT[which as usize].get_or_init(|| {
-        text.lines()
-            .filter(|l| !l.trim_start().starts_with('#'))
-            .map(|l| format!("{l}\n"))
-            .collect()
+        // The owner's crash points are armed by variables defined with its
+        // functions (`testing` builds: crate::failpoint).
+        let mut out: String = match which {
+            Text::KeptOwner => crate::failpoint::script_env()
+                .into_iter()
+                .map(|(k, v)| format!("{k}={}\n", shell_quote(&v)))
+                .collect(),
+            _ => String::new(),
+        };
+        out.extend(
+            crate::failpoint::in_script(text)
+                .lines()
+                .filter(|l| !l.trim_start().starts_with('#'))
+                .map(|l| format!("{l}\n")),
+        );
+        out
     })
 }
 

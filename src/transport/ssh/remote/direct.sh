@@ -23,8 +23,8 @@ trap "x=1; if [ -n \"\$p\" ]; then kill -s INT -- -\$p; else q=INT; fi 2>/dev/nu
 # A stage run direct cannot pause (docs/pause.md): dormant-ask and
 # dormant-continue are functions (exported: a bash the script starts has
 # them too) that say why at once, instead of a missing command.
-dormant-ask() { local m=${DORMANT_PAUSE-ok}; [ "$m" != ok ] || m="this stage runs direct: the host cannot keep its output (keep:no)"; echo "dormant-ask: cannot pause here: $m" >&2; return 2; }
-dormant-continue() { local m=${DORMANT_PAUSE-ok}; [ "$m" != ok ] || m="this stage runs direct: the host cannot keep its output (keep:no)"; echo "dormant-continue: nothing can be paused here: $m" >&2; return 3; }
+dormant-ask() { local m=${DORMANT_PAUSE-ok}; [ "$m" != ok ] || m="this stage runs direct: the host cannot keep its output (keep:no)"; echo "dormant-ask: cannot pause here: $m" >&2; return 125; }
+dormant-continue() { local m=${DORMANT_PAUSE-ok}; [ "$m" != ok ] || m="this stage runs direct: the host cannot keep its output (keep:no)"; echo "dormant-continue: nothing can be paused here: $m; so nothing waits to be continued" >&2; return 125; }
 export -f dormant-ask dormant-continue
 { set -m; ( set +m; trap : QUIT; unset w p q g x r; set --; eval "$s" ) </dev/null 2>&1 & p=$!; set +m; } 2>/dev/null
 unset s

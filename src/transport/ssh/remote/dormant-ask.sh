@@ -3,36 +3,38 @@
 # processes alive, for a later job's `dormant-continue` to answer; prints the
 # answer on stdout byte for byte and exits 0. Written by kept.sh onto the
 # PATH of every stage script (docs/pause.md has the protocol).
-# Exit 2: this environment cannot keep a paused process (the setting is
-# named); the script goes on.
+# Exit 125 (as dormant-continue's own failures) with one `dormant-ask: ...`
+# line: this environment cannot keep a paused process (the setting is
+# named), a question empty or over the bound, or the question could not be
+# recorded; nothing was asked and the script goes on.
 umask 077
 LC_ALL=C
 ask_max=4096
 if [ -n "${DORMANT_PAUSE-}" ] && [ "$DORMANT_PAUSE" != ok ]; then
-  echo "dormant-ask: cannot pause here: $DORMANT_PAUSE" >&2; exit 2
+  echo "dormant-ask: cannot pause here: $DORMANT_PAUSE" >&2; exit 125
 fi
 o=${DORMANT_STAGE-}
 if [ -z "$o" ] || [ ! -e "$o.out" ]; then
-  echo "dormant-ask: cannot pause here: this stage's output is not kept on the machine (ssh.reconnect_timeout = \"0s\", or the host cannot keep it)" >&2; exit 2
+  echo "dormant-ask: cannot pause here: this stage's output is not kept on the machine (ssh.reconnect_timeout = \"0s\", or the host cannot keep it)" >&2; exit 125
 fi
 q="$*"
 if [ "${#q}" -gt "$ask_max" ]; then
-  echo "dormant-ask: the question is ${#q} bytes; at most $ask_max are kept" >&2; exit 2
+  echo "dormant-ask: the question is ${#q} bytes; at most $ask_max are kept" >&2; exit 125
 fi
-if [ -z "$q" ]; then echo "dormant-ask: usage: dormant-ask QUESTION..." >&2; exit 2; fi
+if [ -z "$q" ]; then echo "dormant-ask: usage: dormant-ask QUESTION..." >&2; exit 125; fi
 n=0
 { read -r n _ < "$o.paused"; } 2>/dev/null
 [ -n "$n" ] || n=0
 n=$((n + 1))
 rm -f -- "$o.fifo"
-mkfifo -m 600 -- "$o.fifo" || { echo "dormant-ask: could not make $o.fifo" >&2; exit 2; }
+mkfifo -m 600 -- "$o.fifo" || { echo "dormant-ask: could not make $o.fifo" >&2; exit 125; }
 # Intent: the question, whole, under its final name in one rename.
-printf '%s\n%s' "$n" "$q" > "$o.ask.t" && mv -f -- "$o.ask.t" "$o.ask" || { echo "dormant-ask: could not record the question in $o.ask" >&2; exit 2; }
+printf '%s\n%s' "$n" "$q" > "$o.ask.t" && mv -f -- "$o.ask.t" "$o.ask" || { echo "dormant-ask: could not record the question in $o.ask" >&2; exit 125; }
 # One frame per writer: "<round> <length>", then the answer in base64 on one
 # line of that length (any bytes, NUL too, held in memory only). A short frame
 # (its writer was killed) or another round's is dropped and the wait goes on.
 while :; do
-  exec 7<"$o.fifo" || exit 2
+  exec 7<"$o.fifo" || exit 125
   a= ok=
   if IFS=' ' read -r r len <&7 && [ "$r" = "$n" ] && [ "$len" -ge 0 ] 2>/dev/null; then
     IFS= read -r a <&7

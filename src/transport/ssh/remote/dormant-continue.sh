@@ -4,17 +4,26 @@
 # script paused in `dormant-ask`, prints that script's output from the byte
 # where the earlier job's log stopped, and exits with its exit code. If it
 # asks again, this stage ends paused with the new question (docs/pause.md).
-# Exit 3: nothing is paused here, or the paused script is gone; exit 2: usage
-# or an answer over the bound.
+# Exit 125 (as env, timeout, chroot: the tool itself failed, not the script)
+# whenever it cannot continue, with one `dormant-continue: ...` line naming
+# the cause: nothing can be paused here, nothing is paused, the paused script
+# is gone (lost with its machine's memory: DORMANT_PAUSE_LOST, set by
+# `dormant run`), or an answer over the bound. Any other code is the
+# continued script's.
 umask 077
 LC_ALL=C
 max=65536
 if [ -n "${DORMANT_PAUSE-}" ] && [ "$DORMANT_PAUSE" != ok ]; then
-  echo "dormant-continue: nothing can be paused here: $DORMANT_PAUSE" >&2; exit 3
+  echo "dormant-continue: nothing can be paused here: $DORMANT_PAUSE; so nothing waits to be continued" >&2; exit 125
+fi
+# The machine's memory was lost with the paused script (a hibernation that
+# fell back to a power-off): said at once, whatever is found below.
+if [ -n "${DORMANT_PAUSE_LOST-}" ]; then
+  echo "dormant-continue: $DORMANT_PAUSE_LOST" >&2; exit 125
 fi
 T=${DORMANT_STAGE-}
 if [ -z "$T" ] || [ ! -e "$T.out" ]; then
-  echo "dormant-continue: this stage's output is not kept on the machine (ssh.reconnect_timeout = \"0s\", or the host cannot keep it): nothing can be continued here" >&2; exit 3
+  echo "dormant-continue: this stage's output is not kept on the machine (ssh.reconnect_timeout = \"0s\", or the host cannot keep it): nothing can be continued here" >&2; exit 125
 fi
 d=${T%/*} b=${T##*/}; e=${b%%.*}
 # The position of the paused script's output (its wrapper's fd 3) -> z.
@@ -29,9 +38,9 @@ for x in "$d/$e".*.paused; do
   gone=1
 done
 if [ -z "$P" ]; then
-  if [ -n "$gone" ]; then echo "dormant-continue: the paused script is gone (it was stopped, or the machine restarted or lost its memory): nothing to continue" >&2
-  else echo "dormant-continue: nothing is paused in this environment" >&2; fi
-  exit 3
+  if [ -n "$gone" ]; then echo "dormant-continue: the paused script is gone (it was stopped, or the machine restarted or lost its memory): nothing to continue; run its work again from the start" >&2
+  else echo "dormant-continue: nothing is paused in this environment (no dormant-ask waits here: was this job resumed with the key the paused job printed?)" >&2; fi
+  exit 125
 fi
 read -r pr at < "$P.paused"
 # Relaying P: a `dormant pause` of this stage pauses P (kept_owner.sh, halt).
@@ -45,19 +54,25 @@ if [ -e "$P.stop" ]; then
   if [ "${n-}" = "$pr" ]; then
     { read -r _ g; } < "$P.pid" 2>/dev/null
     [ -n "${g-}" ] && kill -s CONT -- "-$g" 2>/dev/null
+    # (Crash point for tests, a no-op here: src/failpoint.rs `in_script`.)
+    : failpoint continue:woken
     rm -f -- "$P.ask" "$P.stop"
   fi
   set --; exec 0</dev/null
 fi
 if [ $# -gt 0 ]; then a=$(printf '%s' "$*" | base64 -w0); else a=$(head -c $((max + 1)) | base64 -w0); fi
 pad=${a##*[!=]}; size=$(( ${#a} / 4 * 3 - ${#pad} ))
-if [ "$size" -gt "$max" ]; then echo "dormant-continue: the answer is over $max bytes: not sent (the script still waits)" >&2; exit 2; fi
+if [ "$size" -gt "$max" ]; then echo "dormant-continue: the answer is over $max bytes: not sent (the script still waits; give a shorter answer, e.g. a path to a file holding it)" >&2; exit 125; fi
 # Deliver once: only to a question still asked, of the round the job log showed.
 if [ -e "$P.ask" ]; then
   { read -r n; } < "$P.ask"
   if [ "$n" = "$pr" ]; then
-    if ! printf '%s %s\n%s\n' "$n" "${#a}" "$a" | timeout 10 tee -- "$P.fifo" >/dev/null 2>&1; then
-      if [ -e "$P.ask" ]; then echo "dormant-continue: the paused dormant-ask does not take the answer (its process is gone?)" >&2; exit 3; fi
+    # (The frame in two writes only for the crash point between them, a
+    # no-op here: src/failpoint.rs `in_script`.)
+    if ! { printf '%s %s\n' "$n" "${#a}"
+      : failpoint continue:mid-frame $$ $BASHPID
+      printf '%s\n' "$a"; } | timeout 10 tee -- "$P.fifo" >/dev/null 2>&1; then
+      if [ -e "$P.ask" ]; then echo "dormant-continue: the paused dormant-ask does not take the answer (its process is gone?): nothing was delivered; run the work again from the start" >&2; exit 125; fi
     fi
   fi
 fi
@@ -71,7 +86,7 @@ while :; do
   fi
   if [ -z "$z" ]; then
     [ -e "$P.exit" ] && continue
-    echo "dormant-continue: the paused script's wrapper on the machine was killed before its end was recorded" >&2; exit 3
+    echo "dormant-continue: the paused script's wrapper on the machine was killed before its end was recorded: its exit code is unknown" >&2; exit 125
   fi
   if [ -e "$P.ask" ] && { read -r n; } < "$P.ask" 2>/dev/null && [ "$n" -gt "$pr" ] 2>/dev/null; then
     # Asked again: this job's log ends here, paused with the new question.

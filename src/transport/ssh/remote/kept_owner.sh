@@ -74,6 +74,8 @@ halt() {
     [ -z "$st" ] && break
     nap 0.02
   done
+  # (Crash point for tests, a no-op here: src/failpoint.rs `in_script`.)
+  : failpoint owner:halted
   { echo "$r"; printf '%s' "$q" | base64 -d; } > "$t.ask.t" 2>/dev/null && mv -f -- "$t.ask.t" "$t.ask"
 }
 # Stops what is left of the stage, drops its files, and goes.

@@ -1,0 +1,163 @@
+//! Kill tests of the pause steps that run on the machine, in shell
+//! (docs/pause.md, "Crash points and what a kill leaves"): the scripts'
+//! `: failpoint NAME` lines, armed in `testing` builds
+//! (`dormant::failpoint::in_script`), SIGKILL the shell that reaches them.
+//! Each test proves the kill happened there (the last words in the job log,
+//! the once-marker made), then that nothing is lost, delivered twice or stuck:
+//! on the `ssh` provider against the test sshd.
+
+use std::path::Path;
+
+use crate::crash::arm;
+use crate::harness::*;
+use crate::pause_host::{numbers, pause_cmd, paused_counter, state_of, text};
+use crate::ssh::ssh_rig_with;
+use crate::sshd::{alive, Sshd};
+
+/// Proves a script's crash point `point` fired once: its last words are in
+/// `output` and the once-marker exists (made just before the kill).
+#[track_caller]
+fn assert_script_killed_at(rig: &Rig, output: &str, point: &str) {
+    let said = format!("dormant: failpoint {point}: SIGKILL");
+    assert_eq!(
+        output.matches(&said).count(),
+        1,
+        "{point}: killed there once:\n{output}"
+    );
+    let marker = rig.runner.env.get("DORMANT_FAILPOINT_ONCE").unwrap();
+    assert!(Path::new(marker).exists(), "{point}: once-marker {marker}");
+}
+
+/// `dormant-continue` SIGKILLed right after it woke a script paused from the
+/// host (`continue:woken`: after its SIGCONT, before it removed `.stop` and
+/// `.ask`): the job that ran it gets 137 and nothing of the script's output;
+/// the script runs on (woken), still paused for dormant (`.paused`). A later job's
+/// `dormant-continue` takes the leftovers (SIGCONT again, harmless; the files
+/// go) and prints the rest from where the first job's log stopped: every line
+/// exactly once, the script's own exit code, nothing left behind.
+#[test]
+fn a_continue_killed_after_waking_the_script_is_retried_with_every_line_once() {
+    let sshd = Sshd::start();
+    let (mut rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    let (key, pid, log) = paused_counter(&rig, d.path(), &|job_id| {
+        let out = pause_cmd(&rig, &[&job_id.to_string()], &[]);
+        assert!(out.status.success(), "{}", text(&out));
+    });
+    arm(&mut rig, Some("continue:woken"), true);
+    let r2 = rig.run(
+        &job(91)
+            .resume(&key)
+            .suspend_on(true, true)
+            .script("dormant-continue || echo \"rc=$?\""),
+    );
+    assert_result(&r2, JobResult::Success);
+    let log2 = r2.log();
+    assert_script_killed_at(&rig, &log2, "continue:woken");
+    assert!(log2.contains("rc=137\n"), "{log2}");
+    assert!(numbers(&log2).is_empty(), "nothing streamed yet:\n{log2}");
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert!(alive(pid), "the woken script runs on");
+    assert_ne!(state_of(pid), "T", "woken");
+
+    // The retry; the script may end once it has taken the pause's leftovers
+    // (`.stop` gone). (Ended before a retry, its output's tail and exit
+    // code are not continued: docs/pause.md.)
+    let r3 = rig.run(&job(91).resume(&key).script(&format!(
+        "dormant-continue & c=$!; i=0; while ls \"${{DORMANT_STAGE%/*}}\"/*.stop >/dev/null 2>&1 && [ $((i += 1)) -le 600 ]; do \
+         sleep 0.05; done; \
+         : > '{}'; wait $c",
+        d.path().join("release").display()
+    )));
+    assert_result(&r3, JobResult::BuildFailure(Some(3)));
+    let log3 = r3.log();
+    assert!(log3.contains("end\n"), "{log3}");
+    let all: Vec<u64> = numbers(&log).into_iter().chain(numbers(&log3)).collect();
+    let want: Vec<u64> = (1..=all.len() as u64).collect();
+    assert_eq!(all, want, "every line once:\n{log}\n---\n{log3}");
+    crate::reattach::assert_nothing_kept(&sshd);
+}
+
+/// The stage's owner SIGKILLed in `halt` after `$o.stop` and the SIGSTOP,
+/// before `$o.ask` (`owner:halted`): the stage is not paused yet; its
+/// session breaks, `dormant run` follows the stage again and sends the
+/// pause again, a new owner halts the (already frozen) group and the stage
+/// ends paused. No question lost, no stuck environment: a resumed job
+/// continues the script with every line once.
+#[test]
+fn an_owner_killed_between_freezing_and_asking_still_pauses_the_job() {
+    let sshd = Sshd::start();
+    let (mut rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    arm(&mut rig, Some("owner:halted"), true);
+    let (key, _pid, log) = paused_counter(&rig, d.path(), &|job_id| {
+        let out = pause_cmd(&rig, &[&job_id.to_string()], &[]);
+        assert!(out.status.success(), "{}", text(&out));
+    });
+    let marker = rig.runner.env.get("DORMANT_FAILPOINT_ONCE").unwrap();
+    assert!(
+        Path::new(marker).exists(),
+        "owner:halted: once-marker {marker} (the owner was killed there):\n{log}"
+    );
+    assert_eq!(
+        rig.record(&key).unwrap()["paused"]["question"],
+        "paused by dormant pause"
+    );
+    arm(&mut rig, None, false);
+    std::fs::write(d.path().join("release"), "").unwrap();
+    let r2 = rig.run(&job(91).resume(&key).script("dormant-continue"));
+    assert_result(&r2, JobResult::BuildFailure(Some(3)));
+    let log2 = r2.log();
+    let all: Vec<u64> = numbers(&log).into_iter().chain(numbers(&log2)).collect();
+    let want: Vec<u64> = (1..=all.len() as u64).collect();
+    assert_eq!(all, want, "every line once:\n{log}\n---\n{log2}");
+    crate::reattach::assert_nothing_kept(&sshd);
+}
+
+/// `dormant-continue` SIGKILLed mid-frame (`continue:mid-frame`: the
+/// frame's header is in the FIFO, the answer is not): `dormant-ask` drops
+/// the short frame and waits on, so no partial answer is delivered, the
+/// question is not lost, and a retry in a later job delivers its own answer
+/// once: the same process, nothing before the ask run again.
+#[test]
+fn a_continue_killed_mid_frame_delivers_nothing_and_a_retry_answers() {
+    let sshd = Sshd::start();
+    let (mut rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    let r = rig.run(&job(94).script(&crate::pause::asking(d.path(), "which?")));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    let pid = crate::pause::pid_in(&d.path().join("pid"));
+    arm(&mut rig, Some("continue:mid-frame"), true);
+    let r2 = rig.run(
+        &job(94)
+            .resume(&key)
+            .suspend_on(true, true)
+            .script("dormant-continue first || echo \"rc=$?\""),
+    );
+    assert_result(&r2, JobResult::Success);
+    let log2 = r2.log();
+    assert_script_killed_at(&rig, &log2, "continue:mid-frame");
+    assert!(
+        log2.contains("rc=137\n") && !log2.contains("answer="),
+        "{log2}"
+    );
+    assert!(alive(pid), "the script still waits for its answer");
+    // (The record drops `paused` after a resumed job that ran stages and did
+    // not end paused, by design (stages/cleanup.rs `keep_question`); the
+    // question stays asked on the machine, as the retry shows.)
+
+    let r3 = rig.run(&job(94).resume(&key).script("dormant-continue second"));
+    assert_result(&r3, JobResult::BuildFailure(Some(7)));
+    let log3 = r3.log();
+    assert!(
+        log3.contains("answer=[second] v=") && log3.contains(&format!("pid={pid}")),
+        "{log3}"
+    );
+    assert!(!log3.contains("first"), "{log3}");
+    assert_eq!(
+        std::fs::read_to_string(d.path().join("runs")).unwrap(),
+        "before the ask\n"
+    );
+    crate::reattach::assert_nothing_kept(&sshd);
+}
