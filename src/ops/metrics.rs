@@ -66,7 +66,9 @@ pub fn metrics(
                 if rec.status() == EnvStatus::Suspended {
                     let age = now.saturating_sub(rec.suspended_at.unwrap_or(rec.created_at));
                     oldest_suspended = oldest_suspended.max(age);
-                    if let Some(p) = &rec.paused {
+                    // (A pause whose script was lost with the machine's
+                    // memory is no longer waiting: `list` shows it suspended.)
+                    if let Some(p) = rec.paused.as_ref().filter(|p| p.lost.is_none()) {
                         *paused.entry(rec.provider.clone()).or_default() += 1;
                         oldest_paused = oldest_paused.max(now.saturating_sub(p.at));
                     }
@@ -233,8 +235,9 @@ mod tests {
     /// A suspended environment whose script waits paused counts in
     /// `dormant_paused_environments` of its provider, and its question's age
     /// is `dormant_oldest_paused_seconds`; one suspended without a question,
-    /// and an active one whose record still has the question (a resumed job
-    /// that has not continued it yet: no one is waiting for a human), do not.
+    /// an active one whose record still has the question (a resumed job
+    /// that has not continued it yet: no one is waiting for a human), and one
+    /// whose paused script was lost with the machine's memory, do not.
     #[test]
     fn counts_paused_environments_and_the_oldest_question() {
         let dir = tempfile::tempdir().unwrap();
@@ -243,8 +246,14 @@ mod tests {
             question: "Deploy?".into(),
             job_id: 9,
             at: now_unix() - age,
+            lost: None,
+        };
+        let lost = crate::state::Paused {
+            lost: Some("the hibernation fell back to a power-off".into()),
+            ..ask(5000)
         };
         for (status, question) in [
+            (EnvStatus::Suspended, Some(lost)),
             (EnvStatus::Suspended, Some(ask(300))),
             (EnvStatus::Suspended, Some(ask(40))),
             (EnvStatus::Suspended, None),
