@@ -195,10 +195,10 @@ fn on_local_continue_with_nothing_paused_fails_at_once_and_a_release_leaves_no_p
     assert_result(&r, JobResult::Success);
     let log = r.log();
     assert!(
-        log.contains("dormant-continue: nothing is paused in this environment\n"),
+        log.contains("dormant-continue: nothing is paused in this environment"),
         "{log}"
     );
-    assert!(!log.contains("rc=0"), "{log}");
+    assert!(log.contains("rc=125\n"), "its own failure's code: {log}");
 
     let r = rig.run(&job(97).script(&asking(d.path(), "q")));
     assert_result(&r, JobResult::Success);
