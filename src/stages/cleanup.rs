@@ -34,6 +34,9 @@ use super::Session;
 /// Upper bound for stopping what the job's stages left in the environment
 /// (reaching the machine, then one command).
 const LEFTOVERS_BUDGET: Duration = Duration::from_secs(60);
+/// At most this long asking the machine whether a paused script still waits
+/// (`keep_question`); past it, the record keeps the question.
+const PAUSED_LEFT_LOOK: Duration = Duration::from_secs(30);
 
 /// Upper bound for cleanup's provider calls (a stop waits for the machine to
 /// stop; a terminate for it to go). The runner's own cleanup timeout is 1 h.
@@ -257,7 +260,7 @@ async fn settle_environment(
             done.map(drop)
         }
         Settle::Suspend => {
-            keep_question(state, paths, rec, ctx).await;
+            keep_question(state, paths, rec, transport, ctx).await;
             suspend(s, state, paths, holder, &why, rec, transport, ctx).await
         }
         Settle::Release => {
@@ -331,9 +334,19 @@ async fn stop_leftovers(
 }
 
 /// The record keeps the question of a script that asked (`list`, `inspect`);
-/// a resumed job that ran stages and did not end paused clears it (its
-/// script was continued — or left waiting: `dormant-continue` still finds it).
-async fn keep_question(state: &JobState, paths: &EnvPaths, rec: &EnvironmentRecord, ctx: &Ctx) {
+/// a resumed job that ran stages and did not end paused clears it once its
+/// script no longer waits: continued to its end, gone, or lost with the
+/// machine's memory. A job that did not run `dormant-continue` leaves the
+/// script waiting for the next one: the machine is asked
+/// ([`Transport::paused_left`]); if it cannot say, the question is kept
+/// (`dormant-continue` is what finds out).
+async fn keep_question(
+    state: &JobState,
+    paths: &EnvPaths,
+    rec: &EnvironmentRecord,
+    transport: Option<&dyn Transport>,
+    ctx: &Ctx,
+) {
     let paused = state.paused.as_ref().map(|question| crate::state::Paused {
         question: question.clone(),
         job_id: state.job_id,
@@ -343,6 +356,25 @@ async fn keep_question(state: &JobState, paths: &EnvPaths, rec: &EnvironmentReco
     let ran = !state.stages.is_empty();
     if paused.is_none() && (rec.paused.is_none() || !ran) {
         return;
+    }
+    let lost = rec.paused.as_ref().is_some_and(|p| p.lost.is_some());
+    if paused.is_none() && !lost {
+        let waits = match transport {
+            Some(t) => t.paused_left(&ctx.within(PAUSED_LEFT_LOOK)).await,
+            None => Ok(false),
+        };
+        match waits {
+            Ok(false) => {}
+            Ok(true) => return,
+            Err(e) => {
+                tracing::warn!(
+                    "environment {}: whether its paused script still waits is unknown \
+                     ({e:#}): the record keeps its question",
+                    paths.id
+                );
+                return;
+            }
+        }
     }
     let updated = registry::update(paths, &ctx.uncancellable(), |r| {
         r.paused = paused;

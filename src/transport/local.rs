@@ -301,6 +301,13 @@ impl Transport for LocalTransport {
         }
     }
 
+    async fn paused_left(&self, ctx: &Ctx) -> Result<bool> {
+        match &self.kept {
+            Some(here) => super::local_kept::paused_left(here, ctx).await,
+            None => Ok(false),
+        }
+    }
+
     async fn take_file(&self, path: &str, max: usize, _ctx: &Ctx) -> Result<Option<Vec<u8>>> {
         take_local_file(std::path::Path::new(path), max)
     }

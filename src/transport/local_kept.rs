@@ -211,7 +211,25 @@ pub async fn run(
 /// terminated mid-stage) and removes their files; paused stages are spared
 /// (`remote/leftovers.sh`).
 pub async fn stop_leftovers(here: &KeptHere, ctx: &Ctx) -> Result<()> {
-    leftovers(&here.dir, &here.env, false, ctx.remaining()).await
+    leftovers(&here.dir, &here.env, Mode::Spare, ctx.remaining())
+        .await
+        .map(drop)
+}
+
+/// [`stop_leftovers`], saying whether a paused stage is left
+/// ([`super::Transport::paused_left`]).
+pub async fn paused_left(here: &KeptHere, ctx: &Ctx) -> Result<bool> {
+    match leftovers(&here.dir, &here.env, Mode::Look, ctx.remaining()).await? {
+        Some(out) => remote::parse_paused_left(&out),
+        None => Ok(false),
+    }
+}
+
+/// What `remote/leftovers.sh` does with paused stages.
+enum Mode {
+    Spare,
+    Look,
+    All,
 }
 
 /// The environment's release: every stage kept in `env_dir`, paused ones
@@ -221,7 +239,7 @@ pub async fn release(env_dir: &Path, env: &str) -> Result<()> {
     if !dir.exists() {
         return Ok(());
     }
-    leftovers(&dir, env, true, Duration::from_secs(30)).await?;
+    leftovers(&dir, env, Mode::All, Duration::from_secs(30)).await?;
     match std::fs::remove_dir_all(&dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -229,9 +247,10 @@ pub async fn release(env_dir: &Path, env: &str) -> Result<()> {
     }
 }
 
-async fn leftovers(dir: &Path, env: &str, all: bool, limit: Duration) -> Result<()> {
+/// Its stdout; `None` when nothing was ever kept here.
+async fn leftovers(dir: &Path, env: &str, mode: Mode, limit: Duration) -> Result<Option<Vec<u8>>> {
     if !dir.exists() {
-        return Ok(());
+        return Ok(None);
     }
     let mut cmd = Command::new("bash");
     cmd.arg("-c")
@@ -239,7 +258,11 @@ async fn leftovers(dir: &Path, env: &str, all: bool, limit: Duration) -> Result<
         .arg("dormant")
         .arg(env)
         .arg("")
-        .arg(if all { "all" } else { "" })
+        .arg(match mode {
+            Mode::Spare => "",
+            Mode::Look => "look",
+            Mode::All => "all",
+        })
         .env("TMPDIR", dir)
         .stdin(Stdio::null())
         .kill_on_drop(true);
@@ -261,5 +284,5 @@ async fn leftovers(dir: &Path, env: &str, all: bool, limit: Duration) -> Result<
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
-    Ok(())
+    Ok(Some(out.stdout))
 }

@@ -142,6 +142,17 @@ pub trait Transport: Send + Sync {
         Ok(())
     }
 
+    /// Cleanup of a resumed job that did not end paused, while the machine
+    /// still runs: whether a paused stage is left in the environment (a
+    /// script still waits for its answer: the job did not continue it), so
+    /// the record keeps saying paused. What else the stages left is stopped
+    /// as by [`Transport::stop_leftovers`]. Transports that cannot keep a
+    /// paused script have none.
+    async fn paused_left(&self, ctx: &Ctx) -> Result<bool> {
+        let _ = ctx;
+        Ok(false)
+    }
+
     /// Reads (at most `max` bytes of) a regular file in the environment and
     /// removes it; `None` if there is none (a symlink is removed, never read).
     /// Cleanup reads the job's suspend request (`crate::job_request`) with it,

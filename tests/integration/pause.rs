@@ -269,3 +269,46 @@ fn on_stages_run_direct_ask_and_continue_refuse_at_once_naming_the_setting() {
     assert_result(&r, JobResult::Success);
     assert_refused_naming(&r.log(), "ssh.reconnect_timeout = \"0s\"");
 }
+
+/// A resumed job that does not run `dormant-continue` (it suspends by its
+/// own trigger) leaves the script waiting, and the record still says what
+/// it asks (`list`, `inspect`); the job that continues it clears that.
+#[test]
+fn a_resumed_job_that_does_not_continue_leaves_the_question_on_record() {
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    let r = rig.run(&job(84).script(&asking(d.path(), "still there?")));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    let pid = pid_in(&d.path().join("pid"));
+
+    let r2 = rig.run(
+        &job(84)
+            .resume(&key)
+            .suspend_on(true, true)
+            .script("echo busy"),
+    );
+    assert_result(&r2, JobResult::Success);
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert!(alive(pid), "the script still waits");
+    let rec = rig.record(&key).unwrap();
+    assert_eq!(rec["paused"]["question"], "still there?", "{rec}");
+    let list = rig.dormant(&["list"]);
+    let listed = format!("{}", String::from_utf8_lossy(&list.stdout));
+    assert!(listed.contains("still there?"), "{listed}");
+
+    let r3 = rig.run(
+        &job(84)
+            .resume(&key)
+            .suspend_on(true, true)
+            .script("dormant-continue yes"),
+    );
+    assert_result(&r3, JobResult::BuildFailure(Some(7)));
+    assert!(r3.log().contains("answer=[yes]"), "{}", r3.log());
+    let rec = rig.record(&key).unwrap();
+    assert!(
+        rec.get("paused").is_none_or(|p| p.is_null()),
+        "continued to its end: no longer paused: {rec}"
+    );
+}

@@ -180,6 +180,19 @@ impl Transport for SshTransport {
         .map(drop)
     }
 
+    async fn paused_left(&self, ctx: &Ctx) -> Result<bool> {
+        let session = self.master.session(ctx, Purpose::Reconnect).await?;
+        let dest = self.master.destination();
+        let out = run_checked(
+            &session,
+            &remote::paused_left_command(&self.master.paths.id.simple().to_string()),
+            ctx.remaining().min(LEFTOVERS_BOUND),
+            &format!("looking for a paused script on {dest}"),
+        )
+        .await?;
+        remote::parse_paused_left(&out.stdout)
+    }
+
     async fn take_file(&self, path: &str, max: usize, ctx: &Ctx) -> Result<Option<Vec<u8>>> {
         // Over the job's master when it still runs (cleanup, before the stop):
         // one multiplexed command, no new handshake.

@@ -272,6 +272,26 @@ pub fn leftovers_command(env: &str, check: bool) -> String {
     )
 }
 
+/// [`leftovers_command`] that also prints `paused:<n>`: how many paused
+/// stages it spared (a script still waits for its answer).
+pub fn paused_left_command(env: &str) -> String {
+    format!(
+        "bash -c {} dormant {} '' look",
+        shell_quote(LEFTOVERS),
+        shell_quote(env)
+    )
+}
+
+/// The `paused:<n>` line of [`paused_left_command`]'s output: whether a
+/// paused stage is left.
+pub fn parse_paused_left(out: &[u8]) -> anyhow::Result<bool> {
+    let text = String::from_utf8_lossy(out);
+    match text.lines().find_map(|l| l.strip_prefix("paused:")) {
+        Some(n) => Ok(n.trim() != "0"),
+        None => anyhow::bail!("no paused:<n> line in {:?}", text.trim()),
+    }
+}
+
 /// [`leftovers_command`] for the environment's release: paused stages too
 /// (docs/pause.md), nothing of the environment stays.
 pub fn release_command(env: &str) -> String {

@@ -1,7 +1,9 @@
 # Stops every stage of environment $1 left on this machine and removes what
 # was kept of them; with $2 = check, also makes sure output can be kept here.
 # A paused stage (its script waits in dormant-ask: `.paused`, its wrapper
-# holding the output) is spared, unless $3 = all (the environment's release).
+# holding the output) is spared, unless $3 = all (the environment's release);
+# with $3 = look, it is spared and `paused:<n>` says how many are (cleanup of
+# a resumed job: does a script still wait for its answer?).
 # Run by prepare (in its one probe command) and by cleanup when a stage did
 # not end cleanly. Prints `keep:ok`, or `keep:no <why>` when stages here
 # cannot keep their output (then they run without re-attaching).
@@ -66,6 +68,7 @@ if [ -d "$t" ] && [ -O "$t" ] && [ ! -L "$t" ]; then
     rm -f -- "$s"
   done
 fi
+[ "$3" = look ] && { set -- "$@" $k; echo "paused:$(( $# - 3 ))"; }
 if [ "$2" = check ]; then
   mkdir -p -- "$t" 2>/dev/null
   if [ ! -d "$t" ] || [ ! -O "$t" ] || [ -L "$t" ]; then echo "keep:no $t is not a directory of $USER's own"
