@@ -12,9 +12,11 @@
 //!   keeps the VM paused: the recovery's hibernation cancels or drops that
 //!   save, continues the VM and saves anew. A partial file is never restored:
 //!   a resume that finds one boots the disk (memory lost, disk kept) and says so.
-//! - restore: `memory.state` is deleted (durably) as soon as the restored VM
-//!   runs, since the overlay changes from then on and the image would no
-//!   longer match it. Whenever a live QEMU owns the overlay, a leftover state
+//!   With the guest's RAM in a file (`ram.rs`), that file is synced before
+//!   the rename too: the image is the device state and those pages.
+//! - restore: `memory.state` is deleted (durably) once the restored VM has
+//!   loaded and before it is continued, since the overlay (and the RAM file)
+//!   change from then on and the image would no longer match them. Whenever a live QEMU owns the overlay, a leftover state
 //!   file is stale and deleted too, so an image is never restored twice.
 
 use std::time::{Duration, Instant};
