@@ -6,11 +6,19 @@
 //! process, a value only its memory held, the answer byte for byte, nothing
 //! before the ask run again, the script's exit code carried; the resuming
 //! job has no trigger, so the environment is released and nothing is left.
-//! The protocol's other cases are on the ssh provider (`pause.rs`).
+//! The same boot then has a second round paused from the host: the
+//! resuming job keeps the environment (it suspends on failure), a third job
+//! runs a counter that `dormant pause JOB_ID` freezes mid-run, the VM
+//! hibernates again with it frozen, and a fourth job's `dormant-continue`
+//! wakes it: every line exactly once across the two logs, its exit code
+//! carried; that job has no trigger, so the environment is released and
+//! nothing is left. The protocol's other cases are on the ssh provider
+//! (`pause.rs`, `pause_host.rs`).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::harness::*;
+use crate::pause_host::{numbers, text};
 use crate::qemu::{env_paths, field, one_vm, qemu_pids, qemu_rig_full};
 
 #[test]
@@ -48,8 +56,10 @@ fn qemu_hibernate_keeps_a_paused_script_and_a_resumed_job_continues_it() {
     // Long enough that the restored guest's clock jumps forward.
     std::thread::sleep(Duration::from_secs(30));
 
+    // Suspends on failure (exit 7): the host round below runs on this boot.
     let second = job(98)
         .resume(&key)
+        .suspend_on(false, true)
         .script("dormant-continue \"$(printf 'yes\\n second line')\"");
     let r2 = rig.run(&second);
     let log2 = r2.log();
@@ -64,7 +74,67 @@ fn qemu_hibernate_keeps_a_paused_script_and_a_resumed_job_continues_it() {
          same process, nothing before the ask run again:\n{log2}"
     );
     assert!(!log2.contains("line before"), "nothing twice:\n{log2}");
-    // No trigger in the resuming job: released, nothing left running.
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert!(qemu_pids(&env).is_empty(), "hibernated again");
+
+    // The host round: a counter (it gives up by itself after ~300 s, so a
+    // pause that never lands cannot hang the test), paused by its job id as
+    // soon as it runs its script (until then `dormant pause` refuses: 3 not
+    // found, 5 no job, 8 not in a script).
+    let third = job(98).resume(&key).script(
+        "i=0; while :; do i=$((i+1)); echo \"line $i\"; [ -e /tmp/release ] && break; \
+         [ $i -ge 3000 ] && break; sleep 0.1; done; echo end; exit 3",
+    );
+    let third_id = third.id.to_string();
+    let r3 = std::thread::scope(|s| {
+        let running = s.spawn(|| rig.run(&third));
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            let out = rig.dormant(&["pause", &third_id, "--reason", "host round"]);
+            if out.status.success() {
+                break;
+            }
+            let code = out.status.code();
+            assert!(
+                matches!(code, Some(3 | 5 | 8))
+                    && !running.is_finished()
+                    && Instant::now() < deadline,
+                "dormant pause of job {third_id}: {code:?} {}",
+                text(&out)
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        running.join().unwrap()
+    });
+    assert_result(&r3, JobResult::Success);
+    let log3 = r3.log();
+    let want =
+        format!("dormant-ask: paused key={key} question=\"paused by dormant pause: host round\"");
+    assert!(log3.lines().any(|l| l == want), "{want}\n{log3}");
+    assert!(!log3.contains("end\n"), "{log3}");
+    assert!(
+        r3.cleanup_output().contains("hibernated"),
+        "{}",
+        r3.cleanup_output()
+    );
+    assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
+    assert!(qemu_pids(&env).is_empty(), "hibernated with the script frozen");
+
+    let fourth = job(98)
+        .resume(&key)
+        .script("touch /tmp/release; dormant-continue");
+    let r4 = rig.run(&fourth);
+    let log4 = r4.log();
+    assert_result(&r4, JobResult::BuildFailure(Some(3)));
+    assert!(log4.contains("restored"), "{log4}");
+    assert!(log4.contains("end\n"), "{log4}");
+    let lines: Vec<u64> = numbers(&log3).into_iter().chain(numbers(&log4)).collect();
+    let n = lines.len() as u64;
+    assert!(
+        n >= 1 && lines == (1..=n).collect::<Vec<_>>(),
+        "every line exactly once across the two logs:\n{log3}\n---\n{log4}"
+    );
+    // No trigger in the last job: released, nothing left running.
     assert!(qemu_pids(&env).is_empty());
     assert!(!env.dir.exists(), "release left {}", env.dir.display());
 }
