@@ -118,7 +118,10 @@ fn qemu_hibernate_keeps_a_paused_script_and_a_resumed_job_continues_it() {
         r3.cleanup_output()
     );
     assert_eq!(rig.status(&key).as_deref(), Some("suspended"));
-    assert!(qemu_pids(&env).is_empty(), "hibernated with the script frozen");
+    assert!(
+        qemu_pids(&env).is_empty(),
+        "hibernated with the script frozen"
+    );
 
     let fourth = job(98)
         .resume(&key)
@@ -137,4 +140,120 @@ fn qemu_hibernate_keeps_a_paused_script_and_a_resumed_job_continues_it() {
     // No trigger in the last job: released, nothing left running.
     assert!(qemu_pids(&env).is_empty());
     assert!(!env.dir.exists(), "release left {}", env.dir.display());
+}
+
+/// Seconds, two decimals.
+fn secs(d: Duration) -> String {
+    format!("{:.2}", d.as_secs_f64())
+}
+
+/// From the start of the job's first `prepare` call until `text` arrived
+/// in a stage's output: the calls before it (prepare, the stages before)
+/// one after another, then the line's arrival in its call.
+fn until_line(r: &dormant::runner_sim::JobReport, text: &str) -> Option<Duration> {
+    let first = r
+        .calls
+        .iter()
+        .position(|c| c.name.starts_with("prepare#"))?;
+    let mut at = Duration::ZERO;
+    for c in &r.calls[first..] {
+        if c.is_stage() {
+            if let Some(t) = c.arrived(text) {
+                return Some(at + t);
+            }
+        }
+        at += c.elapsed;
+    }
+    None
+}
+
+/// The first number in the line of `call` that contains `text` (dormant's
+/// own "restored in 0.3 s", "hibernated in 2.1 s").
+fn logged_secs(r: &dormant::runner_sim::JobReport, call: &str, text: &str) -> String {
+    r.calls
+        .iter()
+        .filter(|c| c.name.starts_with(call))
+        .flat_map(|c| c.output.lines())
+        .find_map(|l| {
+            let rest = &l[l.find(text)? + text.len()..];
+            rest.split_whitespace().next().map(str::to_string)
+        })
+        .unwrap_or_else(|| "-".into())
+}
+
+/// The pause benchmark (`scripts/bench-pause.sh`): one boot, then
+/// `DORMANT_BENCH_RUNS` rounds (default 3) of a resumed job answering a
+/// paused script, which asks again at once. Prints per round: the resuming
+/// job's first prepare call to the continued script's first output byte
+/// after the answer; the machine's restore as dormant logs it; the
+/// resume's prepare; the paused job's suspend (its cleanup, a hibernation)
+/// and the hibernation as dormant logs it.
+#[test]
+#[ignore = "a benchmark: scripts/bench-pause.sh runs it"]
+fn bench_pause_and_continue() {
+    let runs: usize = std::env::var("DORMANT_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let _one = one_vm();
+    let rig = qemu_rig_full("hibernate", "", "");
+    let first = job(97).script(
+        "n=0; while :; do n=$((n+1)); a=$(dormant-ask \"round $n\"); echo \"answer=[$a] round=$n\"; done",
+    );
+    let env = env_paths(&rig, &first);
+    let r = rig.run(&first);
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().expect("the ask suspends the environment");
+    let suspend_of = |r: &dormant::runner_sim::JobReport| {
+        r.calls
+            .iter()
+            .filter(|c| c.is_cleanup())
+            .map(|c| c.elapsed)
+            .sum::<Duration>()
+    };
+    let mut rows = vec![(
+        "-".to_string(),
+        "-".to_string(),
+        "-".to_string(),
+        secs(suspend_of(&r)),
+        logged_secs(&r, "cleanup#", "hibernated in "),
+    )];
+    for round in 1..=runs {
+        let next = job(97).resume(&key).script("dormant-continue yes");
+        let r = rig.run(&next);
+        assert_result(&r, JobResult::Success);
+        let answered = format!("answer=[yes] round={round}");
+        let first_byte = until_line(&r, &answered)
+            .unwrap_or_else(|| panic!("no {answered:?} in the resumed job:\n{}", r.log()));
+        let prepare: Duration = r
+            .calls
+            .iter()
+            .filter(|c| c.name.starts_with("prepare#"))
+            .map(|c| c.elapsed)
+            .sum();
+        rows.push((
+            secs(first_byte),
+            logged_secs(&r, "prepare#", "restored in "),
+            secs(prepare),
+            secs(suspend_of(&r)),
+            logged_secs(&r, "cleanup#", "hibernated in "),
+        ));
+    }
+    // Released: no trigger, no continue.
+    let last = rig.run(&job(97).resume(&key).script("true"));
+    assert_result(&last, JobResult::Success);
+    assert!(qemu_pids(&env).is_empty());
+
+    println!(
+        "\nqemu, TCG, hibernate, 2 vCPUs, 1 GiB guest: a paused script answered by a resumed job, \
+         {runs} round(s) on one boot (round 0 is the job that first asked)"
+    );
+    println!(
+        "| round | prepare call → first byte after the answer s | machine restore s (dormant's log) \
+         | resume prepare s | suspend of the paused job s | hibernation s (dormant's log) |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (i, (byte, restore, prepare, suspend, hib)) in rows.iter().enumerate() {
+        println!("| {i} | {byte} | {restore} | {prepare} | {suspend} | {hib} |");
+    }
 }
