@@ -52,11 +52,20 @@ fn guest_bytes(vm: &VmDir, out: &Path) -> Vec<u8> {
     std::fs::read(out).unwrap()
 }
 
-/// Starts a VM as `boot` does, with the command line `started_with` makes,
-/// plus a loader device that fills its RAM (not recorded in `launch.json`);
-/// hibernates and restores it with dormant's code. Returns the size of the
-/// memory image and whether a RAM file was there while hibernated.
-async fn hibernate_and_restore(started_with: QemuSuspendMode) -> (u64, bool) {
+/// A VM started as `power::boot` starts it, by the settings of
+/// `started_with`, plus a loader device that fills its RAM (not recorded in
+/// `launch.json`). Its QEMU is killed when this is dropped.
+struct Started {
+    dir: tempfile::TempDir,
+    store: StateStore,
+    settings: Settings,
+    image: BootImage,
+    vm: VmDir,
+    fill: Vec<u8>,
+    _kill: KillAll,
+}
+
+async fn start(started_with: QemuSuspendMode) -> Started {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("base.qcow2");
     let made = std::process::Command::new("qemu-img")
@@ -70,7 +79,7 @@ async fn hibernate_and_restore(started_with: QemuSuspendMode) -> (u64, bool) {
     let fill_file = dir.path().join("fill.bin");
     std::fs::write(&fill_file, &fill).unwrap();
     let store = StateStore::open(&dir.path().join("state")).unwrap();
-    let _kill = KillAll(store.root().to_path_buf());
+    let kill = KillAll(store.root().to_path_buf());
     let mut settings = Settings::default();
     let image = BootImage::Path(base.clone());
     settings.qemu.image = Some(image.clone());
@@ -88,10 +97,8 @@ async fn hibernate_and_restore(started_with: QemuSuspendMode) -> (u64, bool) {
     tools::create_overlay(&settings.qemu.qemu_img, &base, None, &vm).unwrap();
     tools::create_seed(&vm, "#cloud-config\n", &vm::meta_data(env.id)).unwrap();
 
-    // Started as `power::boot` starts it, by the settings of `started_with`.
-    let starting = QemuProvider::new(&settings, &store);
     let port = tools::free_port().unwrap();
-    let argv = vm::argv(&starting.settings, &image, &vm, port);
+    let argv = vm::argv(&settings.qemu, &image, &vm, port);
     super::fresh(&vm, &argv).unwrap();
     vm.write_launch(&Launch {
         version: crate::state::store::FORMAT_VERSION,
@@ -114,21 +121,42 @@ async fn hibernate_and_restore(started_with: QemuSuspendMode) -> (u64, bool) {
         guest_bytes(&vm, &out) == fill,
         "the loader filled the guest's RAM"
     );
-
-    // Hibernated and restored by a dormant of today's settings.
+    // From here on, a dormant of today's settings.
     settings.qemu.suspend_mode = QemuSuspendMode::Hibernate;
-    let p = QemuProvider::new(&settings, &store);
-    let ctx = Ctx::new(
+    Started {
+        dir,
+        store,
+        settings,
+        image,
+        vm,
+        fill,
+        _kill: kill,
+    }
+}
+
+fn ctx() -> Ctx {
+    Ctx::new(
         JobLog::stderr(),
         Default::default(),
         Duration::from_secs(120),
-    );
-    power_off::suspend(&p, &vm, &ctx).await.unwrap();
+    )
+}
+
+/// Starts a VM (`start`), hibernates and restores it with dormant's code.
+/// Returns the size of the memory image and whether a RAM file was there
+/// while hibernated.
+async fn hibernate_and_restore(started_with: QemuSuspendMode) -> (u64, bool) {
+    let s = start(started_with).await;
+    let (vm, image, fill) = (&s.vm, &s.image, &s.fill);
+    let out = s.dir.path().join("out.bin");
+    let p = QemuProvider::new(&s.settings, &s.store);
+    let ctx = ctx();
+    power_off::suspend(&p, vm, &ctx).await.unwrap();
     assert!(
         vm.state().exists(),
         "no memory image: the save failed and the VM was powered off instead (memory lost)"
     );
-    assert_eq!(process::find(&vm), None, "QEMU quit after the save");
+    assert_eq!(process::find(vm), None, "QEMU quit after the save");
     let image_size = std::fs::metadata(vm.state()).unwrap().len();
     let ram_file = vm.ram().exists();
     if ram_file {
@@ -136,7 +164,7 @@ async fn hibernate_and_restore(started_with: QemuSuspendMode) -> (u64, bool) {
         assert_eq!(mode & 0o777, 0o600, "the guest's memory is private");
     }
 
-    let (pid, _, restored) = power::resume(&p, &vm, &image, &ctx).await.unwrap();
+    let (pid, _, restored) = power::resume(&p, vm, image, &ctx).await.unwrap();
     assert!(restored, "memory restored");
     assert!(!vm.state().exists(), "an image is restored once");
     let cmdline = std::fs::read(format!("/proc/{}/cmdline", pid.0)).unwrap();
@@ -145,11 +173,11 @@ async fn hibernate_and_restore(started_with: QemuSuspendMode) -> (u64, bool) {
         "the restore runs the recorded command line, without the loader"
     );
     assert!(
-        guest_bytes(&vm, &out) == fill,
+        guest_bytes(vm, &out) == *fill,
         "the guest's RAM came back byte for byte"
     );
-    power_off::quit(&vm, &ctx).await.unwrap();
-    assert_eq!(process::find(&vm), None);
+    power_off::quit(vm, &ctx).await.unwrap();
+    assert_eq!(process::find(vm), None);
     (image_size, ram_file)
 }
 
@@ -176,4 +204,37 @@ async fn a_vm_started_without_the_ram_file_hibernates_and_restores_the_old_way()
         image_size > FILL as u64,
         "the memory image ({image_size} bytes) holds the whole guest RAM"
     );
+}
+
+#[tokio::test]
+async fn a_failed_hibernation_powers_off_and_leaves_no_ram_file_to_restore_from() {
+    let s = start(QemuSuspendMode::Hibernate).await;
+    let vm = &s.vm;
+    // A capability a save to a file refuses: `migrate` fails after `stop`.
+    Qmp::connect(&vm.qmp())
+        .unwrap()
+        .execute(
+            "migrate-set-capabilities",
+            Some(
+                serde_json::json!({ "capabilities": [{ "capability": "multifd", "state": true }] }),
+            ),
+        )
+        .unwrap();
+    let p = QemuProvider::new(&s.settings, &s.store);
+    let ctx = ctx();
+    power_off::suspend(&p, vm, &ctx).await.unwrap();
+    assert_eq!(process::find(vm), None, "powered off instead");
+    for f in [vm.state(), vm.partial_state(), vm.ram()] {
+        assert!(!f.exists(), "{} left by a failed hibernation", f.display());
+    }
+    let (_, _, restored) = power::resume(&p, vm, &s.image, &ctx).await.unwrap();
+    assert!(!restored, "the disk is booted");
+    let ram = std::fs::metadata(vm.ram()).expect("a boot makes a new RAM file");
+    assert_eq!(ram.permissions().mode() & 0o777, 0o600);
+    let out = s.dir.path().join("out.bin");
+    assert!(
+        guest_bytes(vm, &out).iter().all(|b| *b == 0),
+        "a new boot's memory holds nothing of the last run"
+    );
+    power_off::quit(vm, &ctx).await.unwrap();
 }
