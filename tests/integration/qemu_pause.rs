@@ -222,6 +222,24 @@ fn bench_pause_and_continue() {
         let next = job(97).resume(&key).script("dormant-continue yes");
         let r = rig.run(&next);
         assert_result(&r, JobResult::Success);
+        if round == 1 {
+            // Where the time goes: every call until the stage that
+            // continues, and prepare's lines with their arrival times.
+            for c in &r.calls {
+                eprintln!("  {} {:.3} s", c.name, c.elapsed.as_secs_f64());
+                if c.name.starts_with("prepare#") {
+                    for (at, line) in &c.arrivals {
+                        eprintln!("    prepare +{:.3} s: {line}", at.as_secs_f64());
+                    }
+                }
+                if c.name == "build_script" {
+                    for (at, line) in c.arrivals.iter().take(5) {
+                        eprintln!("    build_script +{:.3} s: {line}", at.as_secs_f64());
+                    }
+                    break;
+                }
+            }
+        }
         let answered = format!("answer=[yes] round={round}");
         let first_byte = until_line(&r, &answered)
             .unwrap_or_else(|| panic!("no {answered:?} in the resumed job:\n{}", r.log()));

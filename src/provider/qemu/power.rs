@@ -233,8 +233,9 @@ async fn restore(
         vm.name(),
         size / (1024 * 1024)
     ));
-    let (pid, port) = boot(p, vm, image, Some(launch), ctx).await?;
+    // From QEMU's start: with the RAM file the load itself is milliseconds.
     let started = Instant::now();
+    let (pid, port) = boot(p, vm, image, Some(launch), ctx).await?;
     if ram::has_file_ram(&launch.argv) {
         // `-incoming defer`: the pages stay in the RAM file, only the
         // device state is loaded from the image.

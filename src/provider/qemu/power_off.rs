@@ -197,10 +197,18 @@ async fn save(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
     ctx.log
         .info(format!("hibernating VM {}: saving its memory", vm.name()));
     q.execute("stop", None)?;
-    if file_ram {
-        // Only the device state goes into the image; the pages are the RAM file.
-        ram::ignore_shared(&mut q)?;
-    }
+    // The capabilities this save relies on, whatever the QEMU had set: with
+    // the RAM file only the device state goes into the image (the pages are
+    // the file); and no pause before the switchover (nothing here confirms
+    // one with `migrate-continue`: the save would wait for ever).
+    q.execute(
+        "migrate-set-capabilities",
+        Some(json!({ "capabilities": [
+            { "capability": "x-ignore-shared", "state": file_ram },
+            { "capability": "pause-before-switchover", "state": false },
+        ] })),
+    )
+    .context("setting the migration capabilities of the save")?;
     q.execute(
         "migrate",
         Some(json!({ "uri": format!("file:{}", vm.partial_state().display()) })),

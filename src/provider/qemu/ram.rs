@@ -96,8 +96,8 @@ pub fn check_restorable(vm: &VmDir) -> Result<()> {
     Ok(())
 }
 
-/// Turns on `x-ignore-shared`: a migration (a save, or the load of one)
-/// leaves the RAM file's pages out. Both sides must have it.
+/// Turns on `x-ignore-shared` for the load of a save: the RAM file's pages
+/// are not in the image. The save side sets it too (`power_off.rs`).
 pub fn ignore_shared(q: &mut Qmp) -> Result<()> {
     q.execute(
         "migrate-set-capabilities",
