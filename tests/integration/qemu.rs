@@ -700,8 +700,8 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
     // process) so it is still running when job 2 comes, however slow the
     // machine: like a large guest's. (A hibernate-mode VM's save writes only
     // its device state, in well under a second: bandwidth cannot slow it.
-    // Job 2 cancels the held save, and dormant's own saves turn the
-    // capability off.)
+    // Job 2 cancels the held save; a save dormant runs in that QEMU later
+    // gives the held step its go itself.)
     let fire = arm_hibernate_saving(&mut rig);
     let first = job(94).suspend_on(true, false).script(&format!(
         "{COUNTER} echo kept-on-disk > kept.txt; sleep 3; echo \"counter-at-suspend $(cat /tmp/counter)\""
@@ -740,7 +740,7 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
     // Job 2 resumes: its prepare recovers the environment from the dead
     // cleanup (cancels the save, continues, hibernates anew), then restores it.
     // Its own cleanup is killed mid-save too; this save is not held (a
-    // restored QEMU is a new process, and dormant's save turns it off).
+    // restored QEMU is a new process, with default settings).
     let fire = arm_hibernate_saving(&mut rig);
     let second = job(94)
         .resume(&key)
