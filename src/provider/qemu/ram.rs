@@ -118,3 +118,44 @@ pub fn sync(vm: &VmDir) -> Result<()> {
 #[cfg(test)]
 #[path = "ram_qemu_tests.rs"]
 mod qemu_tests;
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::model::EnvPaths;
+    use crate::settings::boot_image::BootImage;
+    use crate::settings::qemu::{QemuSettings, QemuSuspendMode};
+
+    #[test]
+    fn only_a_hibernate_mode_vm_gets_its_ram_in_a_file() {
+        let vm = VmDir::new(&EnvPaths::new(Path::new("/s,x"), uuid::Uuid::nil()));
+        let image = BootImage::Path("/b.qcow2".into());
+        let mut settings = QemuSettings {
+            memory_mib: 512,
+            ..Default::default()
+        };
+        for mode in [QemuSuspendMode::Shutdown, QemuSuspendMode::Hibernate] {
+            settings.suspend_mode = mode;
+            let a = super::super::vm::argv(&settings, &image, &vm, 2222);
+            let joined = a.join(" ");
+            let file = mode == QemuSuspendMode::Hibernate;
+            assert_eq!(has_file_ram(&a), file, "{joined}");
+            assert_eq!(
+                joined.contains("-machine q35,memory-backend=dormant-ram "),
+                file,
+                "{joined}"
+            );
+            assert_eq!(
+                joined.contains(
+                    "memory-backend-file,id=dormant-ram,size=512M,\
+                     mem-path=/s,,x/environments/00000000-0000-0000-0000-000000000000/vm/memory.ram,share=on"
+                ),
+                file,
+                "the environment's own file, commas doubled: {joined}"
+            );
+            assert!(joined.contains("-m 512 "), "{joined}");
+        }
+    }
+}
