@@ -679,7 +679,7 @@ pub(crate) const GRACE: &str = "[suspend]\nclaim_grace = \"1s\"\n";
 pub(crate) const PAST_GRACE: Duration = Duration::from_millis(2100);
 
 /// One VM through every way a hibernation can be cut short:
-/// 1. cleanup SIGKILLed while QEMU still writes the memory (a save slowed down
+/// 1. cleanup SIGKILLed while QEMU still writes the memory (a save held
 ///    so it outlasts the grace): the next job's recovery cancels that save,
 ///    continues the VM, hibernates it anew and restores it;
 /// 2. cleanup SIGKILLed after QEMU finished the save on its own (the VM left
@@ -696,10 +696,12 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
     let mut rig = qemu_rig_with("hibernate", GRACE);
 
     // Job 1: a counter, a file; its cleanup is killed mid-save. The save is
-    // slowed (QEMU's migration bandwidth, a QMP setting of this process) so it
-    // is still running when job 2 comes, however slow the machine: like a
-    // large guest's. (At 4 MB/s the guest's used memory takes minutes; job 2
-    // cancels the save, so the test does not wait for it.)
+    // held (QEMU's `pause-before-switchover` capability, set over QMP in this
+    // process) so it is still running when job 2 comes, however slow the
+    // machine: like a large guest's. (A hibernate-mode VM's save writes only
+    // its device state, in well under a second: bandwidth cannot slow it.
+    // Job 2 cancels the held save; a save dormant runs in that QEMU later
+    // gives the held step its go itself.)
     let fire = arm_hibernate_saving(&mut rig);
     let first = job(94).suspend_on(true, false).script(&format!(
         "{COUNTER} echo kept-on-disk > kept.txt; sleep 3; echo \"counter-at-suspend $(cat /tmp/counter)\""
@@ -710,8 +712,10 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
         std::fs::remove_file(&fire).unwrap();
         qmp(&env)
             .execute(
-                "migrate-set-parameters",
-                Some(serde_json::json!({ "max-bandwidth": 4_000_000 })),
+                "migrate-set-capabilities",
+                Some(serde_json::json!({ "capabilities": [
+                    { "capability": "pause-before-switchover", "state": true }
+                ] })),
             )
             .unwrap();
     });
@@ -729,13 +733,13 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
     assert_eq!(qemu_pids(&env).len(), 1, "QEMU lives on without dormant");
     assert_eq!(
         migration_status(&env),
-        "active",
-        "the slowed save still runs past the grace"
+        "pre-switchover",
+        "the held save still runs past the grace"
     );
 
     // Job 2 resumes: its prepare recovers the environment from the dead
     // cleanup (cancels the save, continues, hibernates anew), then restores it.
-    // Its own cleanup is killed mid-save too; this save is not slowed (a
+    // Its own cleanup is killed mid-save too; this save is not held (a
     // restored QEMU is a new process, with default settings).
     let fire = arm_hibernate_saving(&mut rig);
     let second = job(94)
@@ -751,7 +755,7 @@ fn hibernations_cut_short_keep_memory_and_a_damaged_image_boots_the_disk() {
     let log2 = r2.log();
     for line in [
         "which has no process left",
-        "still saving its memory for an interrupted hibernation (active): cancelling that save",
+        "still saving its memory for an interrupted hibernation (pre-switchover): cancelling that save",
         "hibernated",
         "restored",
     ] {

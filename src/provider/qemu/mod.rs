@@ -25,6 +25,7 @@ pub mod power;
 pub mod power_off;
 pub mod process;
 pub mod qmp;
+pub mod ram;
 pub mod tools;
 pub mod vm;
 pub mod volume;

@@ -12,9 +12,11 @@
 //!   keeps the VM paused: the recovery's hibernation cancels or drops that
 //!   save, continues the VM and saves anew. A partial file is never restored:
 //!   a resume that finds one boots the disk (memory lost, disk kept) and says so.
-//! - restore: `memory.state` is deleted (durably) as soon as the restored VM
-//!   runs, since the overlay changes from then on and the image would no
-//!   longer match it. Whenever a live QEMU owns the overlay, a leftover state
+//!   With the guest's RAM in a file (`ram.rs`), that file is synced before
+//!   the rename too: the image is the device state and those pages.
+//! - restore: `memory.state` is deleted (durably) once the restored VM has
+//!   loaded and before it is continued, since the overlay (and the RAM file)
+//!   change from then on and the image would no longer match them. Whenever a live QEMU owns the overlay, a leftover state
 //!   file is stale and deleted too, so an image is never restored twice.
 
 use std::time::{Duration, Instant};
@@ -24,7 +26,7 @@ use anyhow::{bail, Context, Result};
 use super::process::{self, Pid};
 use super::qmp::Qmp;
 use super::vm::{self, Launch, VmDir};
-use super::{alias, capacity, power_off, tools, QemuProvider};
+use super::{alias, capacity, power_off, ram, tools, QemuProvider};
 use crate::context::Ctx;
 use crate::settings::boot_image::BootImage;
 use crate::wait::{Poll, Schedule, Wait};
@@ -104,9 +106,20 @@ pub async fn boot_within(
         if let Some(r) = recorded.as_ref().and_then(|l| l.running_as.as_ref()) {
             alias::remove(p.store.root(), r.id)?;
         }
-        if incoming.is_some() {
-            argv.push("-incoming".into());
-            argv.push(format!("file:{}", vm.state().display()));
+        let file_ram = ram::has_file_ram(&argv);
+        match incoming {
+            // The RAM file is opened in place; the capability the load
+            // needs is set over QMP before it starts (`restore`).
+            Some(_) if file_ram => {
+                ram::check_restorable(vm)?;
+                argv.push("-incoming".into());
+                argv.push("defer".into());
+            }
+            Some(_) => {
+                argv.push("-incoming".into());
+                argv.push(format!("file:{}", vm.state().display()));
+            }
+            None => ram::fresh(vm, &argv)?,
         }
         let started = capacity::start_when_free(p.store.root(), limit, waiter, ctx, || {
             process::spawn(&argv, vm)
@@ -220,9 +233,20 @@ async fn restore(
         vm.name(),
         size / (1024 * 1024)
     ));
-    let (pid, port) = boot(p, vm, image, Some(launch), ctx).await?;
+    // From QEMU's start: with the RAM file the load itself is milliseconds.
     let started = Instant::now();
-    Wait::new(
+    let (pid, port) = boot(p, vm, image, Some(launch), ctx).await?;
+    if ram::has_file_ram(&launch.argv) {
+        // `-incoming defer`: the pages stay in the RAM file, only the
+        // device state is loaded from the image.
+        let mut q = Qmp::connect(&vm.qmp())?;
+        ram::ignore_shared(&mut q)?;
+        q.execute(
+            "migrate-incoming",
+            Some(serde_json::json!({ "uri": format!("file:{}", vm.state().display()) })),
+        )?;
+    }
+    let status = Wait::new(
         &ctx.within(RESTORE_LIMIT),
         format!("VM {} to load its saved memory", vm.name()),
         Schedule::fixed(RESTORE_POLL),
@@ -230,8 +254,14 @@ async fn restore(
     .quiet_for(PROGRESS_QUIET)
     .until(|| std::future::ready(loaded(vm)))
     .await?;
-    // From here the overlay changes: the image must never be restored again.
+    // Deleted before the VM runs: from then on the overlay (and the RAM
+    // file) change, and the image must never be restored again. A process
+    // killed between the two leaves a paused QEMU, which the next resume
+    // adopts and continues.
     vm.remove_durably(&vm.state())?;
+    if status != "running" {
+        Qmp::connect(&vm.qmp())?.execute("cont", None)?;
+    }
     ctx.log.info(format!(
         "VM {} restored in {:.1} s; its memory image was deleted (it matches the disk only once)",
         vm.name(),
@@ -240,18 +270,14 @@ async fn restore(
     Ok((pid, port))
 }
 
-/// One look at a restoring VM: loaded and paused (as hibernate saved it)
-/// is continued; still loading is "not yet".
-fn loaded(vm: &VmDir) -> Result<Poll<()>> {
+/// One look at a restoring VM: loaded (paused, as hibernate saved it) is
+/// ready, with its status; still loading is "not yet".
+fn loaded(vm: &VmDir) -> Result<Poll<String>> {
     let status = Qmp::connect(&vm.qmp())?.status()?;
     match status.as_str() {
-        "running" => Ok(Poll::Ready(())),
         "inmigrate" => Ok(Poll::Pending("loading (inmigrate)".into())),
         // Loaded as it was saved: paused (hibernate stops the VM first).
-        "paused" | "postmigrate" | "prelaunch" => {
-            Qmp::connect(&vm.qmp())?.execute("cont", None)?;
-            Ok(Poll::Ready(()))
-        }
+        "running" | "paused" | "postmigrate" | "prelaunch" => Ok(Poll::Ready(status)),
         other => bail!("the restored VM is {other:?}, not running"),
     }
 }
@@ -262,8 +288,9 @@ pub async fn ensure_running(p: &QemuProvider, vm: &VmDir, ctx: &Ctx) -> Result<(
     // A `cont` opens the disks again by their command-line paths.
     alias::follow_vm(p.store.root(), vm)?;
     let mut q = Qmp::connect(&vm.qmp())?;
-    power_off::continue_after_interrupted_save(&mut q, vm, ctx).await?;
+    // Before the VM may run: its memory image stops matching from then on.
     vm.remove_durably(&vm.partial_state())?;
     vm.remove_durably(&vm.state())?;
+    power_off::continue_after_interrupted_save(&mut q, vm, ctx).await?;
     Ok(())
 }

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use super::process::{self, Pid};
 use super::qmp::Qmp;
 use super::vm::{self, VmDir};
-use super::{guest, QemuProvider};
+use super::{guest, ram, QemuProvider};
 use crate::context::Ctx;
 use crate::provider::Suspended;
 use crate::settings::qemu::QemuSuspendMode;
@@ -173,17 +173,35 @@ async fn press_power_button(
     .await
 }
 
-/// Sync the guest's disks, pause, save memory next to the disk, quit.
+/// Sync the guest's disks, pause, save memory next to the disk, quit. A
+/// failed hibernation leaves no memory image and no RAM file: the caller
+/// powers the VM off (its memory is lost with it), and a RAM file left
+/// would hold disk space for nothing (QEMU keeps its mapping until it
+/// exits; the next boot makes a new one anyway).
 async fn hibernate(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
+    let saved = save(p, vm, pid, ctx).await;
+    if saved.is_err() {
+        vm.remove_durably(&vm.state())?;
+        vm.remove_durably(&vm.ram())?;
+    }
+    saved
+}
+
+async fn save(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
     let started = Instant::now();
     // A save's end (and a `cont`) opens the disks again by their
     // command-line paths: a warm VM's alias must name this directory.
     super::alias::follow_vm(p.store.root(), vm)?;
     let mut q = Qmp::connect(&vm.qmp())?;
-    continue_after_interrupted_save(&mut q, vm, ctx).await?;
+    // Before the VM may run again (an interrupted save's VM is continued).
     vm.remove_durably(&vm.state())?;
     vm.remove_durably(&vm.partial_state())?;
-    if let Some(launch) = vm.read_launch()? {
+    continue_after_interrupted_save(&mut q, vm, ctx).await?;
+    let launch = vm.read_launch()?;
+    // The way the VM was started decides (a VM of an older dormant has
+    // anonymous RAM: the whole memory goes into the image).
+    let file_ram = launch.as_ref().is_some_and(|l| ram::has_file_ram(&l.argv));
+    if let Some(launch) = launch {
         let paths = p.store.env_paths(vm.env_id);
         if let Err(e) = guest::sync_disks(&paths, &p.settings.ssh_user, launch.port, ctx).await {
             ctx.log.warn(format!(
@@ -196,6 +214,15 @@ async fn hibernate(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<
     ctx.log
         .info(format!("hibernating VM {}: saving its memory", vm.name()));
     q.execute("stop", None)?;
+    // With the RAM file only the device state goes into the image (the
+    // pages are the file); set either way, as the VM was started.
+    q.execute(
+        "migrate-set-capabilities",
+        Some(json!({ "capabilities": [
+            { "capability": "x-ignore-shared", "state": file_ram },
+        ] })),
+    )
+    .context("setting the x-ignore-shared migration capability of the save")?;
     q.execute(
         "migrate",
         Some(json!({ "uri": format!("file:{}", vm.partial_state().display()) })),
@@ -213,6 +240,12 @@ async fn hibernate(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<
     std::fs::File::open(vm.partial_state())
         .and_then(|f| f.sync_all())
         .with_context(|| format!("syncing {}", vm.partial_state().display()))?;
+    if file_ram {
+        // The image is the device state *and* these pages: durable before
+        // the rename makes it a hibernation.
+        ram::sync(vm)?;
+        crate::failpoint!("qemu:hibernate-ram-synced");
+    }
     std::fs::rename(vm.partial_state(), vm.state())
         .with_context(|| format!("renaming {} into place", vm.partial_state().display()))?;
     vm::sync_dir(&vm.dir)?;
@@ -221,11 +254,21 @@ async fn hibernate(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<
         process::kill(vm, pid)?;
     }
     let size = std::fs::metadata(vm.state()).map(|m| m.len()).unwrap_or(0);
+    let ram_size = match file_ram {
+        true => std::fs::metadata(vm.ram())
+            .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+            .unwrap_or(0),
+        false => 0,
+    };
     ctx.log.info(format!(
-        "VM {} hibernated in {:.1} s ({} MiB of memory saved)",
+        "VM {} hibernated in {:.1} s ({} MiB of memory saved{})",
         vm.name(),
         started.elapsed().as_secs_f64(),
-        size / (1024 * 1024)
+        size / (1024 * 1024),
+        match file_ram {
+            true => format!(", {} MiB in its RAM file", ram_size / (1024 * 1024)),
+            false => String::new(),
+        }
     ));
     Ok(())
 }
@@ -279,6 +322,17 @@ fn saved(q: &mut Qmp) -> Result<Poll<()>> {
     let m = q.execute("query-migrate", None)?;
     match m.get("status").and_then(Value::as_str).unwrap_or("") {
         "completed" => Ok(Poll::Ready(())),
+        // A QEMU with the `pause-before-switchover` capability (set over QMP
+        // by someone else: the kill tests hold a save this way) waits for a
+        // go before its last step; this save gives it. One killed before
+        // that stays held, like any save left running: the recovery cancels it.
+        "pre-switchover" => {
+            q.execute(
+                "migrate-continue",
+                Some(json!({ "state": "pre-switchover" })),
+            )?;
+            Ok(Poll::Pending("saving (pre-switchover, continued)".into()))
+        }
         "failed" | "cancelled" => bail!(
             "QEMU could not save the memory: {}",
             m.get("error-desc")

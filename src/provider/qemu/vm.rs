@@ -11,6 +11,7 @@
 //! | `console.log` | the serial console, appended across boots |
 //! | `memory.state` | a complete hibernation image (only after a finished save) |
 //! | `memory.state.partial` | a save in progress; never restored |
+//! | `memory.ram` | the guest's RAM, hibernate mode only (`ram.rs`); with `memory.state` it is the hibernation image |
 //!
 //! Every file is written to a temporary name and renamed, so a process killed
 //! at any line leaves either the old file or the new one.
@@ -30,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::settings::boot_image::BootImage;
-use crate::settings::qemu::{Accel, QemuSettings, MAX_SOCKET_PATH};
+use crate::settings::qemu::{Accel, QemuSettings, QemuSuspendMode, MAX_SOCKET_PATH};
 use crate::state::EnvPaths;
 
 #[derive(Debug, Clone)]
@@ -104,6 +105,10 @@ impl VmDir {
     }
     pub fn partial_state(&self) -> PathBuf {
         self.dir.join("memory.state.partial")
+    }
+    /// The guest's RAM as a file (hibernate mode, `ram.rs`).
+    pub fn ram(&self) -> PathBuf {
+        self.dir.join("memory.ram")
     }
 
     pub fn exists(&self) -> bool {
@@ -219,11 +224,16 @@ pub fn argv(settings: &QemuSettings, image: &BootImage, vm: &VmDir, port: u16) -
     };
     let cpus = settings.cpus.to_string();
     let mem = settings.memory_mib.to_string();
+    // Hibernate mode keeps the guest's RAM in a file (`ram.rs`): the restore
+    // maps it instead of copying the memory image. Others keep anonymous RAM.
+    let file_ram = (settings.suspend_mode == QemuSuspendMode::Hibernate)
+        .then(|| super::ram::args(vm, settings.memory_mib, opt_value));
+    let machine = file_ram.as_ref().map_or("q35", |[m, _]| m.as_str());
     push(&[
         "-name",
         &vm.name(),
         "-machine",
-        "q35",
+        machine,
         "-accel",
         accel,
         "-cpu",
@@ -232,6 +242,11 @@ pub fn argv(settings: &QemuSettings, image: &BootImage, vm: &VmDir, port: u16) -
         &cpus,
         "-m",
         &mem,
+    ]);
+    if let Some([_, object]) = &file_ram {
+        push(&["-object", object]);
+    }
+    push(&[
         "-nodefaults",
         "-display",
         "none",

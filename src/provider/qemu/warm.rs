@@ -143,7 +143,7 @@ impl WarmMachines for QemuProvider {
         let stamp = |p: Option<&std::path::Path>| p.map(file_stamp).unwrap_or_default();
         let fingerprint = format!(
             "image={image:?} disk={} kernel={} initrd={} size={:?} cpus={} memory={} cpu={:?} accel={:?} user={} \
-             restrict={} qemu={}",
+             restrict={} qemu={} file_ram={}",
             file_stamp(image.disk()),
             stamp(image.kernel()),
             stamp(image.initrd()),
@@ -154,7 +154,10 @@ impl WarmMachines for QemuProvider {
             s.accel,
             s.ssh_user,
             s.restrict_network,
-            s.qemu_binary.display()
+            s.qemu_binary.display(),
+            // A hibernate-mode VM keeps its RAM in a file (`ram.rs`): one
+            // booted without it would restore the slow way.
+            s.suspend_mode == crate::settings::qemu::QemuSuspendMode::Hibernate
         );
         Ok(WarmKind {
             fingerprint,

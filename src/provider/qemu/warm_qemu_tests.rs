@@ -2,7 +2,9 @@
 //! runs the firmware only, seconds): started, handed to an environment,
 //! hibernated and restored through dormant's own code. QEMU opens its disks
 //! again by their command-line paths when a save completes, and the
-//! hand-over moves the VM's directory under it (`alias.rs`). Needs
+//! hand-over moves the VM's directory under it (`alias.rs`), with the
+//! guest's RAM file (`ram.rs`), which the restore opens by the
+//! environment's path. Needs
 //! qemu-system-x86_64, qemu-img and genisoimage. The real-VM proof with a
 //! guest and a job is `tests/integration/qemu_warm.rs`.
 
@@ -102,6 +104,12 @@ async fn a_warm_vm_handed_over_under_its_running_qemu_hibernates_and_restores() 
         "no memory image: the save failed and the VM was powered off instead (memory lost)"
     );
     assert_eq!(process::find(&vm), None, "QEMU quit after the save");
+    // Hibernate mode: the guest's RAM is a file, opened once when the warm
+    // VM started; it moved with the directory under the running QEMU.
+    assert!(
+        vm.ram().exists(),
+        "the RAM file is in the environment's vm/"
+    );
 
     // The restore runs the command line the hand-over rewrote (the
     // environment's own paths), and its start drops the alias.
@@ -117,6 +125,10 @@ async fn a_warm_vm_handed_over_under_its_running_qemu_hibernates_and_restores() 
             && !now.contains(alias::DIR)
             && !now.contains("/warm/"),
         "{now}"
+    );
+    assert!(
+        now.contains(&format!("mem-path={},share=on", vm.ram().display())),
+        "the restore maps the environment's RAM file: {now}"
     );
     assert!(vm.read_launch().unwrap().unwrap().running_as.is_none());
     assert!(
