@@ -94,7 +94,8 @@ pub(super) fn announce(s: &Session, key: &str, env_id: uuid::Uuid, resumed: bool
              (suspend.enabled = false): environment {env_id} will be released at the end of the job"
         )),
         (None, _) if resumed => s.log.info(format!(
-            "no suspension trigger is set: environment {env_id} will be released at the end of this job"
+            "no suspension trigger is set: environment {env_id} will be released at the end of this job, \
+             unless its script asks again (dormant-ask) or is paused (dormant pause)"
         )),
         (None, _) => {}
     }
