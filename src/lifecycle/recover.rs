@@ -121,7 +121,9 @@ pub async fn recover(
     let settled = on_stale(status, &old, policy.enabled);
     let what = match settled {
         Settle::Release => "releasing it",
-        Settle::Suspend => "suspending it, as its job asked for a failure",
+        Settle::Suspend => {
+            "suspending it, as its job asked (a failure trigger, or its script paused)"
+        }
         Settle::Resuspend | Settle::Nothing => "putting it back to suspended",
     };
     ctx.log.info(format!(

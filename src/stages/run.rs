@@ -225,9 +225,24 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
     // triggers say); a machine mode environment has nothing to keep of a
     // machine that is gone, and follows the usual rules.
     let lost = lost.filter(|_| volume).map(|l| l.what);
-    let was_paused = paused.is_some();
+    let question = paused.clone();
     record_stage(s, stage, recorded, request, lost, paused, &ctx).await?;
-    if was_paused {
+    if let Some(question) = question {
+        // The job state says paused (cleanup suspends); the record says it
+        // too, so a sweep that settles this job after a cleanup killed
+        // before its suspension keeps the script (`paused_by`).
+        let paths = s.store.env_paths(state.env_id);
+        let job = s.job_id();
+        let marked = registry::update(&paths, &ctx.uncancellable(), |r| {
+            Ok::<_, std::convert::Infallible>(r.paused_by(job, &question))
+        })
+        .await;
+        if let Err(e) = marked {
+            tracing::warn!(
+                "environment {}: recording its paused question: {e}",
+                state.env_id
+            );
+        }
         crate::failpoint!("pause:recorded");
     }
     outcome

@@ -154,6 +154,31 @@ impl EnvironmentRecord {
         }
     }
 
+    /// The holding job's script paused (docs/pause.md): the question goes
+    /// on the record at once, and the claim says the job's environment is
+    /// kept whatever becomes of the job — so a recovery of a cleanup killed
+    /// before it suspended suspends it ([`on_stale`]) instead of releasing
+    /// the paused script with it. `false`: the job does not hold it.
+    pub fn paused_by(&mut self, job_id: u64, question: &str) -> bool {
+        match self.claim.as_mut().map(|c| &mut c.holder) {
+            Some(Holder::Job {
+                job_id: holder,
+                suspend_on_failure,
+                ..
+            }) if *holder == job_id => {
+                *suspend_on_failure = true;
+                self.paused = Some(super::Paused {
+                    question: question.to_string(),
+                    job_id,
+                    at: super::now_unix(),
+                    lost: None,
+                });
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// A retried prepare of the job that made this environment takes it back,
     /// whatever an earlier attempt's cleanup left (it may have failed to
     /// release it): the machine is found again by `create_or_reclaim`.

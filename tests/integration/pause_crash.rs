@@ -4,7 +4,8 @@
 //! (`dormant::failpoint::in_script`), SIGKILL the shell that reaches them.
 //! Each test proves the kill happened there (the last words in the job log,
 //! the once-marker made), then that nothing is lost, delivered twice or stuck:
-//! on the `ssh` provider against the test sshd.
+//! on the `ssh` provider against the test sshd. Also the cleanup of a paused
+//! job killed before its suspension, settled by a sweep.
 
 use std::path::Path;
 
@@ -159,5 +160,50 @@ fn a_continue_killed_mid_frame_delivers_nothing_and_a_retry_answers() {
         std::fs::read_to_string(d.path().join("runs")).unwrap(),
         "before the ask\n"
     );
+    crate::reattach::assert_nothing_kept(&sshd);
+}
+
+/// The cleanup of a job whose script asked, SIGKILLed at each step before
+/// and during its suspension (the runner never retries a cleanup), then
+/// `dormant sweep`: the environment is suspended with the question on its
+/// record, never released with the waiting script (the job had no
+/// trigger: without the pause a sweep releases it), and a resumed job
+/// continues the same process.
+#[test]
+fn a_paused_jobs_cleanup_killed_at_each_step_keeps_the_script_for_the_sweep() {
+    let sshd = Sshd::start();
+    let (mut rig, _) = ssh_rig_with(&sshd, crate::crash::GRACE);
+    for point in ["cleanup:decided", "suspend:intent", "suspend:stopped"] {
+        let d = tempfile::tempdir().unwrap();
+        arm(&mut rig, Some(point), true);
+        let r = rig.run(&job(86).script(&crate::pause::asking(d.path(), "kept?")));
+        crate::crash::assert_killed_at(&rig, &r.calls, point, 1);
+        let key = r.key.clone().unwrap();
+        let pid = crate::pause::pid_in(&d.path().join("pid"));
+        arm(&mut rig, None, false);
+        let swept = crate::crash::sweep(&rig);
+        assert_eq!(
+            rig.status(&key).as_deref(),
+            Some("suspended"),
+            "{point}: {swept}"
+        );
+        assert_eq!(
+            rig.record(&key).unwrap()["paused"]["question"],
+            "kept?",
+            "{point}"
+        );
+        assert!(alive(pid), "{point}: the paused script waits");
+        let r2 = rig.run(&job(86).resume(&key).script("dormant-continue yes"));
+        assert_result(&r2, JobResult::BuildFailure(Some(7)));
+        assert!(
+            r2.log().contains("answer=[yes] v=") && r2.log().contains(&format!("pid={pid}")),
+            "{point}: {}",
+            r2.log()
+        );
+        assert!(
+            rig.status(&key).is_none(),
+            "{point}: released after its end"
+        );
+    }
     crate::reattach::assert_nothing_kept(&sshd);
 }
