@@ -35,6 +35,19 @@ struct Machine {
     tmp: tempfile::TempDir,
 }
 
+/// Whatever a test left on the "machine" goes with it, paused stages too (as
+/// the environment's release does): a test that ends with a script waiting
+/// in `dormant-ask`, or one that failed midway, leaves no process behind.
+impl Drop for Machine {
+    fn drop(&mut self) {
+        let _ = as_sshd_would(Command::new("sh"))
+            .arg("-c")
+            .arg(super::release_command(ENV))
+            .env("TMPDIR", self.tmp.path())
+            .output();
+    }
+}
+
 impl Machine {
     fn new() -> Machine {
         Machine {
