@@ -35,7 +35,7 @@ use anyhow::{bail, Context, Result};
 use tokio::process::Command;
 
 use super::ssh::kept::{self, Once, Place, Stage};
-use super::ssh::remote::{self, Kept};
+use super::ssh::remote;
 use super::{Ran, Script};
 use crate::context::Ctx;
 use crate::state::stage_output::JobLogOut;
@@ -49,10 +49,6 @@ use crate::state::stage_output::JobLogOut;
 /// that ended goes at once or within this, not minutes later as over SSH.
 /// (Whole seconds: the owner counts bash's `SECONDS`, so 1 would be 0–1 s.)
 pub const LINGER_SECS: u64 = 2;
-
-/// Sessions in a row that ended at once before the stage is given up (as
-/// the ssh transport's: a follower that fell behind the bound is restarted).
-const MAX_FUTILE_SESSIONS: u32 = 5;
 
 /// The script's first line: the wrapper's `TMPDIR` (the stage directory) is
 /// not the job's. (The local transport passes the script no `TMPDIR` of the
@@ -155,20 +151,8 @@ pub async fn run(
     let mut st = Stage::new(JobLogOut::new(script.copy));
     let mut futile = 0;
     loop {
-        let before = (st.started, st.stream.offset());
-        let mode = st.mode();
-        let sent: &[u8] = match mode {
-            remote::Mode::Follow(_) => &[],
-            remote::Mode::Start | remote::Mode::Retry => place.body,
-        };
-        let kept = Kept {
-            env: place.env,
-            stage: script.id,
-            mode,
-            linger_secs: place.linger_secs,
-            bound: place.bound,
-        };
-        let line = remote::command_line(sent.len(), place.workdir, script.watch, Some(&kept));
+        let before = st.progress();
+        let (sent, line) = kept::next_session(&place, script, st.mode());
         let mut child = wrapper(shell, workdir, base_env, &here.dir, &line)
             .spawn()
             .with_context(|| format!("starting {} for {}", shell.display(), script.stage))?;
@@ -189,19 +173,12 @@ pub async fn run(
             }
             Once::MasterUnreachable(why) | Once::Broken(why) => {
                 tracing::debug!(stage = script.stage, "the local session broke: {why}");
-                futile = if (st.started, st.stream.offset()) == before {
-                    futile + 1
-                } else {
-                    0
-                };
-                if futile >= MAX_FUTILE_SESSIONS {
-                    st.stream.end_line();
+                if !st.again_after_broken(before, &mut futile).await {
                     bail!(
                         "the local bash running {} keeps ending at once ({why})",
                         script.stage
                     );
                 }
-                tokio::time::sleep(Duration::from_millis(100) * futile).await;
             }
         }
     }

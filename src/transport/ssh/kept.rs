@@ -51,6 +51,11 @@ const PAUSE_POLL: Duration = Duration::from_millis(100);
 /// again, and the new session's owner takes over and halts again.
 const PAUSE_TAKEN: Duration = Duration::from_secs(10);
 
+/// Sessions in a row that broke at once, the stage not moving (nothing learnt
+/// from them), before the stage is given up: the machine (or the local bash)
+/// refuses them for a reason waiting does not fix.
+const MAX_FUTILE_SESSIONS: u32 = 5;
+
 /// What dormant knows of a stage across its sessions.
 pub struct Stage<W: std::io::Write> {
     pub stream: Stream<W>,
@@ -71,6 +76,30 @@ impl<W: std::io::Write> Stage<W> {
             sent: false,
             lost_since: None,
         }
+    }
+
+    /// How far the stage has come: a session that ends at once leaves it
+    /// where it was.
+    pub fn progress(&self) -> (bool, u64) {
+        (self.started, self.stream.offset())
+    }
+
+    /// After a session that broke (`before`: [`Stage::progress`] when it
+    /// began): counts it in `futile` if the stage did not move, and waits a
+    /// little longer each time. `false`: [`MAX_FUTILE_SESSIONS`] came in a
+    /// row (the job log's line is ended): the caller gives the stage up.
+    pub async fn again_after_broken(&mut self, before: (bool, u64), futile: &mut u32) -> bool {
+        *futile = if self.progress() == before {
+            *futile + 1
+        } else {
+            0
+        };
+        if *futile >= MAX_FUTILE_SESSIONS {
+            self.stream.end_line();
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100) * *futile).await;
+        true
     }
 
     /// How the next session takes part.
@@ -105,17 +134,11 @@ pub struct Place<'a> {
     pub bound: u64,
 }
 
-/// Opens one session of the stage over `session` and reads it to the stage's
-/// end, or until it breaks.
-pub async fn run_once<W: std::io::Write>(
-    session: &Session,
-    place: &Place<'_>,
-    script: &Script<'_>,
-    st: &mut Stage<W>,
-    ctx: &Ctx,
-) -> Result<Once> {
-    let mode = st.mode();
-    let upload: &[u8] = match mode {
+/// The next session's command line (`remote/kept.sh` in `mode`) and what it
+/// uploads: the script, unless the session follows a stage that started.
+/// The same over SSH and through a local bash (`transport/local_kept.rs`).
+pub fn next_session<'a>(place: &Place<'a>, script: &Script<'_>, mode: Mode) -> (&'a [u8], String) {
+    let upload: &'a [u8] = match mode {
         Mode::Follow(_) => &[],
         Mode::Start | Mode::Retry => place.body,
     };
@@ -127,6 +150,19 @@ pub async fn run_once<W: std::io::Write>(
         bound: place.bound,
     };
     let line = remote::command_line(upload.len(), place.workdir, script.watch, Some(&kept));
+    (upload, line)
+}
+
+/// Opens one session of the stage over `session` and reads it to the stage's
+/// end, or until it breaks.
+pub async fn run_once<W: std::io::Write>(
+    session: &Session,
+    place: &Place<'_>,
+    script: &Script<'_>,
+    st: &mut Stage<W>,
+    ctx: &Ctx,
+) -> Result<Once> {
+    let (upload, line) = next_session(place, script, st.mode());
     let mut child = match channel::open(session, &line, place.dest, script.stage).await? {
         channel::Opened::Child(child) => child,
         channel::Opened::MasterUnreachable(why) => return Ok(Once::MasterUnreachable(why)),

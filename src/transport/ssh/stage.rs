@@ -5,8 +5,6 @@
 //! machine ([`super::kept`]). Direct stages ([`super::channel`]) have one
 //! session: a lost connection ends them.
 
-use std::time::Duration;
-
 use anyhow::{anyhow, bail, Result};
 use openssh::Session;
 
@@ -17,11 +15,6 @@ use crate::context::{Ctx, JobLog};
 use crate::settings::ssh::SshSettings;
 use crate::state::stage_output::JobLogOut;
 use crate::transport::{MachineLost, Ran, Script, ScriptExit};
-
-/// Sessions in a row that broke at once over a master that still answers
-/// (nothing learnt from them) before the stage is given up: the machine
-/// refuses them for a reason waiting does not fix.
-const MAX_FUTILE_SESSIONS: u32 = 5;
 
 /// The file in an environment's directory that says its machine cannot keep
 /// a stage's output (written by prepare's probe, with the reason): its stages
@@ -68,7 +61,7 @@ pub async fn run(
     let mut st = Stage::new(JobLogOut::new(script.copy));
     let mut futile = 0;
     loop {
-        let before = (st.started, st.stream.offset());
+        let before = st.progress();
         match kept::run_once(&session, &place, script, &mut st, ctx).await? {
             kept::Once::Done(ran) => {
                 st.stream.finish();
@@ -87,19 +80,12 @@ pub async fn run(
                 if session.check().await.is_ok() {
                     // The master answers: only the session went (its follower
                     // fell too far behind, say). Follow again over it.
-                    futile = if (st.started, st.stream.offset()) == before {
-                        futile + 1
-                    } else {
-                        0
-                    };
-                    if futile >= MAX_FUTILE_SESSIONS {
-                        st.stream.end_line();
+                    if !st.again_after_broken(before, &mut futile).await {
                         bail!(
                             "the sessions of {} on {dest} keep ending at once ({why})",
                             script.stage
                         );
                     }
-                    tokio::time::sleep(Duration::from_millis(100) * futile).await;
                     continue;
                 }
                 let since = *st.lost_since.get_or_insert_with(std::time::Instant::now);
