@@ -85,6 +85,26 @@ fn needs_escape(c: char) -> bool {
         || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
+/// JSON text fit for a terminal: the characters a terminal acts on that
+/// JSON leaves as they are (DEL, C1 controls such as U+009B, bidirectional
+/// overrides such as U+202E) written as `\uXXXX` escapes. The same JSON
+/// value; ASCII controls are escaped by the serializer already (only in
+/// strings: the layout's newlines stay).
+pub fn json_for_terminal(json: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if u32::from(c) >= 0x7f && needs_escape(c) {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                let _ = write!(out, "\\u{u:04x}");
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// POSIX single-quoting: `s` as one word for sh and bash, whatever it holds.
 pub fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
@@ -151,5 +171,16 @@ mod tests {
         // Escapes count toward the limit: the result stays short.
         let e = excerpt(&"\u{1b}".repeat(10_000));
         assert!(e.len() < EXCERPT_MAX + 30, "{}", e.len());
+    }
+
+    #[test]
+    fn json_for_terminal_escapes_what_a_terminal_acts_on_and_keeps_the_value() {
+        let value = serde_json::json!({"q": "a\u{202e}b\u{9b}c\u{7f}d é\n"});
+        let text = serde_json::to_string_pretty(&value).unwrap();
+        let shown = json_for_terminal(&text);
+        assert!(!shown.contains(['\u{202e}', '\u{9b}', '\u{7f}']), "{shown}");
+        assert!(shown.contains("\\u202e") && shown.contains("\\u009b") && shown.contains('é'));
+        let back: serde_json::Value = serde_json::from_str(&shown).unwrap();
+        assert_eq!(back, value);
     }
 }

@@ -55,18 +55,24 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
                         rec.status().as_str(),
                         format!(
                             "  paused script lost: {}",
-                            serde_json::Value::String(crate::lifecycle::pause::summary(
-                                p.lost.as_deref().unwrap_or_default()
-                            ))
+                            crate::text::json_for_terminal(
+                                &serde_json::Value::String(crate::lifecycle::pause::summary(
+                                    p.lost.as_deref().unwrap_or_default()
+                                ))
+                                .to_string()
+                            )
                         ),
                     ),
                     Some(p) if rec.status() == EnvStatus::Suspended => (
                         "paused",
                         format!(
                             "  asks: {}",
-                            serde_json::Value::String(crate::lifecycle::pause::summary(
-                                &p.question
-                            ))
+                            crate::text::json_for_terminal(
+                                &serde_json::Value::String(crate::lifecycle::pause::summary(
+                                    &p.question
+                                ))
+                                .to_string()
+                            )
                         ),
                     ),
                     _ => (rec.status().as_str(), String::new()),
@@ -182,7 +188,8 @@ pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -
     if !store.env_paths(id).exists() {
         if let Some(entry) = crate::state::pool::Pool::new(&store).peek(id)? {
             let doc = json!({"warm": true, "age_s": entry.age_secs(now_unix()), "entry": entry});
-            writeln!(out, "{}", serde_json::to_string_pretty(&doc)?)?;
+            let text = serde_json::to_string_pretty(&doc)?;
+            writeln!(out, "{}", crate::text::json_for_terminal(&text))?;
             return Ok(());
         }
     }
@@ -209,7 +216,8 @@ pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -
             LAST_EVENTS,
         )?,
     };
-    writeln!(out, "{}", serde_json::to_string_pretty(&doc)?)?;
+    let text = serde_json::to_string_pretty(&doc)?;
+    writeln!(out, "{}", crate::text::json_for_terminal(&text))?;
     Ok(())
 }
 
