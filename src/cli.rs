@@ -115,7 +115,8 @@ pub enum Command {
     /// ec2 with suspend_mode = "hibernate". Exit 3: no such environment or
     /// job here; 4: another runner manager's key; 5: it runs no job; 7: the
     /// environment cannot keep a paused script (the setting is named); 8: the
-    /// job runs no user script now.
+    /// job runs no user script now; 9: another script of the environment
+    /// already waits for its answer.
     Pause {
         /// The environment's key or id, or the job's id.
         #[arg(value_name = "KEY|ID|JOB_ID")]

@@ -66,6 +66,9 @@ pub enum Refused {
     /// `dormant pause`: the job runs no user script stage now (it is in
     /// prepare, between stages, in after_script, caches or artifacts).
     NotInScript,
+    /// `dormant pause`: another script of the environment already waits for
+    /// its answer (one paused script per environment: docs/pause.md).
+    AlreadyPaused,
 }
 
 impl Refused {
@@ -77,6 +80,7 @@ impl Refused {
             Refused::NotOnThisProvider => 6,
             Refused::CannotKeep => 7,
             Refused::NotInScript => 8,
+            Refused::AlreadyPaused => 9,
         }
     }
 

@@ -111,6 +111,17 @@ pub async fn pause(
         let over =
             stage_output::read_stage(&paths)?.is_none_or(|n| n.id != now.id || n.ended.is_some());
         if !over {
+            // The stage's `dormant run` withdraws a request the machine
+            // refused: another script of the environment waits for its
+            // answer (one paused script per environment, docs/pause.md).
+            if !pause_request::path(&paths).exists() {
+                return Err(Refused::AlreadyPaused.because(format!(
+                    "environment {id} already has a paused script waiting for its answer (a job \
+                     resumed it and did not continue it): continue it first (dormant-continue \
+                     in this job's script), or release the environment; nothing was paused, \
+                     the job runs on"
+                )));
+            }
             return Ok(Poll::Pending("the stage runs".into()));
         }
         // Its `dormant run` records the pause just after the stage's end.

@@ -31,7 +31,7 @@ pub struct SshSettings {
     /// stage at once and its script is stopped.
     pub reconnect_timeout: HumanDuration,
     /// The bound of a stage's output kept on the machine for a re-attach, in
-    /// MiB: past it the oldest part is dropped (the job log says how much).
+    /// MiB not yet taken by dormant: past it the script waits (back-pressure).
     pub kept_output_mib: u32,
     /// `ssh` provider: the directory on every host under which each environment
     /// gets its workspace `<workspace_root>/<environment id>`.

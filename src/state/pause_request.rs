@@ -44,6 +44,15 @@ pub fn for_stage(file: &Path, stage_id: &str) -> Option<String> {
     (request.stage_id == stage_id).then_some(request.question)
 }
 
+/// Removes the request in `file` if it names stage run `stage_id` (the
+/// machine refused it: `dormant pause` sees it gone while the stage runs).
+pub fn withdraw(file: &Path, stage_id: &str) -> Result<()> {
+    if for_stage(file, stage_id).is_some() {
+        store::remove_file(file)?;
+    }
+    Ok(())
+}
+
 /// Removes a request, whichever stage it names.
 pub fn clear(paths: &EnvPaths) -> Result<()> {
     store::remove_file(&path(paths))

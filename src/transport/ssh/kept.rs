@@ -66,6 +66,9 @@ pub struct Stage<W: std::io::Write> {
     pub sent: bool,
     /// When the connection was found lost, until a session follows again.
     pub lost_since: Option<Instant>,
+    /// The machine refused a `dormant pause` (another script of the
+    /// environment waits for its answer): it is not asked again.
+    pub pause_refused: bool,
 }
 
 impl<W: std::io::Write> Stage<W> {
@@ -75,6 +78,7 @@ impl<W: std::io::Write> Stage<W> {
             started: false,
             sent: false,
             lost_since: None,
+            pause_refused: false,
         }
     }
 
@@ -214,8 +218,12 @@ where
     // script runs; once passed on, the owner's `dormant-paused` ends the stage.
     let mut pause_poll = tokio::time::interval(PAUSE_POLL);
     pause_poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut pause_sent = script.pause.is_none();
+    let mut pause_sent = script.pause.is_none() || st.pause_refused;
     let mut pause_due: Option<tokio::time::Instant> = None;
+    // The output is acknowledged in steps of a quarter of the bound: the
+    // pump on the machine never waits for dormant while dormant keeps up.
+    let ack_step = (place.bound / 4).max(1);
+    let mut acked = st.stream.offset();
     let ended = loop {
         if let Some((at, _)) = &s.paused {
             if st.stream.offset() >= *at {
@@ -253,7 +261,7 @@ where
                     _ => break None,
                 }
             }
-            () = sleep_until(pause_due), if pause_due.is_some() && s.paused.is_none() && !s.cancelled => {
+            () = sleep_until(pause_due), if pause_due.is_some() && s.paused.is_none() && !s.cancelled && !st.pause_refused => {
                 ctx.log.warn(format!(
                     "{} on {}: its owner on the machine did not take the pause within {} s (it \
                      died?): following the stage again",
@@ -282,7 +290,15 @@ where
                 _ => stderr_done = true,
             },
             read = stdout.read(&mut buf), if s.attached && !stdout_done => match read {
-                Ok(n) if n > 0 => st.stream.write(&buf[..n]),
+                Ok(n) if n > 0 => {
+                    st.stream.write(&buf[..n]);
+                    // Taken into the job log: the machine may drop it, and
+                    // its pump write that much more (remote/kept_owner.sh `ack`).
+                    if st.stream.offset() >= acked + ack_step {
+                        acked = st.stream.offset();
+                        let _ = control.send(format!("ACK {acked}"));
+                    }
+                }
                 _ => stdout_done = true,
             },
             r = &mut writer, if writing => {
@@ -294,9 +310,21 @@ where
         }
     };
     if let Some(code) = ended {
+        if s.paused.is_some() {
+            // The round's job log ends where dormant stopped, which is past
+            // the owner's offset when a background writer went on: the next
+            // round starts there (`TAKEN`), and the question starts a line.
+            let _ = control.send(format!("TAKEN {}", st.stream.offset()));
+            st.stream.end_line();
+            drop(control);
+            if writing {
+                let _ = tokio::time::timeout(KEEP_HANDOFF * 2, &mut writer).await;
+            }
+        } else {
+            drop(control);
+        }
         // Closing the session over a live connection tells the machine that
         // dormant has the stage's end: it drops what it kept.
-        drop(control);
         drop(child);
         let exit = if s.cancelled {
             ScriptExit::Cancelled
@@ -410,7 +438,16 @@ impl Heard {
             Report::Exit(code, len) => self.exit = Some((code, len)),
             Report::Paused(at, question) => self.paused = Some((at, question)),
             Report::Watched(present) => self.watched = Some(present),
-            Report::Warn(text) => st.stream.note(format!("warning: {text}")),
+            Report::Warn(text) => {
+                // (kept_owner.sh `halt`: one paused script per environment.)
+                if text.starts_with("dormant pause: not paused") {
+                    st.pause_refused = true;
+                    if let Some(file) = script.pause {
+                        let _ = crate::state::pause_request::withdraw(file, script.id);
+                    }
+                }
+                st.stream.note(format!("warning: {text}"));
+            }
             Report::Error(e) => self.error = Some(e),
             Report::Other(l) => {
                 if self.attached {

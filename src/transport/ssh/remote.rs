@@ -14,8 +14,9 @@
 //!   one write, once the script started: one report less per stage);
 //! - `dormant-at <offset>`: (kept) this session follows a stage another
 //!   session started; its stdout carries the output from byte `<offset>`,
-//!   which is past what dormant asked for when the bytes between were dropped
-//!   on the machine (the bound);
+//!   which is past what dormant asked for only when the bytes between were
+//!   dropped on the machine — output dormant had acknowledged (`ACK`), as by
+//!   an earlier `dormant run` of the stage that was killed;
 //! - `dormant-pgid <pgid>`: the script started, in this process group;
 //! - `dormant-exit <code> [<length>]`: the script's exit code, the
 //!   authoritative result (a script's own 255 is not confused with ssh's
@@ -28,7 +29,10 @@
 //!
 //! After the script's bytes, the wrapper's stdin stays open as a control
 //! line: `TERM` or `KILL` signals the script's process group (a termination
-//! needs no second channel). Direct: end of file — dormant died or the
+//! needs no second channel). Kept only: `ACK <n>` (dormant has the output up
+//! to byte `n` in its job log: the machine may drop it), `TAKEN <n>` (a
+//! paused round's job log ended at byte `n`: the next round starts there),
+//! `PAUSE <question>` (`dormant pause`), `KEEP` (below). Direct: end of file — dormant died or the
 //! connection was lost — terminates the group (SIGTERM, SIGKILL 5 s later),
 //! so a script never runs on with nobody to report to. Kept: end of file over
 //! a connection that lives (the session's sshd process is still there)
@@ -46,14 +50,21 @@
 //! (0700) holds, per stage, `<env>.<stage id>.out` (the output, 0600),
 //! `.own` (who owns the stage: the owner, its follower, the wrapper, the
 //! script's group), `.exit` (the end) and `.kept` (where the kept output
-//! starts). The script's output goes into `.out` through one open file
-//! description, whose position (`/proc/<pid>/fdinfo`) is the exact length of
-//! the output so far: no program counts it. A `tail -f` per session (the one
-//! program a stage starts; the owner starts it first thing, beside the
-//! script's start, and it reads the file from byte 0 however late it comes)
-//! copies it into the session. The owner, a subshell reading the control
-//! lines, punches the oldest part out of the file (`fallocate -p`, offsets
-//! stay) when it outgrows `ssh.kept_output_mib`. The owner's functions
+//! starts: everything below it dormant has taken). The script's stdout and
+//! stderr are one pipe, never the file: a script that reopens `/dev/stdout`
+//! or `/dev/stderr` (`>/dev/stderr`, `tee /dev/stderr`) reopens the pipe,
+//! which it cannot truncate. The pump at the pipe's other end (a subshell of
+//! the wrapper running `dd`) is the one writer of `.out`, through one open
+//! file description whose position (`/proc/<pid>/fdinfo`) is the exact
+//! length of the output so far: no program counts it. The pump writes at
+//! most `ssh.kept_output_mib` past `.kept`: past it, it reads no more and
+//! the script waits on a full pipe (back-pressure, as with any slow reader),
+//! in every state — running, disconnected, paused. A `tail -f` per session
+//! (the owner starts it first thing, beside the script's start, and it reads
+//! the file from byte 0 however late it comes) copies it into the session.
+//! The owner, a subshell reading the control lines, punches what dormant
+//! acknowledged (`ACK`) out of the file (`fallocate -p`, offsets stay) and
+//! moves `.kept`: nothing dormant has not taken is ever dropped. The owner's functions
 //! (`remote/kept_owner.sh`) travel as the wrapper's last argument and are
 //! defined only in the owner and in a re-attach: the stage's own path never
 //! parses them.
@@ -64,7 +75,8 @@
 //! subshell of the wrapper — a fork, no new bash, no pipe, no file — with
 //! stdin from /dev/null so a command that reads stdin cannot swallow anything.
 //! The direct wrapper starts no programs at all, the kept one only its
-//! follower (no `mktemp`, `head`, `wc`, `setsid`, not even a second bash):
+//! follower and its pump's `dd` (no `mktemp`, `head`, `wc`, `setsid`, not
+//! even a second bash):
 //! each exec costs 1–3 ms, the bulk of a stage's cost over a bare
 //! `ssh -S … true` (see the README's performance section). The script's process group comes from job control (`set -m`,
 //! turned off again inside the subshell so the script's own pipelines stay in

@@ -6,7 +6,9 @@
 # Exit 125 (as dormant-continue's own failures) with one `dormant-ask: ...`
 # line: this environment cannot keep a paused process (the setting is
 # named), a question empty or over the bound, or the question could not be
-# recorded; nothing was asked and the script goes on.
+# recorded, another script of the environment already waits; nothing was
+# asked (under the runner's `set -e` the script then stops, unless the line
+# says what to do instead: `dormant-ask ... || ...`).
 umask 077
 LC_ALL=C
 ask_max=4096
@@ -22,14 +24,33 @@ if [ "${#q}" -gt "$ask_max" ]; then
   echo "dormant-ask: the question is ${#q} bytes; at most $ask_max are kept" >&2; exit 125
 fi
 if [ -z "$q" ]; then echo "dormant-ask: usage: dormant-ask QUESTION..." >&2; exit 125; fi
-n=0
-{ read -r n _ < "$o.paused"; } 2>/dev/null
-[ -n "$n" ] || n=0
-n=$((n + 1))
+# One paused script per environment: another stage's script waits for its
+# answer (this job resumed the environment and did not continue it).
+d=${o%/*} b=${o##*/}
+for x in "$d/${b%%.*}".*.paused; do
+  [ -e "$x" ] && [ "${x%.paused}" != "$o" ] || continue
+  m=; { read -r m _ < "${x%.paused}.pid"; } 2>/dev/null
+  if { [ -n "$m" ] && [ "/proc/$m/fd/3" -ef "${x%.paused}.out" ]; } || { [ -e "${x%.paused}.exit" ] && [ ! -e "${x%.paused}.relay" ]; }; then
+    echo "dormant-ask: another script of this environment already waits for its answer: continue it first (dormant-continue ANSWER); nothing was asked" >&2; exit 125
+  fi
+done
 rm -f -- "$o.fifo"
 mkfifo -m 600 -- "$o.fifo" || { echo "dormant-ask: could not make $o.fifo" >&2; exit 125; }
-# Intent: the question, whole, under its final name in one rename.
-printf '%s\n%s' "$n" "$q" > "$o.ask.t" && mv -f -- "$o.ask.t" "$o.ask" || { echo "dormant-ask: could not record the question in $o.ask" >&2; exit 125; }
+# Intent: the question, whole, under its final name in one link, which fails
+# when `dormant pause` asked first (this process was frozen meanwhile): that
+# round ends with a dormant-continue, which removes its `.ask`; then this
+# question is asked in the next round.
+while :; do
+  n=0
+  { read -r n _ < "$o.paused"; } 2>/dev/null
+  [ -n "$n" ] || n=0
+  n=$((n + 1))
+  printf '%s\n%s' "$n" "$q" > "$o.ask.a" || { rm -f -- "$o.ask.a" "$o.fifo"; echo "dormant-ask: could not record the question in $o.ask" >&2; exit 125; }
+  ln -- "$o.ask.a" "$o.ask" 2>/dev/null && break
+  [ -e "$o.ask" ] || { rm -f -- "$o.ask.a" "$o.fifo"; echo "dormant-ask: could not record the question in $o.ask" >&2; exit 125; }
+  sleep 0.1
+done
+rm -f -- "$o.ask.a"
 # One frame per writer: "<round> <length>", then the answer in base64 on one
 # line of that length (any bytes, NUL too, held in memory only). A short frame
 # (its writer was killed) or another round's is dropped and the wait goes on.

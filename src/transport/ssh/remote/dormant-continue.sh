@@ -35,6 +35,11 @@ for x in "$d/$e".*.paused; do
   [ "$c" = "$T" ] && continue
   m=; { read -r m _ < "$c.pid"; } 2>/dev/null
   if [ -n "$m" ] && [ "/proc/$m/fd/3" -ef "$c.out" ]; then P=$c; break; fi
+  # Ended on its own while paused (its dormant-ask was killed, it timed out):
+  # its output and exit code are kept; it is continued to its end. (Not a
+  # relay, `.relay`: a stage that relayed a paused script ends killed by
+  # its dormant-continue once its job has the question.)
+  if [ -e "$c.exit" ] && [ ! -e "$c.relay" ]; then P=$c; break; fi
   gone=1
 done
 if [ -z "$P" ]; then
@@ -43,6 +48,11 @@ if [ -z "$P" ]; then
   exit 125
 fi
 read -r pr at < "$P.paused"
+# Output the job log had past the round's offset is dropped from the file
+# (`.kept`, the owner's ack): it was shown, so it is not shown again.
+k=; { read -r k < "$P.kept"; } 2>/dev/null
+k=${k:-0}
+[ "$k" -gt "$at" ] 2>/dev/null && at=$k
 # Relaying P: a `dormant pause` of this stage pauses P (kept_owner.sh, halt).
 echo "$P" > "$T.relay"
 # Paused from the host (`dormant pause`, `$P.stop`): the script's group is
@@ -63,8 +73,9 @@ fi
 if [ $# -gt 0 ]; then a=$(printf '%s' "$*" | base64 -w0); else a=$(head -c $((max + 1)) | base64 -w0); fi
 pad=${a##*[!=]}; size=$(( ${#a} / 4 * 3 - ${#pad} ))
 if [ "$size" -gt "$max" ]; then echo "dormant-continue: the answer is over $max bytes: not sent (the script still waits; give a shorter answer, e.g. a path to a file holding it)" >&2; exit 125; fi
-# Deliver once: only to a question still asked, of the round the job log showed.
-if [ -e "$P.ask" ]; then
+# Deliver once: only to a question still asked, of the round the job log
+# showed, by a script that still runs.
+if [ -e "$P.ask" ] && [ ! -e "$P.exit" ]; then
   { read -r n; } < "$P.ask"
   if [ "$n" = "$pr" ]; then
     # (The frame in two writes only for the crash point between them, a
@@ -76,7 +87,19 @@ if [ -e "$P.ask" ]; then
     fi
   fi
 fi
-copy() { [ "$1" -gt "$at" ] || return 0; tail -c +$((at + 1)) -- "$P.out" | head -c $(($1 - at)); at=$1; }
+# Copies the paused script's output up to byte $1 into this stage, then, as
+# its consumer now that its owner is gone, takes it off the machine: `.kept`
+# lets its pump write on (a background writer waits at the bound until then)
+# and the copied part is dropped from the file once 1 MiB has gathered.
+copy() {
+  [ "$1" -gt "$at" ] || return 0
+  tail -c +$((at + 1)) -- "$P.out" | head -c $(($1 - at))
+  at=$1
+  [ $((at - k)) -ge 1048576 ] || return 0
+  fallocate -p -o "$k" -l $((at - k)) -- "$P.out" 2>/dev/null
+  k=$at
+  echo "$k" > "$P.kept"
+}
 nap() { [ -n "$nn" ] || { exec 8< <(:); exec 8<>/dev/fd/8; nn=1; }; read -r -t "$1" -u 8 _; }
 nn=
 while :; do
@@ -91,8 +114,8 @@ while :; do
   if [ -e "$P.ask" ] && { read -r n; } < "$P.ask" 2>/dev/null && [ "$n" -gt "$pr" ] 2>/dev/null; then
     # Asked again: this job's log ends here, paused with the new question.
     copy "$z"
-    echo "$n $z" > "$P.paused.t" && mv -f -- "$P.paused.t" "$P.paused"
-    { echo 1; tail -n +2 -- "$P.ask"; } > "$T.ask.t" && mv -f -- "$T.ask.t" "$T.ask"
+    echo "$n $z" > "$P.paused.c" && mv -f -- "$P.paused.c" "$P.paused"
+    { echo 1; tail -n +2 -- "$P.ask"; } > "$T.ask.c" && mv -f -- "$T.ask.c" "$T.ask"
     i=0
     until [ -e "$T.told" ] || [ $((i += 1)) -gt 600 ]; do nap 0.05; done
     read -r _ _ _ _ g _ < /proc/$$/stat

@@ -48,7 +48,7 @@ m= p=
 unset -f claim unclaim
 if [ -z "$c" ] && [ "$6" = start ]; then echo "dormant-error could not create $o.out to keep the stage's output" >&2; exit 97; fi
 if [ -n "$c" ]; then
-  m=$$ rep=
+  m=$$ rep= n=
   # dormant-ask and dormant-continue, on the script's PATH: written once per
   # boot (tmpfs) and version, made whole before their directory's rename.
   [ -z "${11}" ] || [ -d "$t/${11}" ] || eval "${12}"
@@ -69,9 +69,38 @@ if [ -n "$c" ]; then
     trap "x=1; if [ -n \"\$p\" ]; then kill -s $g \$p; else q=$g; fi 2>/dev/null" "$g"
   done
   trap "x=1; if [ -n \"\$p\" ]; then kill -s INT -- -\$p; else q=INT; fi 2>/dev/null" INT
-  # The script writes into the file, never into the connection: it runs on
-  # whatever happens to the connection.
-  { set -m; ( set +m; trap : QUIT; [ -z "${11}" ] || export DORMANT_STAGE=$o PATH=$t/${11}:$PATH; unset w p q g x r o f t m c K L rep; set --; eval "$s" ) </dev/null >&3 2>&3 & p=$!; set +m; } 2>/dev/null
+  # The script writes into a pipe, never into the file nor the connection:
+  # it runs on whatever happens to the connection, and whatever it does with
+  # its descriptors (`>/dev/stderr` reopens the pipe, which has no length to
+  # truncate). The pump at the pipe's other end is the one writer of the file
+  # (it shares fd 3's file description: the wrapper's fd 3 position is the
+  # output's length) and keeps it within its bound: past it, it reads no more
+  # and the script waits on a full pipe until dormant has taken its output
+  # (`.kept`). It ends at the pipe's end of file: when the script's group,
+  # background writers included, has let go of it.
+  pump() {
+    local l z y k x n=
+    exec 2>/dev/null
+    while :; do
+      k=0; { read -r k < "$o.kept"; } 2>/dev/null
+      z=; while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$BASHPID/fdinfo/1"
+      x=$((K - z + ${k:-0}))
+      if [ "$x" -gt 0 ]; then
+        # (Reads of at most 64 KiB, as many as fit; less room: one read.)
+        if [ "$x" -ge 65536 ]; then dd bs=65536 count=$((x >> 16)) status=none; else dd bs="$x" count=1 status=none; fi || exit
+        y=$z; z=
+        while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$BASHPID/fdinfo/1"
+        # (dd stops short of its count only at the end of the pipe.)
+        [ "$z" = "$y" ] && exit
+      else
+        [ -n "$n" ] || { exec 8< <(:); exec 8<>/dev/fd/8; n=1; }
+        read -r -t 0.05 -u 8 _
+      fi
+    done
+  }
+  exec 4> >(pump >&3 3>&-); u=$!
+  { set -m; ( set +m; trap : QUIT; [ -z "${11}" ] || export DORMANT_STAGE=$o PATH=$t/${11}:$PATH; unset w p q g x r o f t m c K L rep u n; unset -f pump; set --; eval "$s" ) </dev/null >&4 2>&4 3>&- 4>&- & p=$!; set +m; } 2>/dev/null
+  exec 4>&-
   unset s
   # A signal that came before the script's pid was known (the script may run
   # first after the fork): passed on now as its trap would have, INT too.
@@ -87,6 +116,17 @@ if [ -n "$c" ]; then
   x=; wait "$p"; rc=$?
   while [ -n "$x" ]; do x=; wait "$p"; r=$?; [ $r -eq 127 ] && [ -z "$x" ] && break; rc=$r; done
   kill -s KILL -- "-$p" 2>/dev/null
+  # The pump has the group's last bytes once the pipe's writers are gone; one
+  # that a process outside the group keeps open is not waited for past 2 s
+  # (what it writes after the script's end is not the stage's).
+  # (It ends within a few ms: the first looks are 1 ms apart, then 50 ms.)
+  i=0
+  while { read -r l < "/proc/$u/stat"; } 2>/dev/null; do
+    l=${l##*) }; case ${l%% *} in Z|X) break;; esac
+    [ $((i += 1)) -le 60 ] || break
+    [ -n "$n" ] || { exec 4< <(:); exec 4<>/dev/fd/4; n=1; }
+    if [ $i -le 20 ]; then read -r -t 0.001 -u 4 _; else read -r -t 0.05 -u 4 _; fi
+  done
   # The output's length: fd 3's position (the owner's `pos`, which is not
   # defined here; this wrapper's own fd cannot go away under the read).
   z=; while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$$/fdinfo/3"

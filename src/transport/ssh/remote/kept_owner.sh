@@ -21,9 +21,14 @@ asked() {
   { read -r n < "$o.ask"; } 2>/dev/null || return
   { read -r pr at < "$o.paused"; } 2>/dev/null
   if [ "$n" != "$pr" ]; then
+    # What the script wrote before it asked may still be in the pipe: the
+    # offset is taken once the output stopped growing for 50 ms (at most 1 s:
+    # a background writer that goes on writing continues the next round).
     pos "$m" 3
     [ -n "$z" ] || return
-    echo "$n $z" > "$o.paused.t" && mv -f -- "$o.paused.t" "$o.paused" || return
+    q=0
+    while [ $((q += 1)) -le 20 ]; do at=$z; nap 0.05; pos "$m" 3; [ -n "$z" ] || return; [ "$z" = "$at" ] && break; done
+    echo "$n $z" > "$o.paused.o" && mv -f -- "$o.paused.o" "$o.paused" || return
     at=$z
   fi
   q=$(tail -n +2 -- "$o.ask" | head -c 4096 | base64 -w0)
@@ -48,8 +53,21 @@ asked() {
 # asked the same way, the relay sees a new round and ends this stage paused
 # with its question, as when the script asks again.
 halt() {
-  local r=0 i=0 s st q=${1# } t=$o g=$p x=
+  local r=0 i=0 s st q=${1# } t=$o g=$p x= y b=${o##*/}
   [ -n "$p" ] && [ ! -e "$o.ask" ] && [ ! -e "$o.exit" ] || return
+  # One paused script per environment: another stage's script waits for its
+  # answer (a resumed job that did not continue it): not paused, said why.
+  for y in "${o%/*}/${b%%.*}".*.paused; do
+    [ -e "$y" ] && [ "${y%.paused}" != "$o" ] || continue
+    { read -r x < "$o.relay"; } 2>/dev/null
+    [ "${y%.paused}" = "$x" ] && continue
+    # (Paused: its wrapper holds its output, or it ended while paused.)
+    s=; { read -r s _ < "${y%.paused}.pid"; } 2>/dev/null
+    { [ -n "$s" ] && [ "/proc/$s/fd/3" -ef "${y%.paused}.out" ]; } || { [ -e "${y%.paused}.exit" ] && [ ! -e "${y%.paused}.relay" ]; } || continue
+    echo "dormant-warn dormant pause: not paused: another script of this environment already waits for its answer (dormant-continue it first)" >&2
+    return
+  done
+  x= y=
   { read -r x < "$o.relay"; } 2>/dev/null
   if [ -n "$x" ]; then
     t=$x g=
@@ -76,7 +94,40 @@ halt() {
   done
   # (Crash point for tests, a no-op here: src/failpoint.rs `in_script`.)
   : failpoint owner:halted
-  { echo "$r"; printf '%s' "$q" | base64 -d; } > "$t.ask.t" 2>/dev/null && mv -f -- "$t.ask.t" "$t.ask"
+  # The script ended before it was frozen (its shell is a zombie, or its
+  # end is recorded): nothing to pause, its end is the stage's.
+  st=; { read -r st < "/proc/$g/stat"; } 2>/dev/null; st=${st##*) }
+  case ${st%% *} in ''|Z|X) y=1;; esac
+  [ -e "$t.exit" ] && y=1
+  # The question under `.ask` by a link, which fails if `dormant-ask` (frozen
+  # while it asked) made one first: then its question stands, and the group
+  # is woken to wait for its answer.
+  if [ -z "$y" ] && { echo "$r"; printf '%s' "$q" | base64 -d; } > "$t.ask.h" 2>/dev/null && ln -- "$t.ask.h" "$t.ask" 2>/dev/null; then
+    rm -f -- "$t.ask.h"
+    return
+  fi
+  rm -f -- "$t.ask.h" "$t.stop"
+  kill -s CONT -- "-$g" 2>/dev/null
+}
+# dormant has the output up to byte $1 in its job log (`ACK <n>`): it is
+# dropped here (`fallocate -p`, offsets stay) and `.kept` says so, which
+# lets the pump (kept.sh) write that much more. Nothing dormant has not
+# taken is ever dropped: a reader slower than the script makes the script
+# wait, and a re-attach always finds what it asks for.
+ack() {
+  [ "$1" -gt "$k" ] 2>/dev/null || return
+  fallocate -p -o "$k" -l $(($1 - k)) -- "$o.out" 2>/dev/null || [ -n "$wk" ] || { wk=1; echo "dormant-warn could not drop output the job log has from the stage's file on the machine (fallocate -p failed): the file keeps it, the bound counts without it" >&2; }
+  k=$1
+  echo "$k" > "$o.kept"
+}
+# The paused round's job log ends at byte $1 (`TAKEN <n>`), past the offset
+# the owner recorded when a background writer went on meanwhile: the next
+# round starts there, so no byte is shown twice.
+taken() {
+  local r at
+  { read -r r at < "$o.paused"; } 2>/dev/null || return
+  [ "$1" -gt "$at" ] 2>/dev/null || return
+  echo "$r $1" > "$o.paused.o" && mv -f -- "$o.paused.o" "$o.paused"
 }
 # Stops what is left of the stage, drops its files, and goes.
 fin() {
@@ -119,7 +170,7 @@ up() {
 # connection, the script runs on and the stage is kept $L s for dormant to
 # come back. A newer owner (a re-attach) takes over.
 own() {
-  local me=$BASHPID c x y k=0 fp e= keep= dl pend= pz=
+  local me=$BASHPID c x y k=0 e= keep= dl pend= pz= wk=
   [ "$1" = start ] && echo "$me $f" > "$o.own"
   # A lost connection must not end the owner when it says something.
   trap '' PIPE
@@ -138,6 +189,8 @@ own() {
         case $c in
           TERM|KILL) if [ -n "$p" ]; then kill -s "$c" -- "-$p" 2>/dev/null; else pend=$c; fi;;
           KEEP) keep=1;;
+          ACK\ *) ack "${c#ACK }";;
+          TAKEN\ *) [ -n "$pz" ] && taken "${c#TAKEN }";;
           PAUSE*) [ -z "$pz" ] && halt "${c#PAUSE}";;
         esac
       elif [ -z "$e" ]; then
@@ -163,29 +216,6 @@ own() {
       pos "$m" 3
       # The wrapper that ran the script is gone without recording its end.
       if [ -z "$z" ] && [ ! -e "$o.exit" ]; then echo "dormant-error the stage's wrapper on the machine was killed before the script's end was recorded" >&2; fin; fi
-    fi
-    if [ -n "$z" ] && [ $((z - k)) -gt "$K" ]; then
-      # Past the bound: punch out the oldest part, keeping the newest 3/4
-      # (more than any connection has in flight). Never below what the
-      # follower has read, unless it lags by more than the bound: then it
-      # goes, and dormant follows again from where it is, told of the gap.
-      x=$((z - K * 3 / 4)) y=$z fp=
-      for c in /proc/$f/fd/*; do [ "$c" -ef "$o.out" ] && { pos "$f" "${c##*/}"; fp=$z; break; }; done
-      # A follower that lives but has not opened the file yet (a loaded
-      # machine starts it late) will read from its start: nothing may be
-      # dropped under it, or it would send the hole's zeros for output.
-      if [ -z "$fp" ] && [ -n "$f" ] && { read -r c < "/proc/$f/stat"; } 2>/dev/null; then
-        c=${c##*) }
-        [ "${c%% *}" = Z ] || x=$k
-      fi
-      if [ -n "$fp" ] && [ "$fp" -lt "$x" ]; then
-        if [ $((y - fp)) -gt "$K" ]; then kill -s KILL "$f" 2>/dev/null; else x=$fp; fi
-      fi
-      if [ "$x" -gt "$k" ]; then
-        echo "$x" > "$o.kept"
-        fallocate -p -o "$k" -l $((x - k)) -- "$o.out" 2>/dev/null || echo "dormant-warn could not drop the oldest output of the stage on the machine (fallocate -p failed): it is kept whole" >&2
-        k=$x
-      fi
     fi
     [ -n "$e" ] && [ "$SECONDS" -ge "$dl" ] && fin
   done

@@ -1,7 +1,7 @@
 # Stops every stage of environment $1 left on this machine and removes what
 # was kept of them; with $2 = check, also makes sure output can be kept here.
 # A paused stage (its script waits in dormant-ask: `.paused`, its wrapper
-# holding the output) is spared, unless $3 = all (the environment's release);
+# holding the output, or its script ended while paused: `.exit`) is spared, unless $3 = all (the environment's release);
 # with $3 = look, it is spared and `paused:<n>` says how many are (cleanup of
 # a resumed job: does a script still wait for its answer?).
 # Run by prepare (in its one probe command) and by cleanup when a stage did
@@ -32,7 +32,9 @@ if [ -d "$t" ] && [ -O "$t" ] && [ ! -L "$t" ]; then
     o=${s%.out} w= f= m= p=
     read -r w f < "$o.own" 2>/dev/null
     read -r m p < "$o.pid" 2>/dev/null
-    if [ "$3" != all ] && [ -e "$o.paused" ] && [ -n "$m" ] && [ "/proc/$m/fd/3" -ef "$s" ]; then
+    # (A paused script that ended on its own is spared too: its tail and
+    # exit code are the next dormant-continue's.)
+    if [ "$3" != all ] && [ -e "$o.paused" ] && { { [ -n "$m" ] && [ "/proc/$m/fd/3" -ef "$s" ]; } || { [ -e "$o.exit" ] && [ ! -e "$o.relay" ]; }; }; then
       k="$k $o"; continue
     fi
     { holds "$w" && kill -s TERM "$w" 2>/dev/null; } || w=
@@ -75,6 +77,7 @@ if [ "$2" = check ]; then
   elif [ ! -r /proc/self/fdinfo/0 ]; then echo "keep:no /proc/<pid>/fdinfo is not readable"
   elif ! command -v tail >/dev/null; then echo "keep:no tail is not installed"
   elif ! tail --pid=$$ -s 0.2 -c +1 /dev/null >/dev/null 2>&1; then echo "keep:no tail does not take --pid and -s (GNU coreutils' tail does)"
+  elif ! dd bs=65536 count=1 status=none </dev/null >/dev/null 2>&1; then echo "keep:no dd does not take status=none (GNU coreutils' dd does)"
   elif ! { : > "$t/.punch.$1" && fallocate -p -o 0 -l 1 -- "$t/.punch.$1"; } 2>/dev/null; then echo "keep:no fallocate -p (util-linux) does not work in $t"
   else echo keep:ok
   fi
