@@ -146,9 +146,12 @@ enum Piece {
         pad: u32,
     },
     /// `a=$(dormant-ask ...)`, under `timeout <s>` if set; records the answer.
+    /// With `prompt`, the same line first prints `prompt> ` (no newline, and
+    /// no runner's echo in between: one line of the script).
     Ask {
         question: String,
         timeout: Option<u32>,
+        prompt: bool,
     },
     Sleep {
         ms: u32,
@@ -299,6 +302,7 @@ impl Case {
                 Piece::Ask {
                     question: format!("question {asks} of seed {seed}?"),
                     timeout,
+                    prompt: rng.chance(20),
                 }
             } else {
                 Piece::Sleep {
@@ -379,14 +383,17 @@ impl Case {
                 ),
                 Piece::Ask {
                     question,
-                    timeout: None,
-                } => format!("a=$(dormant-ask '{question}'); s \"got=[$a]\"$'\\n'"),
-                Piece::Ask {
-                    question,
-                    timeout: Some(t),
-                } => format!(
-                    "a=$(timeout {t} dormant-ask '{question}') || a=\"rc=$?\"; s \"got=[$a]\"$'\\n'"
-                ),
+                    timeout,
+                    prompt,
+                } => {
+                    let p = if *prompt { "s 'prompt> '; " } else { "" };
+                    match timeout {
+                        None => format!("{p}a=$(dormant-ask '{question}'); s \"got=[$a]\"$'\\n'"),
+                        Some(t) => format!(
+                            "{p}a=$(timeout {t} dormant-ask '{question}') || a=\"rc=$?\"; s \"got=[$a]\"$'\\n'"
+                        ),
+                    }
+                }
                 Piece::Sleep { ms } => format!("sleep {}.{:03}", ms / 1000, ms % 1000),
             };
             // The runner's echo of the line, recorded as any output is.
@@ -653,8 +660,25 @@ fn run_case(case: &Case, provider: Provider) -> Result<(), String> {
     );
     let result = match outcome {
         Err(e) => Err(e),
-        Ok((runs, key)) => check(case, &place, d.path(), &nonce, &runs, &key)
-            .map_err(|e| format!("{e}\n{}", job_summary(&runs))),
+        Ok((runs, key)) => {
+            // One line of what happened, pass or fail: a case that passes
+            // should be seen to have had its events.
+            eprintln!(
+                "{}: {}",
+                case.name,
+                runs.iter()
+                    .map(|r| format!(
+                        "{} ({} bytes) {:?}",
+                        r.report.result,
+                        build_raw(&r.report).len(),
+                        r.fired
+                    ))
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            );
+            check(case, &place, d.path(), &nonce, &runs, &key)
+                .map_err(|e| format!("{e}\n{}", job_summary(&runs)))
+        }
     };
     // Whatever happened: nothing of the case may stay running.
     for p in case_processes(&place.needles(&nonce)) {
@@ -1496,6 +1520,7 @@ fn beyond_the_bound_while_paused() -> Case {
             Piece::Ask {
                 question: "fill while paused?".into(),
                 timeout: None,
+                prompt: false,
             },
         ],
         0,
@@ -1523,6 +1548,7 @@ fn writer_at_an_ask() -> Case {
             Piece::Ask {
                 question: "deploy?".into(),
                 timeout: None,
+                prompt: false,
             },
         ],
         0,
@@ -1545,10 +1571,17 @@ fn killed_continuing_run() -> Case {
     let mut pieces = vec![Piece::Ask {
         question: "go?".into(),
         timeout: None,
+        prompt: false,
     }];
     let mut payloads = Vec::new();
+    let mut rng = Rng(3);
     for i in 0..40 {
-        payloads.push(format!("streamed line {i} after the answer\n").into_bytes());
+        // 4 KiB lines: what the killed job showed (about 20 of them) is more
+        // than the one chunk a re-send may repeat ([`CHUNK_MAX`]).
+        let mut line = format!("streamed line {i} after the answer ").into_bytes();
+        line.extend((0..4000).map(|_| b'a' + (rng.next() % 26) as u8));
+        line.push(b'\n');
+        payloads.push(line);
         pieces.push(burst(i, Out::Plain));
         pieces.push(Piece::Sleep { ms: 50 });
     }
@@ -1581,6 +1614,7 @@ fn ended_while_paused() -> Case {
             Piece::Ask {
                 question: "q?".into(),
                 timeout: Some(3),
+                prompt: false,
             },
             // The continuing job comes after the timeout.
             burst(0, Out::Plain),
@@ -1644,15 +1678,12 @@ fn exact_defect6_a_script_that_ended_while_paused_shows_its_tail_on_local() {
 fn prompt_then_ask() -> Case {
     hand(
         "defect 7: the paused line after printf 'prompt> '",
-        vec![b"prompt> ".to_vec(), b"\n".to_vec()],
-        vec![
-            burst(0, Out::Plain),
-            Piece::Ask {
-                question: "q".into(),
-                timeout: None,
-            },
-            burst(1, Out::Plain),
-        ],
+        vec![],
+        vec![Piece::Ask {
+            question: "q".into(),
+            timeout: None,
+            prompt: true,
+        }],
         0,
     )
 }
@@ -1660,6 +1691,11 @@ fn prompt_then_ask() -> Case {
 #[test]
 fn exact_defect7_the_paused_line_starts_a_line_on_local() {
     assert_case(&prompt_then_ask(), Provider::Local);
+}
+
+#[test]
+fn exact_defect7_the_paused_line_starts_a_line_on_ssh() {
+    assert_case(&prompt_then_ask(), Provider::Ssh);
 }
 
 /// Issue 37, 5: job 1 asks; job 2 resumes without continuing and is paused
@@ -1670,9 +1706,13 @@ fn exact_defect5_a_second_pause_never_answers_a_hidden_question_on_local() {
     let place = Arc::new(Place::new(Provider::Local, 16));
     let rig = &place.rig;
     let d = tempfile::tempdir().unwrap();
-    let r = rig
-        .run(&job(37).script("a=$(dormant-ask 'deploy to prod?'); echo \"job1 got=[$a]\"; exit 0"));
+    let pid_file = d.path().join("pid1");
+    let r = rig.run(&job(37).script(&format!(
+        "echo $BASHPID > '{}'; a=$(dormant-ask 'deploy to prod?'); echo \"job1 got=[$a]\"; exit 0",
+        pid_file.display()
+    )));
     assert_result(&r, JobResult::Success);
+    let pid1 = crate::pause::pid_in(&pid_file);
     let key = r.key.clone().unwrap();
     let started = d.path().join("started");
     let j2 = job(37).resume(&key).suspend_on(true, true).script(&format!(
@@ -1693,6 +1733,9 @@ fn exact_defect5_a_second_pause_never_answers_a_hidden_question_on_local() {
     let shown = rec
         .as_ref()
         .and_then(|r| r["paused"]["question"].as_str().map(str::to_string));
+    // One question at a time: a record that shows another question than
+    // job 1's leaves no job 1 script waiting for an answer nobody sees.
+    let hidden = shown.as_deref() != Some("deploy to prod?") && crate::sshd::alive(pid1);
     let r3 = run_bounded(
         &place,
         job(37).resume(&key).script("dormant-continue yes"),
@@ -1701,6 +1744,18 @@ fn exact_defect5_a_second_pause_never_answers_a_hidden_question_on_local() {
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let log3 = r3.log();
+    eprintln!(
+        "defect 5: job 2 {} / pause: {paused} / record shows {shown:?} / job 3 {}:\n{log3}",
+        r2.result, r3.result
+    );
+    let _ = rig.dormant(&["release", &key]);
+    assert!(
+        !hidden,
+        "two paused scripts in one environment: the record shows {shown:?} (job 2: {}, pause: {paused}) \
+         while job 1's script (pid {pid1}) still waits in dormant-ask for 'deploy to prod?'; job 3's \
+         dormant-continue yes then printed:\n{log3}",
+        r2.result
+    );
     if shown.as_deref() != Some("deploy to prod?") {
         assert!(
             !log3.contains("job1 got=[yes]"),
