@@ -173,9 +173,10 @@ enum EventKind {
 #[derive(Debug, Clone)]
 struct Event {
     kind: EventKind,
-    /// Fired once the script has started piece `at` (and, for the kills, a
-    /// continuing job runs), `delay_ms` later.
-    at: usize,
+    /// Fired once the file `at` exists in the case's directory (`m<k>`: the
+    /// script has started piece k; `in-mkfifo`, `in-mv`: a slow tool has
+    /// started) and, for the kills, a continuing job runs; `delay_ms` later.
+    at: String,
     delay_ms: u64,
 }
 
@@ -193,8 +194,9 @@ struct Case {
     pieces: Vec<Piece>,
     exit: u8,
     events: Vec<Event>,
-    /// `mkfifo` and `mv` sleep first on the script's PATH.
+    /// `mkfifo` and `mv` sleep first on the script's PATH ([`Case::slow_secs`]).
     slow: bool,
+    slow_secs: &'static str,
     /// `ssh.kept_output_mib`.
     kept_mib: u32,
 }
@@ -328,7 +330,7 @@ impl Case {
         for _ in 0..rng.range(0, 2) {
             events.push(Event {
                 kind: *rng.pick(kinds),
-                at: rng.range(0, pieces.len() as u64 - 1) as usize,
+                at: format!("m{}", rng.range(0, pieces.len() as u64 - 1)),
                 delay_ms: rng.range(0, 300),
             });
         }
@@ -339,6 +341,7 @@ impl Case {
             exit: *rng.pick(&[0, 0, 1, 3, 7, 42, 100, 255]),
             events,
             slow: rng.chance(25),
+            slow_secs: "0.3",
             kept_mib: 4,
         }
     }
@@ -421,7 +424,15 @@ impl Case {
         std::fs::create_dir_all(d.join("slow")).unwrap();
         for (tool, real) in [("mkfifo", "/usr/bin/mkfifo"), ("mv", "/usr/bin/mv")] {
             let f = d.join("slow").join(tool);
-            std::fs::write(&f, format!("#!/bin/sh\nsleep 0.3\nexec {real} \"$@\"\n")).unwrap();
+            std::fs::write(
+                &f,
+                format!(
+                    "#!/bin/sh\n: > '{}/in-{tool}'\nsleep {}\nexec {real} \"$@\"\n",
+                    d.display(),
+                    self.slow_secs
+                ),
+            )
+            .unwrap();
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o755)).unwrap();
         }
@@ -862,7 +873,7 @@ fn fire_events(
     let mut done = vec![false; events.len()];
     while !stop.load(Ordering::Relaxed) {
         for (i, e) in events.iter().enumerate() {
-            if done[i] || !d.join(format!("m{}", e.at)).exists() {
+            if done[i] || !d.join(&e.at).exists() {
                 continue;
             }
             let needs_continue = matches!(e.kind, EventKind::KillRun | EventKind::KillContinue);
@@ -1441,6 +1452,7 @@ fn hand(name: &str, payloads: Vec<Vec<u8>>, pieces: Vec<Piece>, exit: u8) -> Cas
         exit,
         events: Vec::new(),
         slow: false,
+        slow_secs: "0.3",
         kept_mib: 4,
     }
 }
@@ -1593,7 +1605,7 @@ fn killed_continuing_run() -> Case {
     );
     c.events.push(Event {
         kind: EventKind::KillRun,
-        at: 40,
+        at: "m40".into(),
         delay_ms: 0,
     });
     c
@@ -1765,4 +1777,46 @@ fn exact_defect5_a_second_pause_never_answers_a_hidden_question_on_local() {
         );
     }
     let _ = rig.dormant(&["release", &key]);
+}
+
+/// Issue 37, 4: `dormant pause` arriving while `dormant-ask` records its
+/// question, the window widened by a slow `mkfifo` (or `mv`) on the script's
+/// PATH: one defined outcome, the question answered, the exit code carried.
+fn pause_while_asking(tool: &str) -> Case {
+    let mut c = hand(
+        &format!("defect 4: dormant pause during dormant-ask's {tool}"),
+        vec![b"after the answer\n".to_vec()],
+        vec![
+            Piece::Ask {
+                question: "racing a pause?".into(),
+                timeout: None,
+                prompt: false,
+            },
+            burst(0, Out::Plain),
+        ],
+        5,
+    );
+    c.slow = true;
+    c.slow_secs = "1";
+    c.events.push(Event {
+        kind: EventKind::Pause,
+        at: format!("in-{tool}"),
+        delay_ms: 0,
+    });
+    c
+}
+
+#[test]
+fn exact_defect4_pause_during_the_asks_mkfifo_on_local() {
+    assert_case(&pause_while_asking("mkfifo"), Provider::Local);
+}
+
+#[test]
+fn exact_defect4_pause_during_the_asks_mv_on_local() {
+    assert_case(&pause_while_asking("mv"), Provider::Local);
+}
+
+#[test]
+fn exact_defect4_pause_during_the_asks_mv_on_ssh() {
+    assert_case(&pause_while_asking("mv"), Provider::Ssh);
 }
