@@ -47,7 +47,7 @@
 //!
 //! A failing case prints its seed, the script, the events and what broke;
 //! `DORMANT_EXACT_SEED=<seed> cargo test --all-features --test integration
-//! exact::` runs that one case again (on both providers),
+//! exact::exact_generated` runs that one case again (on both providers),
 //! `DORMANT_EXACT_CASES=<n>` runs n cases per provider instead of the
 //! suite's fixed ones, and `scripts/soak-exact.sh N` runs many.
 //!
@@ -1430,8 +1430,8 @@ fn run_seeds(provider: Provider, fixed: u64) {
     );
 }
 
-/// FAILS on the code of issue 37 (e.g. seed 3700's `>/dev/stderr`); see the
-/// module comment.
+/// Fails on the code issue 37 was filed against (seeds 3701-3703 and
+/// 3705-3707 on both providers, 3700 on local): see the module comment.
 #[test]
 fn exact_generated_cases_on_local() {
     run_seeds(Provider::Local, FIXED_CASES_LOCAL);
@@ -1856,4 +1856,35 @@ fn exact_defect7_list_and_inspect_escape_a_questions_control_characters_on_local
         "the question's U+202E / U+009B reach the terminal raw:\n{}",
         raw.join("\n")
     );
+}
+
+/// The checker itself: dormant's lines come out, the newline dormant adds
+/// before them may or may not be the script's, background lines are taken
+/// out per writer, and a re-sent chunk is found as an overlap.
+#[test]
+fn exact_checker_takes_out_dormants_lines_and_nothing_else() {
+    let raw = b"prompt> \ndormant-ask: paused key=k question=\"q\"\nmore\n";
+    let (s, removed) = strip_dormant(raw);
+    assert_eq!(removed.len(), 1);
+    assert_eq!(s.bytes, b"prompt> \nmore\n");
+    // The newline before dormant's line: dormant's ...
+    assert!(matches(&s, b"prompt> more\n").is_ok());
+    // ... or the script's.
+    assert!(matches(&s, b"prompt> \nmore\n").is_ok());
+    // Anything else is a difference, found where it is.
+    assert_eq!(matches(&s, b"prompt> \nmore\nextra"), Err(14));
+    assert!(matches(&s, b"prompt> mor\n").is_err());
+    // A line that only contains dormant's words is the script's.
+    let (s, removed) = strip_dormant(b"say dormant: hi\n");
+    assert!(removed.is_empty() && s.bytes == b"say dormant: hi\n");
+
+    let nonce = "n0";
+    let (s, _) = strip_dormant(b"ab~BGn0~1:1:x\ncd~BGn0~2:1:y\n\n");
+    let (fg, bg) = split_background(&s, nonce);
+    assert_eq!(fg.bytes, b"abcd\n");
+    assert_eq!(bg["1"], vec![b"~BGn0~1:1:x\n".to_vec()]);
+    assert_eq!(bg["2"], vec![b"~BGn0~2:1:y\n".to_vec()]);
+
+    assert_eq!(overlaps(b"xxabc", b"abcdef"), vec![3]);
+    assert!(overlaps(b"abc", b"def").is_empty());
 }
