@@ -146,6 +146,7 @@ pub(super) fn call(name: &str, spec: CallSpec<'_>) -> Result<(Call, String)> {
     // Read line by line, noting when each line arrived, so tests can tell
     // live output from output that only appears when the call ends.
     let mut output = String::new();
+    let mut raw = Vec::new();
     let mut arrivals = Vec::new();
     let mut lines = std::io::BufReader::new(reader);
     let mut buf = Vec::new();
@@ -153,6 +154,7 @@ pub(super) fn call(name: &str, spec: CallSpec<'_>) -> Result<(Call, String)> {
         let line = String::from_utf8_lossy(&buf).into_owned();
         arrivals.push((started.elapsed(), line.trim_end_matches('\n').to_string()));
         output.push_str(&line);
+        raw.extend_from_slice(&buf);
         buf.clear();
     }
     let status = child.wait()?;
@@ -178,6 +180,7 @@ pub(super) fn call(name: &str, spec: CallSpec<'_>) -> Result<(Call, String)> {
             elapsed: started.elapsed(),
             output,
             arrivals,
+            raw,
         },
         stdout,
     ))

@@ -17,6 +17,10 @@ pub struct Call {
     pub output: String,
     /// Each output line with the time it arrived, from the start of the call.
     pub arrivals: Vec<(Duration, String)>,
+    /// [`Call::output`] as the bytes that came, before the lossy UTF-8
+    /// conversion: what a test comparing binary output byte for byte reads
+    /// (the runner's job log is bytes too).
+    pub raw: Vec<u8>,
 }
 
 impl Call {

@@ -130,6 +130,7 @@ pub(crate) fn operator_call(name: &str, out: &std::process::Output) -> Call {
             String::from_utf8_lossy(&out.stderr)
         ),
         arrivals: Vec::new(),
+        raw: [out.stdout.as_slice(), &out.stderr].concat(),
     }
 }
 

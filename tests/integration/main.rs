@@ -57,6 +57,7 @@ mod ec2_warm_errors;
 mod ec2_warm_faults;
 mod edge;
 mod events;
+mod exact;
 mod harness;
 mod hygiene;
 mod job_request;
