@@ -220,10 +220,6 @@ where
     pause_poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut pause_sent = script.pause.is_none() || st.pause_refused;
     let mut pause_due: Option<tokio::time::Instant> = None;
-    // The output is acknowledged in steps of a quarter of the bound: the
-    // pump on the machine never waits for dormant while dormant keeps up.
-    let ack_step = (place.bound / 4).max(1);
-    let mut acked = st.stream.offset();
     let ended = loop {
         if let Some((at, _)) = &s.paused {
             if st.stream.offset() >= *at {
@@ -292,12 +288,13 @@ where
             read = stdout.read(&mut buf), if s.attached && !stdout_done => match read {
                 Ok(n) if n > 0 => {
                     st.stream.write(&buf[..n]);
-                    // Taken into the job log: the machine may drop it, and
-                    // its pump write that much more (remote/kept_owner.sh `ack`).
-                    if st.stream.offset() >= acked + ack_step {
-                        acked = st.stream.offset();
-                        let _ = control.send(format!("ACK {acked}"));
-                    }
+                    // Taken into the job log, after every read: the machine
+                    // drops it in steps of a quarter of the bound, and a
+                    // relayed paused script records how far this job's log
+                    // has it (remote/kept_owner.sh `ack`, `relayed`): a
+                    // `dormant run` killed then leaves at most this one read
+                    // to be shown again.
+                    let _ = control.send(format!("ACK {}", st.stream.offset()));
                 }
                 _ => stdout_done = true,
             },
@@ -316,12 +313,14 @@ where
             // round starts there (`TAKEN`), and the question starts a line.
             let _ = control.send(format!("TAKEN {}", st.stream.offset()));
             st.stream.end_line();
-            drop(control);
-            if writing {
-                let _ = tokio::time::timeout(KEEP_HANDOFF * 2, &mut writer).await;
-            }
-        } else {
-            drop(control);
+        } else if !s.cancelled {
+            // The job log has the stage's end: a paused script the stage
+            // relayed to its end goes with the stage's files (`DONE`).
+            let _ = control.send("DONE".into());
+        }
+        drop(control);
+        if writing {
+            let _ = tokio::time::timeout(KEEP_HANDOFF * 2, &mut writer).await;
         }
         // Closing the session over a live connection tells the machine that
         // dormant has the stage's end: it drops what it kept.

@@ -39,7 +39,11 @@ mkfifo -m 600 -- "$o.fifo" || { echo "dormant-ask: could not make $o.fifo" >&2; 
 # Intent: the question, whole, under its final name in one link, which fails
 # when `dormant pause` asked first (this process was frozen meanwhile): that
 # round ends with a dormant-continue, which removes its `.ask`; then this
-# question is asked in the next round.
+# question is asked in the next round. `.asker` names this process, so that
+# a question whose asker is gone (killed: `timeout 5 dormant-ask ...`) is
+# known for stale and taken away by whoever finds it.
+asker() { local a x y; { read -r a < "$o.asker"; } 2>/dev/null || return 1; { IFS= read -r -d '' x; IFS= read -r -d '' y; } < "/proc/$a/cmdline" 2>/dev/null; case $y in */dormant-ask) return 0;; esac; return 1; }
+i=0
 while :; do
   n=0
   { read -r n _ < "$o.paused"; } 2>/dev/null
@@ -47,9 +51,20 @@ while :; do
   n=$((n + 1))
   printf '%s\n%s' "$n" "$q" > "$o.ask.a" || { rm -f -- "$o.ask.a" "$o.fifo"; echo "dormant-ask: could not record the question in $o.ask" >&2; exit 125; }
   ln -- "$o.ask.a" "$o.ask" 2>/dev/null && break
-  [ -e "$o.ask" ] || { rm -f -- "$o.ask.a" "$o.fifo"; echo "dormant-ask: could not record the question in $o.ask" >&2; exit 125; }
+  if [ -e "$o.ask" ]; then
+    # A host pause's round (no asker): it lasts until it is continued.
+    # A stale question (its asker gone): taken away.
+    i=0
+    [ -e "$o.asker" ] && ! asker && rm -f -- "$o.ask" "$o.asker"
+  else
+    [ $((i += 1)) -le 50 ] || { rm -f -- "$o.ask.a" "$o.fifo"; echo "dormant-ask: could not record the question in $o.ask (ln failed)" >&2; exit 125; }
+  fi
   sleep 0.1
 done
+echo $$ > "$o.asker"
+trap 'rm -f -- "$o.ask" "$o.fifo" "$o.asker"; exit 143' TERM
+trap 'rm -f -- "$o.ask" "$o.fifo" "$o.asker"; exit 129' HUP
+trap 'rm -f -- "$o.ask" "$o.fifo" "$o.asker"; exit 130' INT
 rm -f -- "$o.ask.a"
 # One frame per writer: "<round> <length>", then the answer in base64 on one
 # line of that length (any bytes, NUL too, held in memory only). A short frame
@@ -65,5 +80,6 @@ while :; do
   [ -n "$ok" ] && break
 done
 # The answer came whole: it is not asked again (a retried continue only streams).
-rm -f -- "$o.ask" "$o.fifo"
+trap - TERM HUP INT
+rm -f -- "$o.ask" "$o.fifo" "$o.asker"
 printf '%s' "$a" | base64 -d

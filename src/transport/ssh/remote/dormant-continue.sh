@@ -75,6 +75,11 @@ pad=${a##*[!=]}; size=$(( ${#a} / 4 * 3 - ${#pad} ))
 if [ "$size" -gt "$max" ]; then echo "dormant-continue: the answer is over $max bytes: not sent (the script still waits; give a shorter answer, e.g. a path to a file holding it)" >&2; exit 125; fi
 # Deliver once: only to a question still asked, of the round the job log
 # showed, by a script that still runs.
+# A question whose asker is gone (`.asker` names a process that is no
+# dormant-ask: it was killed, e.g. by `timeout`) is stale: the script went
+# on without an answer; it is taken away, and the output streams.
+asked_by_nobody() { local a x y; { read -r a < "$P.asker"; } 2>/dev/null || return 1; { IFS= read -r -d '' x; IFS= read -r -d '' y; } < "/proc/$a/cmdline" 2>/dev/null; case $y in */dormant-ask) return 1;; esac; return 0; }
+if [ -e "$P.ask" ] && asked_by_nobody; then rm -f -- "$P.ask" "$P.asker"; fi
 if [ -e "$P.ask" ] && [ ! -e "$P.exit" ]; then
   { read -r n; } < "$P.ask"
   if [ "$n" = "$pr" ]; then
@@ -87,25 +92,64 @@ if [ -e "$P.ask" ] && [ ! -e "$P.exit" ]; then
     fi
   fi
 fi
-# Copies the paused script's output up to byte $1 into this stage, then, as
-# its consumer now that its owner is gone, takes it off the machine: `.kept`
-# lets its pump write on (a background writer waits at the bound until then)
-# and the copied part is dropped from the file once 1 MiB has gathered.
+# Where this stage's output is now (its wrapper's fd 3) -> y, once what its
+# script wrote before is out of its pipe (stable for 50 ms, at most 1 s).
+here() {
+  local m i=0 l v; { read -r m _ < "$T.pid"; } 2>/dev/null
+  y=
+  while [ $((i += 1)) -le 20 ]; do
+    v=$y y=
+    { while read -r l; do case $l in pos:*) y=${l//[!0-9]/};; esac; done < "/proc/$m/fdinfo/3"; } 2>/dev/null
+    [ -n "$y" ] && [ "$y" = "$v" ] && return
+    nap 0.05
+  done
+}
+# Copies the paused script's output up to byte $1 into this stage, 64 KiB
+# at a time, saying after each how far (`T.base`). What this job's log has
+# of it is this stage's owner's to record (`P.kept`, from dormant's
+# acknowledgements: kept_owner.sh `relayed`); what it has is punched out of
+# P's file every 1 MiB. A continue killed mid-copy leaves that one copy
+# (at most 64 KiB) to be shown again by the next, never lost.
 copy() {
   [ "$1" -gt "$at" ] || return 0
-  tail -c +$((at + 1)) -- "$P.out" | head -c $(($1 - at))
-  at=$1
-  [ $((at - k)) -ge 1048576 ] || return 0
-  fallocate -p -o "$k" -l $((at - k)) -- "$P.out" 2>/dev/null
-  k=$at
-  echo "$k" > "$P.kept"
+  local c= e
+  while [ "$1" -gt "$at" ]; do
+    e=$1
+    [ $((e - at)) -le 65536 ] || e=$((at + 65536))
+    tail -c +$((at + 1)) -- "$P.out" | head -c $((e - at))
+    at=$e
+    echo "$ts $ps $at" > "$T.base"
+  done
+  { read -r c < "$P.kept"; } 2>/dev/null
+  [ $((${c:-0} - k)) -ge 1048576 ] 2>/dev/null || return 0
+  fallocate -p -o "$k" -l $((c - k)) -- "$P.out" 2>/dev/null
+  k=$c
+}
+# The end of P's copy at byte $1: waited for (at most 60 s) until this
+# job's log has it, before the exit code is given. A job killed meanwhile
+# leaves them (P ended while paused: the next continue shows the rest).
+done_at() {
+  local i=0 c
+  while [ $((i += 1)) -le 1200 ]; do
+    c=; { read -r c < "$P.kept"; } 2>/dev/null
+    [ "${c:-0}" -ge "$1" ] 2>/dev/null && return 0
+    nap 0.05
+  done
+  return 1
 }
 nap() { [ -n "$nn" ] || { exec 8< <(:); exec 8<>/dev/fd/8; nn=1; }; read -r -t "$1" -u 8 _; }
 nn=
+here
+ts=${y:-0} ps=$at
+echo "$ts $ps $ps" > "$T.base"
 while :; do
   pos
   if { read -r rc len < "$P.exit"; } 2>/dev/null && [ -n "$len" ]; then
-    copy "$len"; rm -f -- "$P".*; exit "$rc"
+    copy "$len"
+    # (P's files go with this stage's, once dormant has its end:
+    # kept_owner.sh `fin`.)
+    [ "$len" -le "$ps" ] || done_at "$len"
+    exit "$rc"
   fi
   if [ -z "$z" ]; then
     [ -e "$P.exit" ] && continue

@@ -109,29 +109,58 @@ halt() {
   rm -f -- "$t.ask.h" "$t.stop"
   kill -s CONT -- "-$g" 2>/dev/null
 }
-# dormant has the output up to byte $1 in its job log (`ACK <n>`): it is
-# dropped here (`fallocate -p`, offsets stay) and `.kept` says so, which
-# lets the pump (kept.sh) write that much more. Nothing dormant has not
-# taken is ever dropped: a reader slower than the script makes the script
-# wait, and a re-attach always finds what it asks for.
+# dormant has the output up to byte $1 in its job log (`ACK <n>`, after
+# every read): once a quarter of the bound has gathered, it is dropped here
+# (`fallocate -p`, offsets stay) and `.kept` says so, which lets the pump
+# (kept.sh) write that much more. Nothing dormant has not taken is ever
+# dropped: a reader slower than the script makes the script wait, and a
+# re-attach always finds what it asks for.
 ack() {
-  [ "$1" -gt "$k" ] 2>/dev/null || return
-  fallocate -p -o "$k" -l $(($1 - k)) -- "$o.out" 2>/dev/null || [ -n "$wk" ] || { wk=1; echo "dormant-warn could not drop output the job log has from the stage's file on the machine (fallocate -p failed): the file keeps it, the bound counts without it" >&2; }
-  k=$1
+  [ "$1" -gt "$tk" ] 2>/dev/null || return
+  tk=$1
+  [ $((tk - k)) -ge $((K / 4)) ] || return
+  fallocate -p -o "$k" -l $((tk - k)) -- "$o.out" 2>/dev/null || [ -n "$wk" ] || { wk=1; echo "dormant-warn could not drop output the job log has from the stage's file on the machine (fallocate -p failed): the file keeps it, the bound counts without it" >&2; }
+  k=$tk
   echo "$k" > "$o.kept"
+}
+# This stage's dormant-continue relays a paused script P (`.relay`), whose
+# output it copies into this stage from byte <P start> on, starting at this
+# stage's byte <start> (`.base`: <start> <P start> <P copied>, rewritten
+# after each copy of at most 64 KiB: what this stage holds past the copy is
+# its own script's, e.g. bash's line about a killed dormant-continue).
+# dormant's job log has P's output up to the matching byte: recorded in
+# `P.kept` (its one writer while P is relayed), so a continue after this
+# job was killed starts exactly there, and P's pump writes on.
+relayed() {
+  local ts ps pe x c
+  { read -r ts ps pe < "$o.base" && read -r x < "$o.relay"; } 2>/dev/null || return
+  [ "$tk" -gt "$ts" ] 2>/dev/null || return
+  c=$((ps + tk - ts))
+  [ -n "$pe" ] && [ "$c" -gt "$pe" ] && c=$pe
+  [ "$c" = "$rc" ] && return
+  echo "$c" > "$x.kept.r" && mv -f -- "$x.kept.r" "$x.kept" && rc=$c
 }
 # The paused round's job log ends at byte $1 (`TAKEN <n>`), past the offset
 # the owner recorded when a background writer went on meanwhile: the next
 # round starts there, so no byte is shown twice.
 taken() {
   local r at
+  ack "$1"
   { read -r r at < "$o.paused"; } 2>/dev/null || return
   [ "$1" -gt "$at" ] 2>/dev/null || return
   echo "$r $1" > "$o.paused.o" && mv -f -- "$o.paused.o" "$o.paused"
 }
-# Stops what is left of the stage, drops its files, and goes.
+# Stops what is left of the stage, drops its files, and goes. With $1 =
+# end (dormant said `DONE`: its job log has the stage's end), a script this
+# stage relayed that has ended, and whose whole output this job's log has
+# (`.kept` at its length), goes too: its end was this job's (until then
+# it is kept, so that a job killed after the relay still leaves the
+# script's exit code to the next dormant-continue).
 fin() {
   local i=0 x y
+  if [ "$1" = end ] && { read -r x < "$o.relay" && read -r _ i < "$x.exit" && read -r y < "$x.kept"; } 2>/dev/null && [ "$y" -ge "$i" ] 2>/dev/null; then rm -f -- "$x".*; fi
+  i=0
+  x=
   if [ "/proc/$m/fd/3" -ef "$o.out" ]; then
     # (The script's group may be a moment from being recorded.)
     while [ -z "$p" ] && [ $((i += 1)) -le 20 ]; do
@@ -170,12 +199,13 @@ up() {
 # connection, the script runs on and the stage is kept $L s for dormant to
 # come back. A newer owner (a re-attach) takes over.
 own() {
-  local me=$BASHPID c x y k=0 e= keep= dl pend= pz= wk=
+  local me=$BASHPID c x y k=0 tk=0 rc= e= keep= dl pend= pz= wk=
   [ "$1" = start ] && echo "$me $f" > "$o.own"
   # A lost connection must not end the owner when it says something.
   trap '' PIPE
   trap 'holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0' TERM
   [ -r "$o.kept" ] && read -r k < "$o.kept"
+  tk=${k:-0}
   while :; do
     # The script's group, once the wrapper has started it.
     [ -n "$p" ] || { read -r x y < "$o.pid" && [ -n "$y" ] && m=$x p=$y; } 2>/dev/null
@@ -189,6 +219,7 @@ own() {
         case $c in
           TERM|KILL) if [ -n "$p" ]; then kill -s "$c" -- "-$p" 2>/dev/null; else pend=$c; fi;;
           KEEP) keep=1;;
+          DONE) fin end;;
           ACK\ *) ack "${c#ACK }";;
           TAKEN\ *) [ -n "$pz" ] && taken "${c#TAKEN }";;
           PAUSE*) [ -z "$pz" ] && halt "${c#PAUSE}";;
@@ -203,6 +234,7 @@ own() {
       nap 0.05
     fi
     [ -z "$pz" ] && [ -e "$o.ask" ] && asked
+    [ -e "$o.base" ] && relayed
     # Paused once its session had ended (a lost connection): the script waits
     # for its answer whether dormant comes back or not, so neither the loss
     # timeout nor a clock set forward after a restore may stop it. The owner
