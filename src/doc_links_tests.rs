@@ -216,8 +216,8 @@ fn broken(doc: &Path, text: &str) -> Vec<String> {
 fn every_relative_link_in_the_readme_and_docs_resolves() {
     let docs = documents();
     assert!(
-        docs.iter().any(|d| d.ends_with("docs/pause.md")),
-        "the walk finds the docs: {docs:?}"
+        docs.iter().any(|d| d.ends_with("docs/guide/pausing.md")),
+        "the walk finds the user guide: {docs:?}"
     );
     let mut wrong = Vec::new();
     let mut checked = 0;
