@@ -11,7 +11,7 @@
 # printed as a table: the total and the calls by action. moto's transitions
 # are instant, so every wait makes one poll: on EC2 add one describe per
 # second of transition. The suite runs the same test: it fails on any count
-# that differs from the README's (action by action).
+# that differs from docs/performance.md's (action by action).
 #
 # Usage: scripts/bench-ec2-calls.sh
 # Env:   DORMANT_TEST_MOTO_SERVER, DORMANT_TEST_SSHD as for scripts/test.sh.

@@ -18,8 +18,8 @@ if [ "${1:-}" != "--check" ]; then
   # Fat LTO for the shipped binary only: a cold build costs the same with it
   # (729 s against 737 s on 2 cores) and the binary is 28 % smaller (16.9 MB
   # against 23.6 MB); a developer's rebuild after a change would be 8x slower
-  # (233 s against 29 s), so the release profile itself keeps it off. See the
-  # README's performance section.
+  # (233 s against 29 s), so the release profile itself keeps it off. See
+  # docs/performance.md.
   CARGO_PROFILE_RELEASE_LTO=fat cargo deb
   exit
 fi

@@ -46,8 +46,8 @@ pub struct Refusal {
     pub message: String,
 }
 
-/// Why an operator command refused; each has its own exit code (README,
-/// "Operator commands"), apart from the runner's 1 and 2.
+/// Why an operator command refused; each has its own exit code (docs/guide/
+/// exit-codes.md), apart from the runner's 1 and 2.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refused {
     /// No environment or job of this runner manager by that key, id or job id.

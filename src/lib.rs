@@ -7,6 +7,8 @@
 pub mod cli;
 pub mod context;
 pub mod contract;
+#[cfg(test)]
+mod doc_links_tests;
 pub mod envkey;
 pub mod events;
 pub mod exit;

@@ -13,7 +13,7 @@
 //! written from the places where the transitions happen — the lifecycle's
 //! suspend, release, recover and sweep (`crate::lifecycle`), and prepare's
 //! activation of a new or resumed environment (`crate::stages`) — never from
-//! copies elsewhere. README "Event log" and docs/architecture.md say what each
+//! copies elsewhere. docs/guide/events.md and docs/architecture.md say what each
 //! event means.
 //!
 //! The log is for operators: writing it never fails or holds up a job

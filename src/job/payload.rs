@@ -14,7 +14,7 @@
 //! Go's `omitempty` never omits a struct, so every payload a real runner writes
 //! carries `"suspend_options": {}` even when nothing is set: an empty object
 //! sets nothing, and each trigger and the key are taken field by field (see
-//! [`suspend_request`] and the README's "How keys flow").
+//! [`suspend_request`] and docs/guide/keys.md).
 //!
 //! The job's identity (job id, project id, runner id) comes from the payload
 //! only: a job can set any `CI_*` variable itself, and the project id is what

@@ -2,8 +2,8 @@
 //! `dormant metrics`' `dormant_suspended_storage_bytes`: the storage a
 //! suspension costs. Read from the record, the settings and, for qemu, the
 //! sizes of its files on disk — never from a provider's API, since metrics
-//! runs every minute (README, "What suspended environments and the warm
-//! pool cost").
+//! runs every minute (docs/guide/events.md, "What suspended environments and
+//! the warm pool cost").
 
 use crate::settings::Settings;
 use crate::state::{EnvironmentRecord, StateStore};

@@ -283,7 +283,7 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
 /// lose it. Only for files whose last write may be lost: a run stage's result
 /// (it dies with the runner's job anyway, and the fsyncs would cost 1–10 ms on
 /// every stage), the sweep cursor and the metrics checkpoint (a lost write
-/// only repeats work). README "State on disk" lists which files are which.
+/// only repeats work). docs/guide/state.md lists which files are which.
 pub fn write_json_unsynced<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     write_json_as(path, value, false)
 }

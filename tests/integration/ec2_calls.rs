@@ -3,7 +3,7 @@
 //! counted by the recording proxy while whole jobs run through the built
 //! binary (moto behind the proxy, the loopback sshd standing in for every
 //! instance). `ec2_api_calls_per_transition_are_the_readmes` checks every
-//! count, action by action, and that the README's table says the same: an
+//! count, action by action, and that the table in docs/performance.md says the same: an
 //! extra or a missing call fails it. It prints the table too
 //! (`scripts/bench-ec2-calls.sh` shows it).
 //!
@@ -124,8 +124,8 @@ fn measure(mode: Mode) -> Row {
     }
 }
 
-/// Every transition's calls, action by action, as the README breaks them
-/// down; the README's table row; the table printed.
+/// Every transition's calls, action by action, as docs/performance.md breaks
+/// them down; its table row; the table printed.
 #[test]
 fn ec2_api_calls_per_transition_are_the_readmes() {
     let machine = Expected {
@@ -189,7 +189,7 @@ fn ec2_api_calls_per_transition_are_the_readmes() {
             },
         ),
     ];
-    let readme = include_str!("../../README.md");
+    let documented = include_str!("../../docs/performance.md");
     let mut table = Vec::new();
     let mut wrong = Vec::new();
     for (name, mode, expected) in rows {
@@ -213,7 +213,7 @@ fn ec2_api_calls_per_transition_are_the_readmes() {
         ] {
             if got != want {
                 wrong.push(format!(
-                    "{name}, {what}: {} (the README says {})",
+                    "{name}, {what}: {} (docs/performance.md says {})",
                     show(got),
                     show(want)
                 ));
@@ -227,8 +227,10 @@ fn ec2_api_calls_per_transition_are_the_readmes() {
             sum(&expected.resume),
             sum(&expected.release)
         );
-        if !readme.lines().any(|l| l == row) {
-            wrong.push(format!("README.md's table of EC2 calls has no row {row:?}"));
+        if !documented.lines().any(|l| l == row) {
+            wrong.push(format!(
+                "docs/performance.md's table of EC2 calls has no row {row:?}"
+            ));
         }
     }
     println!();

@@ -310,7 +310,7 @@ fn a_sigkilled_ssh_stage_leaves_no_script_behind() {
 ///
 /// The job must end although that process lives on: dormant ends the
 /// script's process group, and a process that left it (`setsid`) is out of
-/// its reach (README: SIGTERM kills the script's process group; docs/ssh.md,
+/// its reach (docs/guide/keys.md: SIGTERM kills the script's process group; docs/ssh.md,
 /// "Limits"). So the test proves the escape was real: the process wrote its
 /// pid, and it still ran, its output still open, when the job had ended.
 /// Without that the test would pass just as well with no process holding

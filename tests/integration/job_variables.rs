@@ -2,7 +2,7 @@
 //! that writes its payload as GitLab Runner does: `"suspend_options": {}` when
 //! GitLab set nothing (Go's `omitempty` never omits a struct), the key spelled
 //! as the runner's release spells it. Each trigger and the key come from the
-//! payload where it sets them, else from the variables (README, "How keys flow").
+//! payload where it sets them, else from the variables (docs/guide/keys.md).
 
 use dormant::runner_sim::RunnerVersion;
 

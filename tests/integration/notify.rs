@@ -1,4 +1,4 @@
-//! The notify hook's README example, `examples/notify-merge-request.sh`,
+//! The notify hook's example (docs/guide/notify.md), `examples/notify-merge-request.sh`,
 //! against a fake GitLab API on loopback: it finds the job's merge request and
 //! comments the key on it (and stays quiet for other events).
 

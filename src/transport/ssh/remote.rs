@@ -78,7 +78,7 @@
 //! follower and its pump's `dd` (no `mktemp`, `head`, `wc`, `setsid`, not
 //! even a second bash):
 //! each exec costs 1–3 ms, the bulk of a stage's cost over a bare
-//! `ssh -S … true` (see the README's performance section). The script's process group comes from job control (`set -m`,
+//! `ssh -S … true` (see docs/performance.md). The script's process group comes from job control (`set -m`,
 //! turned off again inside the subshell so the script's own pipelines stay in
 //! its group). When the login shell is bash, it runs the wrapper itself (see
 //! [`command_line`]).
@@ -106,7 +106,7 @@ pub const KEPT: &str = include_str!("remote/kept.sh");
 /// The functions of a kept stage's owner, sent as the kept wrapper's last
 /// argument and defined only in the processes that run them (the owner the
 /// wrapper forks, a re-attach): parsing them on the stage's own path cost
-/// ≈ 0.5 ms per stage (the README's performance section).
+/// ≈ 0.5 ms per stage (docs/performance.md).
 pub const KEPT_OWNER: &str = include_str!("remote/kept_owner.sh");
 
 /// Stops the stages of an environment left on the machine and removes their

@@ -8,7 +8,7 @@
 //! resumable, what was released is gone, and nothing leaked.
 //!
 //! The driver knows nothing of dormant's internals beyond the key format and
-//! the on-disk layout the README documents (`environments/<id>/record.json`
+//! the on-disk layout docs/guide/state.md documents (`environments/<id>/record.json`
 //! with its `status` and `key`, `jobs/`). CI runs `DORMANT_STRESS_ROUNDS`
 //! rounds (default 2); `scripts/stress.sh ROUNDS` runs many and prints the table.
 //! `DORMANT_STRESS_SWEEP_LOOPS` (0–2, default 2) and `DORMANT_STRESS_TTL`
