@@ -123,7 +123,8 @@ mod imp {
     use crate::job::Job;
     use crate::model::{EnvPaths, StorageMode};
     use crate::ops::{open_store, OPERATOR_BUDGET};
-    use crate::provider::ec2::takeover::{Adoptable, Confirmed, Held, NothingWritten};
+    use crate::provider::ec2::takeover::{Adoptable, Held};
+    use crate::provider::ec2::takeover_write::{Confirmed, NothingWritten};
     use crate::provider::ec2::Ec2Provider;
     use crate::provider::Provider;
     use crate::settings::Settings;
