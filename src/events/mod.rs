@@ -9,7 +9,7 @@
 //! This module is the one owner of the log: the line (here), the vocabulary
 //! of events and causes (`vocabulary.rs`), appending and rotation
 //! (`append.rs`), reading and following (`read.rs`), and the metrics folded
-//! from it (`tally.rs`). Events are
+//! from it (`tally.rs`) and printed for Prometheus (`exposition.rs`). Events are
 //! written from the places where the transitions happen — the lifecycle's
 //! suspend, release, recover and sweep (`crate::lifecycle`), and prepare's
 //! activation of a new or resumed environment (`crate::stages`) — never from
@@ -20,6 +20,7 @@
 //! ([`EventLog::record`] warns and carries on).
 
 mod append;
+mod exposition;
 pub mod read;
 pub mod tally;
 mod vocabulary;

@@ -10,7 +10,8 @@
 //! back to suspended; a job whose triggers match its outcome (not terminated)
 //! is suspended, and a SIGTERM during the suspension lets the stop finish, then
 //! releases (termination wins, without a half-suspended machine); otherwise
-//! the environment is released.
+//! the environment is released. Before either, what the job's stages left
+//! on the machine is dealt with (`cleanup_left.rs`).
 
 use std::time::Duration;
 
@@ -28,15 +29,9 @@ use crate::state::transitions::{at_cleanup, same_holder};
 use crate::state::{registry, EnvironmentRecord, Holder, JobState, Settle};
 use crate::transport::Transport;
 
+use super::cleanup_left::{keep_question, stop_leftovers};
 use super::outcome::Outcome;
 use super::Session;
-
-/// Upper bound for stopping what the job's stages left in the environment
-/// (reaching the machine, then one command).
-const LEFTOVERS_BUDGET: Duration = Duration::from_secs(60);
-/// At most this long asking the machine whether a paused script still waits
-/// (`keep_question`); past it, the record keeps the question.
-const PAUSED_LEFT_LOOK: Duration = Duration::from_secs(30);
 
 /// Upper bound for cleanup's provider calls (a stop waits for the machine to
 /// stop; a terminate for it to go). The runner's own cleanup timeout is 1 h.
@@ -109,11 +104,31 @@ async fn cleanup_job(s: &Session, ctx: &Ctx) -> Result<()> {
             paused: state.paused.clone(),
             suspends,
         };
-        settle_environment(s, &state, &paths, &rec, &holder, why, settle, ctx).await?;
+        let held = Held {
+            s,
+            state: &state,
+            paths: &paths,
+            rec: &rec,
+            holder: &holder,
+            ctx,
+        };
+        settle_environment(held, why, settle).await?;
     }
     crate::failpoint!("cleanup:settled");
     // Job state goes last: if anything above failed, a retried cleanup finds it.
     locked.remove()
+}
+
+/// The environment the job holds, as cleanup settles it: the job's state,
+/// the environment's files and record, the holder the record names.
+#[derive(Clone, Copy)]
+struct Held<'a> {
+    s: &'a Session,
+    state: &'a JobState,
+    paths: &'a EnvPaths,
+    rec: &'a EnvironmentRecord,
+    holder: &'a Holder,
+    ctx: &'a Ctx,
 }
 
 /// Why cleanup does what it does: the job's outcome, and its own request.
@@ -207,17 +222,17 @@ async fn announce(s: &Session, event: Event, rec: &EnvironmentRecord, reason: St
     .await;
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn settle_environment(
-    s: &Session,
-    state: &JobState,
-    paths: &EnvPaths,
-    rec: &EnvironmentRecord,
-    holder: &Holder,
-    why: Why,
-    settle: Settle,
-    ctx: &Ctx,
-) -> Result<()> {
+/// Does what `settle` says, after stopping what the job's stages left and
+/// the shells joined beside it, and closes the connection.
+async fn settle_environment(held: Held<'_>, why: Why, settle: Settle) -> Result<()> {
+    let Held {
+        s,
+        state,
+        paths,
+        rec,
+        holder,
+        ctx,
+    } = held;
     let id = state.env_id;
     let outcome = why.outcome;
     // The connection is closed after the provider's stop or delete, not
@@ -261,7 +276,7 @@ async fn settle_environment(
         }
         Settle::Suspend => {
             keep_question(state, paths, rec, transport, ctx).await;
-            suspend(s, state, paths, holder, &why, rec, transport, ctx).await
+            suspend(held, &why, transport).await
         }
         Settle::Release => {
             let words = if state.terminated {
@@ -294,112 +309,17 @@ async fn settle_environment(
     result
 }
 
-/// A stage of the job did not end cleanly (its `run` was killed, or
-/// terminated without the machine reporting the script's end): its processes
-/// may still run in the environment. They are stopped before the environment
-/// is suspended (a suspended environment never resumes with them) or
-/// released. A machine that cannot be reached is said in the runner's log;
-/// the next prepare of the environment stops them in any case.
-async fn stop_leftovers(
-    s: &Session,
-    rec: &EnvironmentRecord,
-    paths: &EnvPaths,
-    transport: Option<&dyn Transport>,
-    ctx: &Ctx,
-) {
-    let Some(t) = transport else { return };
-    let check = rec.machine.as_ref().map(|machine| lifecycle::lost::Watch {
-        provider: s.provider.as_ref(),
-        machine,
-    });
-    let check = check
-        .as_ref()
-        .map(|c| c as &dyn crate::transport::MachineCheck);
-    let ctx = ctx.uncancellable().within(LEFTOVERS_BUDGET);
-    match t.stop_leftovers(check, &ctx).await {
-        Ok(()) => {
-            let _ = std::fs::remove_file(&paths.stages_left);
-        }
-        // Nothing runs on a machine that is gone or stopped (and a machine
-        // stopped with its memory kept is stopped by the next prepare's probe).
-        Err(e) if e.downcast_ref::<crate::transport::MachineLost>().is_some() => {
-            tracing::debug!("no leftovers to stop: {e:#}");
-            let _ = std::fs::remove_file(&paths.stages_left);
-        }
-        Err(e) => s.log.warn(format!(
-            "environment {}: what the job's stages left running could not be stopped: {e:#}",
-            paths.id
-        )),
-    }
-}
-
-/// The record keeps the question of a script that asked (`list`, `inspect`);
-/// a resumed job that ran stages and did not end paused clears it once its
-/// script no longer waits: continued to its end, gone, or lost with the
-/// machine's memory. A job that did not run `dormant-continue` leaves the
-/// script waiting for the next one: the machine is asked
-/// ([`Transport::paused_left`]); if it cannot say, the question is kept
-/// (`dormant-continue` is what finds out).
-async fn keep_question(
-    state: &JobState,
-    paths: &EnvPaths,
-    rec: &EnvironmentRecord,
-    transport: Option<&dyn Transport>,
-    ctx: &Ctx,
-) {
-    let paused = state.paused.as_ref().map(|question| crate::state::Paused {
-        question: question.clone(),
-        job_id: state.job_id,
-        at: crate::state::now_unix(),
-        lost: None,
-    });
-    let ran = !state.stages.is_empty();
-    if paused.is_none() && (rec.paused.is_none() || !ran) {
-        return;
-    }
-    let lost = rec.paused.as_ref().is_some_and(|p| p.lost.is_some());
-    if paused.is_none() && !lost {
-        let waits = match transport {
-            Some(t) => t.paused_left(&ctx.within(PAUSED_LEFT_LOOK)).await,
-            None => Ok(false),
-        };
-        match waits {
-            Ok(false) => {}
-            Ok(true) => return,
-            Err(e) => {
-                tracing::warn!(
-                    "environment {}: whether its paused script still waits is unknown \
-                     ({e:#}): the record keeps its question",
-                    paths.id
-                );
-                return;
-            }
-        }
-    }
-    let updated = registry::update(paths, &ctx.uncancellable(), |r| {
-        r.paused = paused;
-        Ok::<_, std::convert::Infallible>(())
-    })
-    .await;
-    if let Err(e) = updated {
-        tracing::warn!(
-            "environment {}: recording its paused question: {e}",
-            paths.id
-        );
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn suspend(
-    s: &Session,
-    state: &JobState,
-    paths: &EnvPaths,
-    holder: &Holder,
-    why: &Why,
-    before: &EnvironmentRecord,
-    transport: Option<&dyn Transport>,
-    ctx: &Ctx,
-) -> Result<()> {
+/// Suspends the environment (the data volume kept, for a machine lost);
+/// a termination during the suspension releases it once the stop is done.
+async fn suspend(held: Held<'_>, why: &Why, transport: Option<&dyn Transport>) -> Result<()> {
+    let Held {
+        s,
+        state,
+        paths,
+        rec: before,
+        holder,
+        ctx,
+    } = held;
     let id = state.env_id;
     match (&why.machine_lost, &why.request) {
         (Some(lost), _) => s.log.info(format!(

@@ -4,6 +4,7 @@
 //! in-memory fakes.
 
 pub mod cleanup;
+mod cleanup_left;
 pub mod config;
 pub mod outcome;
 mod prep;

@@ -14,11 +14,11 @@ use anyhow::{Context, Result};
 use crate::context::Ctx;
 use crate::exit::{write_build_exit_code, Failure};
 use crate::lifecycle::lost::{self, MACHINE_LOST};
-use crate::model::StorageMode;
+use crate::model::{EnvPaths, Machine, StorageMode};
 use crate::state::job::{hold_job_alive, LockedJob};
-use crate::state::stage_output::{self, StageNow};
-use crate::state::{registry, JobState, Mode, Phase, StageRecord, StageResult};
-use crate::transport::{MachineLost, Ran, Script, ScriptExit};
+use crate::state::stage_output::{self, OutputCopy, StageNow};
+use crate::state::{registry, EnvironmentRecord, JobState, Mode, Phase, StageRecord, StageResult};
+use crate::transport::{MachineLost, Ran, Script, ScriptExit, Transport};
 
 use super::Session;
 
@@ -30,44 +30,15 @@ pub const SKIPPED_ON_RESUME: &[&str] = &["get_sources", "clear_worktree"];
 /// signals us. This only bounds a run the runner forgot.
 const RUN_BUDGET: Duration = Duration::from_secs(30 * 24 * 3600);
 
+/// The stage, top to bottom: the job enters its stages; a checkout stage of a
+/// resumed environment is skipped; the script runs in the environment with
+/// the stage's marks around it; what it left (the job's request, a lost
+/// machine, a question it waits on) is read; the outcome is classified and
+/// recorded.
 pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Failure> {
     let ctx = Ctx::new(s.log.clone(), s.cancel.clone(), RUN_BUDGET);
     let _alive = hold_job_alive(&s.store, &s.runner_id, s.job_id())?;
-    let (state, record) = {
-        let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id(), &ctx).await?;
-        let state = locked.load()?.with_context(|| {
-            format!(
-                "job {} has no state ({}): prepare did not run on this host, or cleanup already removed it",
-                s.job_id(),
-                locked.path().display()
-            )
-        })?;
-        if !state.prepared() {
-            return Err(anyhow::anyhow!(
-                "job {}: prepare did not complete, so there is no environment to run {stage} in",
-                s.job_id()
-            )
-            .into());
-        }
-        let mut state = state;
-        if state.phase < Phase::Stages {
-            // Intent before effect: from here on the job has touched its
-            // environment (a resume that fails later is no longer "unused").
-            state.phase = Phase::Stages;
-            locked.save(&state)?;
-        }
-        crate::failpoint!("run:first-stage");
-        let paths = s.store.env_paths(state.env_id);
-        let record = registry::peek(&paths)?.with_context(|| {
-            format!(
-                "environment {} of job {} has no record ({})",
-                state.env_id,
-                s.job_id(),
-                paths.record.display()
-            )
-        })?;
-        (state, record)
-    };
+    let (state, record) = enter_stages(s, stage, &ctx).await?;
     if state.mode == Mode::Resume && SKIPPED_ON_RESUME.contains(&stage) {
         s.log.info(format!(
             "skipping {stage}: environment {} was resumed and keeps the working tree the suspended job left",
@@ -85,63 +56,20 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
     let paths = s.store.env_paths(state.env_id);
     let transport = s.transports.open(&s.provider.target(&machine)?, &paths)?;
     let request_file = crate::job_request::path_for(&s.settings, &paths, record.storage)?;
-    let mut env = vec![
-        (
-            "DORMANT_ENVIRONMENT_KEY".to_string(),
-            record.key.clone().unwrap_or_default(),
-        ),
-        (crate::job_request::VAR.to_string(), request_file.clone()),
-        (
-            crate::lifecycle::pause::VAR.to_string(),
-            crate::lifecycle::pause::refusal(&s.settings, &record).unwrap_or_else(|| "ok".into()),
-        ),
-    ];
-    // The paused script went with the machine's memory: `dormant-continue`
-    // says so at once (the record stops saying paused at this job's cleanup).
-    if let Some(lost) = crate::lifecycle::pause::lost_message(&record) {
-        env.push((crate::lifecycle::pause::LOST_VAR.to_string(), lost));
-    }
-    // Test builds: the crash points of the scripts on the machine.
-    env.extend(crate::failpoint::script_env());
+    let env = script_env(s, &record, &request_file);
     let job_code = crate::job_request::runs_job_code(stage);
     let id = format!("{stage}.{:016x}", fastrand::u64(..));
     let check = lost::Watch {
         provider: s.provider.as_ref(),
         machine: &machine,
     };
-    // Intent before effect: a `run` killed from here on leaves the mark, and
-    // cleanup stops whatever the stage left running in the environment. No
-    // fsync: the mark matters to this host's next cleanup, not after a crash
-    // of the host, which takes the stage's connection with it.
-    // A mark an earlier stage left (its `run` was killed) stays for cleanup.
-    let marked_before = paths.stages_left.exists();
-    crate::transport::write_private(&paths.stages_left, b"")
-        .with_context(|| format!("marking {} (a stage runs)", paths.stages_left.display()))?;
+    let marked_before = mark_stage_running(&paths)?;
     // A `dormant pause` request names one stage run: one for an earlier
     // stage (its `dormant pause` came too late) goes now, before this
     // stage is announced below (where `dormant pause` learns its id).
     let pause_file = crate::state::pause_request::path(&paths);
     let _ = crate::state::pause_request::clear(&paths);
-    // The job log's copy for `dormant attach`: a watcher learns of the stage
-    // here. Never fails the stage (it would run unwatched).
-    let now = StageNow {
-        version: crate::state::store::FORMAT_VERSION,
-        runner: s.runner_id.clone(),
-        job: s.job_id(),
-        stage: stage.to_string(),
-        id: id.clone(),
-        started_ms: stage_output::now_ms(),
-        ended: None,
-    };
-    let copy = match stage_output::begin(&paths, &now) {
-        Ok(copy) => Some(copy),
-        Err(e) => {
-            s.log.warn(format!(
-                "{stage} runs without a copy of its output for `dormant attach`: {e:#}"
-            ));
-            None
-        }
-    };
+    let (now, copy) = begin_copy(s, &paths, stage, &id);
     let started = Instant::now();
     let result = transport
         .run_script(
@@ -159,52 +87,220 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
         )
         .await;
     tracing::debug!(stage, elapsed = ?started.elapsed(), "stage finished");
-    if let Some(copy) = &copy {
-        let code = match &result {
-            Ok(Ran {
-                exit: ScriptExit::Code(c),
-                ..
-            }) => Some(*c),
-            _ => None,
-        };
-        if let Err(e) = stage_output::end(&paths, now, code, copy) {
-            tracing::debug!("recording the end of {stage} for `dormant attach`: {e:#}");
-        }
-    }
+    end_copy(&paths, now, copy.as_ref(), &result, stage);
     if !marked_before && matches!(&result, Ok(ran) if !ran.left_running) {
         let _ = std::fs::remove_file(&paths.stages_left);
     }
-    // The job may have asked for its own suspension (`crate::job_request`):
-    // looked for only when the transport did not already say it is absent.
-    let request = match &result {
+    let request = job_request_after(
+        s,
+        transport.as_ref(),
+        &request_file,
+        &result,
+        job_code,
+        &ctx,
+    )
+    .await;
+    let lost = lost_under(s, &machine, &result, &ctx).await;
+    let paused = waits_on_question(&result, &record);
+    let volume = record.storage == StorageMode::Volume;
+    let (recorded, outcome) = classify(s, &state, stage, result, lost.as_ref(), volume)?;
+    // Cleanup settles it by volume mode's rules (the volume kept as the
+    // triggers say); a machine mode environment has nothing to keep of a
+    // machine that is gone, and follows the usual rules.
+    let lost = lost.filter(|_| volume).map(|l| l.what);
+    let question = paused.clone();
+    record_stage(s, stage, recorded, request, lost, paused, &ctx).await?;
+    if let Some(question) = question {
+        record_paused(s, &state, &question, &ctx).await;
+    }
+    outcome
+}
+
+/// The job's state and its environment's record, once the job state says
+/// its stages began (prepare must have completed).
+async fn enter_stages(
+    s: &Session,
+    stage: &str,
+    ctx: &Ctx,
+) -> Result<(JobState, EnvironmentRecord), Failure> {
+    let locked = LockedJob::lock(&s.store, &s.runner_id, s.job_id(), ctx).await?;
+    let state = locked.load()?.with_context(|| {
+        format!(
+            "job {} has no state ({}): prepare did not run on this host, or cleanup already removed it",
+            s.job_id(),
+            locked.path().display()
+        )
+    })?;
+    if !state.prepared() {
+        return Err(anyhow::anyhow!(
+            "job {}: prepare did not complete, so there is no environment to run {stage} in",
+            s.job_id()
+        )
+        .into());
+    }
+    let mut state = state;
+    if state.phase < Phase::Stages {
+        // Intent before effect: from here on the job has touched its
+        // environment (a resume that fails later is no longer "unused").
+        state.phase = Phase::Stages;
+        locked.save(&state)?;
+    }
+    crate::failpoint!("run:first-stage");
+    let paths = s.store.env_paths(state.env_id);
+    let record = registry::peek(&paths)?.with_context(|| {
+        format!(
+            "environment {} of job {} has no record ({})",
+            state.env_id,
+            s.job_id(),
+            paths.record.display()
+        )
+    })?;
+    Ok((state, record))
+}
+
+/// The variables dormant gives the script: the environment's key, where the
+/// job asks for its own suspension, whether `dormant-ask` may pause.
+fn script_env(
+    s: &Session,
+    record: &EnvironmentRecord,
+    request_file: &str,
+) -> Vec<(String, String)> {
+    let mut env = vec![
+        (
+            "DORMANT_ENVIRONMENT_KEY".to_string(),
+            record.key.clone().unwrap_or_default(),
+        ),
+        (
+            crate::job_request::VAR.to_string(),
+            request_file.to_string(),
+        ),
+        (
+            crate::lifecycle::pause::VAR.to_string(),
+            crate::lifecycle::pause::refusal(&s.settings, record).unwrap_or_else(|| "ok".into()),
+        ),
+    ];
+    // The paused script went with the machine's memory: `dormant-continue`
+    // says so at once (the record stops saying paused at this job's cleanup).
+    if let Some(lost) = crate::lifecycle::pause::lost_message(record) {
+        env.push((crate::lifecycle::pause::LOST_VAR.to_string(), lost));
+    }
+    // Test builds: the crash points of the scripts on the machine.
+    env.extend(crate::failpoint::script_env());
+    env
+}
+
+/// Marks that a stage runs; whether a mark was there before.
+fn mark_stage_running(paths: &EnvPaths) -> Result<bool> {
+    // Intent before effect: a `run` killed from here on leaves the mark, and
+    // cleanup stops whatever the stage left running in the environment. No
+    // fsync: the mark matters to this host's next cleanup, not after a crash
+    // of the host, which takes the stage's connection with it.
+    // A mark an earlier stage left (its `run` was killed) stays for cleanup.
+    let marked_before = paths.stages_left.exists();
+    crate::transport::write_private(&paths.stages_left, b"")
+        .with_context(|| format!("marking {} (a stage runs)", paths.stages_left.display()))?;
+    Ok(marked_before)
+}
+
+/// The job log's copy for `dormant attach`: a watcher learns of the stage
+/// here. Never fails the stage (it would run unwatched).
+fn begin_copy(
+    s: &Session,
+    paths: &EnvPaths,
+    stage: &str,
+    id: &str,
+) -> (StageNow, Option<OutputCopy>) {
+    let now = StageNow {
+        version: crate::state::store::FORMAT_VERSION,
+        runner: s.runner_id.clone(),
+        job: s.job_id(),
+        stage: stage.to_string(),
+        id: id.to_string(),
+        started_ms: stage_output::now_ms(),
+        ended: None,
+    };
+    let copy = match stage_output::begin(paths, &now) {
+        Ok(copy) => Some(copy),
+        Err(e) => {
+            s.log.warn(format!(
+                "{stage} runs without a copy of its output for `dormant attach`: {e:#}"
+            ));
+            None
+        }
+    };
+    (now, copy)
+}
+
+/// The end of the stage in its copy for `dormant attach`.
+fn end_copy(
+    paths: &EnvPaths,
+    now: StageNow,
+    copy: Option<&OutputCopy>,
+    result: &Result<Ran>,
+    stage: &str,
+) {
+    let Some(copy) = copy else { return };
+    let code = match result {
+        Ok(Ran {
+            exit: ScriptExit::Code(c),
+            ..
+        }) => Some(*c),
+        _ => None,
+    };
+    if let Err(e) = stage_output::end(paths, now, code, copy) {
+        tracing::debug!("recording the end of {stage} for `dormant attach`: {e:#}");
+    }
+}
+
+/// The job may have asked for its own suspension (`crate::job_request`):
+/// looked for only when the transport did not already say it is absent.
+async fn job_request_after(
+    s: &Session,
+    transport: &dyn Transport,
+    request_file: &str,
+    result: &Result<Ran>,
+    job_code: bool,
+    ctx: &Ctx,
+) -> Option<String> {
+    match result {
         Ok(Ran {
             exit: ScriptExit::Code(_),
             watched,
             ..
         }) if job_code && *watched != Some(false) => {
-            crate::job_request::after_stage(&s.settings, transport.as_ref(), &request_file, &ctx)
-                .await
+            crate::job_request::after_stage(&s.settings, transport, request_file, ctx).await
         }
         _ => None,
-    };
-    // A stage that failed because its machine is gone (a spot reclaim,
-    // someone deleting it) is a machine lost: the transport found out while
-    // reconnecting (the same question, `check`), or it is asked once now.
-    let lost = match &result {
+    }
+}
+
+/// A stage that failed because its machine is gone (a spot reclaim,
+/// someone deleting it) is a machine lost: the transport found out while
+/// reconnecting (the same question, `check`), or it is asked once now.
+async fn lost_under(
+    s: &Session,
+    machine: &Machine,
+    result: &Result<Ran>,
+    ctx: &Ctx,
+) -> Option<Lost> {
+    match result {
         Err(e) => match e.downcast_ref::<MachineLost>() {
             Some(said) => Some(Lost {
                 what: said.0.clone(),
                 said: true,
             }),
-            None => lost::machine_lost(s.provider.as_ref(), &machine, &ctx)
+            None => lost::machine_lost(s.provider.as_ref(), machine, ctx)
                 .await
                 .map(|what| Lost { what, said: false }),
         },
         Ok(_) => None,
-    };
-    // The script asked and waits (docs/pause.md): the job log ends with the
-    // question, the stage succeeds, cleanup keeps the script.
-    let paused = match &result {
+    }
+}
+
+/// The script asked and waits (docs/pause.md): the job log ends with the
+/// question, the stage succeeds, cleanup keeps the script.
+fn waits_on_question(result: &Result<Ran>, record: &EnvironmentRecord) -> Option<String> {
+    match result {
         Ok(Ran {
             paused: Some(question),
             ..
@@ -218,34 +314,26 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
             Some(question)
         }
         _ => None,
-    };
-    let volume = record.storage == StorageMode::Volume;
-    let (recorded, outcome) = classify(s, &state, stage, result, lost.as_ref(), volume)?;
-    // Cleanup settles it by volume mode's rules (the volume kept as the
-    // triggers say); a machine mode environment has nothing to keep of a
-    // machine that is gone, and follows the usual rules.
-    let lost = lost.filter(|_| volume).map(|l| l.what);
-    let question = paused.clone();
-    record_stage(s, stage, recorded, request, lost, paused, &ctx).await?;
-    if let Some(question) = question {
-        // The job state says paused (cleanup suspends); the record says it
-        // too, so a sweep that settles this job after a cleanup killed
-        // before its suspension keeps the script (`paused_by`).
-        let paths = s.store.env_paths(state.env_id);
-        let job = s.job_id();
-        let marked = registry::update(&paths, &ctx.uncancellable(), |r| {
-            Ok::<_, std::convert::Infallible>(r.paused_by(job, &question))
-        })
-        .await;
-        if let Err(e) = marked {
-            tracing::warn!(
-                "environment {}: recording its paused question: {e}",
-                state.env_id
-            );
-        }
-        crate::failpoint!("pause:recorded");
     }
-    outcome
+}
+
+/// The job state says paused (cleanup suspends); the record says it too, so
+/// a sweep that settles this job after a cleanup killed before its
+/// suspension keeps the script (`paused_by`).
+async fn record_paused(s: &Session, state: &JobState, question: &str, ctx: &Ctx) {
+    let paths = s.store.env_paths(state.env_id);
+    let job = s.job_id();
+    let marked = registry::update(&paths, &ctx.uncancellable(), |r| {
+        Ok::<_, std::convert::Infallible>(r.paused_by(job, question))
+    })
+    .await;
+    if let Err(e) = marked {
+        tracing::warn!(
+            "environment {}: recording its paused question: {e}",
+            state.env_id
+        );
+    }
+    crate::failpoint!("pause:recorded");
 }
 
 /// What became of a machine lost under the stage; `said`: the transport's

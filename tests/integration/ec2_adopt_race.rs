@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use dormant::context::{Ctx, JobLog};
 use dormant::provider::ec2::handover::{epoch_matches, epoch_value, new_owner_id};
-use dormant::provider::ec2::takeover::{Adoptable, Confirmed};
+use dormant::provider::ec2::takeover::Adoptable;
+use dormant::provider::ec2::takeover_write::Confirmed;
 use dormant::provider::ec2::Ec2Provider;
 use dormant::settings::Settings;
 use dormant::state::StateStore;

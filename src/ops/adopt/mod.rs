@@ -107,172 +107,143 @@ mod imp {
 #[cfg(feature = "ec2")]
 mod pending;
 #[cfg(feature = "ec2")]
+mod run;
+#[cfg(feature = "ec2")]
 mod staged;
+#[cfg(feature = "ec2")]
+mod take;
 
 #[cfg(feature = "ec2")]
 mod imp {
-    use std::path::{Path, PathBuf};
-
-    use anyhow::{bail, Context, Result};
+    use anyhow::{bail, Result};
     use tokio_util::sync::CancellationToken;
 
-    use super::{Report, PENDING_EVENT, QUARANTINE_DIR};
-    use crate::context::{Ctx, JobLog};
-    use crate::envkey::EnvironmentKey;
-    use crate::events::{Event, EventLog, Kind};
+    use super::pending::record_pending_events;
+    use super::run::Run;
+    use super::staged::{leftovers, Staged};
+    use super::take::{NotAdopted, Takeover};
+    use super::Report;
+    use crate::context::JobLog;
     use crate::job::Job;
-    use crate::model::{EnvPaths, StorageMode};
-    use crate::ops::{open_store, OPERATOR_BUDGET};
-    use crate::provider::ec2::takeover::{Adoptable, Confirmed, Held, NothingWritten};
-    use crate::provider::ec2::Ec2Provider;
-    use crate::provider::Provider;
+    use crate::provider::ec2::takeover::{Adoptable, Found, Held, LeftAlone};
     use crate::settings::Settings;
-    use crate::state::lock::FileLock;
-    use crate::state::{registry, store, Adopted, EnvironmentRecord, StateStore};
+    use crate::state::{registry, EnvironmentRecord, StateStore};
 
-    use crate::provider::ec2::EPOCH_FIELD;
-
-    use super::pending::{adopted_reason, record_pending_events};
-    use super::staged::{leftovers, Intent, Staged, INTENT};
-
+    /// The run, in the order the module comment gives: the adopt lock; the
+    /// `adopted` events an earlier run left to write; what EC2 holds; each
+    /// adoptable environment taken over; the report, failing when a
+    /// take-over failed.
     pub async fn adopt(
         settings: &Settings,
         job: &Job,
         log: JobLog,
         cancel: CancellationToken,
     ) -> Result<Report> {
-        let store = open_store(settings, job)?;
-        let ec2 = Ec2Provider::new(settings, &store)?;
-        let system_id = crate::identity::system_id(settings, &store)?;
-        let events = EventLog::new(store.root(), &settings.events);
-        let ctx = Ctx::new(log.clone(), cancel, OPERATOR_BUDGET);
-        let lock_path = store.root().join("adopt.lock");
-        let Some(_lock) =
-            FileLock::acquire(&lock_path, &ctx, "another dormant adopt to finish").await?
-        else {
-            bail!("could not take {}", lock_path.display());
-        };
-        record_pending_events(&store, &events, &ctx).await;
-        // This run's owner id, written with every epoch it takes: a host
-        // adopting the same environment at once writes another one.
-        let owner = crate::provider::ec2::handover::new_owner_id();
-        let runner = settings.runner_id.as_deref().map(str::trim);
-        log.info(format!(
-            "looking for environments of system {system_id}{} to adopt",
-            runner
-                .map(|r| format!(", runner {r}"))
-                .unwrap_or_else(|| " (every runner)".into())
-        ));
-        let found = ec2.takeover_candidates(runner, &ctx).await?;
+        let run = Run::open(settings, job, log, cancel).await?;
+        record_pending_events(&run.store, &run.events, &run.ctx).await;
+        let found = run.find(settings.runner_id.as_deref()).await?;
         let mut report = Report::default();
-        for l in &found.left {
-            report.left.push(format!(
-                "{}{}: {}",
-                l.resources,
-                l.env_id
-                    .map(|id| format!(" (environment {id})"))
-                    .unwrap_or_default(),
-                l.why
-            ));
-        }
+        report.left.extend(found.left.iter().map(left_alone));
         for a in &found.adoptable {
-            let paths = store.env_paths(a.env_id);
-            let resource = a.what.resource().to_string();
-            let mut unreadable = None;
-            let known = match registry::peek(&paths) {
-                Ok(Some(rec)) => Some(format!(
-                    "a record on this host knows it ({}): nothing to adopt",
-                    rec.status().as_str()
-                )),
-                Ok(None) if paths.exists() => Some(format!(
-                    "{} exists without a record (left by a killed release): `dormant sweep` removes it; \
-                     run `dormant adopt` again then",
-                    paths.dir.display()
-                )),
-                Ok(None) => None,
-                Err(e) => {
-                    unreadable = Some(format!("{e:#}"));
-                    None
-                }
-            };
-            if let Some(why) = known {
+            adopt_env(&run, a, &mut report).await;
+        }
+        report.left.extend(unfinished_elsewhere(&run.store, &found));
+        say(&run.ctx.log, &report);
+        failed_if_any(report)
+    }
+
+    /// One adoptable environment: left alone if this host knows it,
+    /// otherwise taken over and announced; its line goes into `report`.
+    async fn adopt_env(run: &Run, a: &Adoptable, report: &mut Report) {
+        let paths = run.store.env_paths(a.env_id);
+        let resource = a.what.resource().to_string();
+        let unreadable = match known_here(&paths) {
+            Ok(Some(why)) => {
                 report
                     .left
                     .push(format!("{resource} (environment {}): {why}", a.env_id));
-                continue;
+                return;
             }
-            match adopt_one(
-                &store,
-                &ec2,
-                &system_id,
-                &owner,
-                a,
-                &paths,
-                unreadable.is_some(),
-                &ctx,
-            )
-            .await
-            {
-                Ok((rec, epoch, quarantined)) => {
-                    let mut line = describe(&rec, a);
-                    let mut reason = adopted_reason(&resource, &epoch);
-                    if let (Some(q), Some(why)) = (&quarantined, &unreadable) {
-                        line.push_str(&format!(
-                            "; its record here could not be read ({why}) and was moved to {} (kept for you \
-                             to look at; delete it when done), and rebuilt from the cloud",
-                            q.display()
-                        ));
-                        reason.push_str(&format!(
-                            "; the unreadable record here was moved to {}",
-                            q.display()
-                        ));
-                    }
-                    let event = Event::about(Kind::Adopted, "operator", &rec).reason(&reason);
-                    match events.append(&event, &ctx).await {
-                        Ok(()) => {
-                            crate::failpoint!("adopt:announced");
-                            let _ = store::remove_file(&paths.dir.join(PENDING_EVENT));
-                        }
-                        Err(e) => log.warn(format!(
-                            "the adopted event of environment {} was not recorded in the event log ({e:#}); \
-                             the next `dormant adopt` records it",
-                            a.env_id
-                        )),
-                    }
-                    report.adopted.push((a.env_id, line));
-                }
-                Err(NotAdopted::Nothing(e)) => {
-                    report.failed += 1;
-                    report.left.push(format!(
-                        "{resource} (environment {}): not adopted, nothing changed in EC2: {e:#}",
-                        a.env_id
-                    ))
-                }
-                Err(NotAdopted::Unfinished(e)) => {
-                    report.failed += 1;
-                    report.unfinished += 1;
-                    report.left.push(format!(
-                        "{resource} (environment {}): its take-over was sent to EC2 (a new ownership epoch \
-                         and, in machine mode, a new SSH key in its tags) but is not recorded here: {e:#}; \
-                         the new key and the epoch are kept in {}: fix what this says and run `dormant adopt` \
-                         again, which finishes this take-over (or starts it afresh if the tag write never \
-                         landed); until then neither this host nor the old one can resume it",
-                        a.env_id,
-                        Staged::of(&store, a.env_id).dir.display()
-                    ))
-                }
+            Ok(None) => None,
+            Err(e) => Some(format!("{e:#}")),
+        };
+        let take = Takeover::new(run, a, paths, unreadable);
+        match take.run().await {
+            Ok(taken) => {
+                take.announce(&taken).await;
+                let line = describe(&taken.rec, a) + &take.quarantine_note(&taken);
+                report.adopted.push((a.env_id, line));
+            }
+            Err(NotAdopted::Nothing(e)) => {
+                report.failed += 1;
+                report.left.push(format!(
+                    "{resource} (environment {}): not adopted, nothing changed in EC2: {e:#}",
+                    a.env_id
+                ))
+            }
+            Err(NotAdopted::Unfinished(e)) => {
+                report.failed += 1;
+                report.unfinished += 1;
+                report.left.push(format!(
+                    "{resource} (environment {}): its take-over was sent to EC2 (a new ownership epoch \
+                     and, in machine mode, a new SSH key in its tags) but is not recorded here: {e:#}; \
+                     the new key and the epoch are kept in {}: fix what this says and run `dormant adopt` \
+                     again, which finishes this take-over (or starts it afresh if the tag write never \
+                     landed); until then neither this host nor the old one can resume it",
+                    a.env_id,
+                    Staged::of(&run.store, a.env_id).dir.display()
+                ))
             }
         }
+    }
+
+    /// Why this host has nothing to adopt for an environment it already
+    /// knows (`None`: it does not); an error: its record cannot be read.
+    fn known_here(paths: &crate::model::EnvPaths) -> Result<Option<String>> {
+        Ok(match registry::peek(paths)? {
+            Some(rec) => Some(format!(
+                "a record on this host knows it ({}): nothing to adopt",
+                rec.status().as_str()
+            )),
+            None if paths.exists() => Some(format!(
+                "{} exists without a record (left by a killed release): `dormant sweep` removes it; \
+                 run `dormant adopt` again then",
+                paths.dir.display()
+            )),
+            None => None,
+        })
+    }
+
+    fn left_alone(l: &LeftAlone) -> String {
+        format!(
+            "{}{}: {}",
+            l.resources,
+            l.env_id
+                .map(|id| format!(" (environment {id})"))
+                .unwrap_or_default(),
+            l.why
+        )
+    }
+
+    /// Staging directories of earlier runs whose environment is not
+    /// adoptable now: kept, one line each.
+    fn unfinished_elsewhere(store: &StateStore, found: &Found) -> Vec<String> {
         let seen: Vec<_> = found.adoptable.iter().map(|a| a.env_id).collect();
-        for (id, dir) in leftovers(&store, &seen) {
-            report.left.push(format!(
-                "{}: an earlier `dormant adopt` began taking environment {id} over and did not finish, \
-                 and the environment is not adoptable now (its line above, if any, says why): kept; once \
-                 it is adoptable again the next run finishes or drops it; if the environment is gone, \
-                 delete the directory",
-                dir.display()
-            ));
-        }
+        leftovers(store, &seen)
+            .into_iter()
+            .map(|(id, dir)| {
+                format!(
+                    "{}: an earlier `dormant adopt` began taking environment {id} over and did not finish, \
+                     and the environment is not adoptable now (its line above, if any, says why): kept; once \
+                     it is adoptable again the next run finishes or drops it; if the environment is gone, \
+                     delete the directory",
+                    dir.display()
+                )
+            })
+            .collect()
+    }
+
+    fn say(log: &JobLog, report: &Report) {
         for (_, line) in &report.adopted {
             log.info(format!("adopted {line}"));
         }
@@ -284,6 +255,11 @@ mod imp {
             report.adopted.len(),
             report.left.len()
         ));
+    }
+
+    /// The run fails (the operator's system-failure exit code) when any
+    /// adoptable environment was not taken over.
+    fn failed_if_any(report: Report) -> Result<Report> {
         if report.unfinished > 0 {
             bail!(
                 "{} environment(s) could be adopted but their take-over failed (the lines above say why), \
@@ -318,255 +294,5 @@ mod imp {
                 .unwrap_or_else(|| "?".into()),
             rec.key.as_deref().unwrap_or("?")
         )
-    }
-
-    /// Why a take-over did not end in a record.
-    enum NotAdopted {
-        /// Nothing in EC2 changed (or the change was another host's): no
-        /// staging kept.
-        Nothing(anyhow::Error),
-        /// The tag write was sent (it may have landed): the take-over stays
-        /// staged for the next run to finish or drop.
-        Unfinished(anyhow::Error),
-    }
-
-    /// Takes `a` over: its record, the epoch written, and where an
-    /// unreadable record it replaced went (`unreadable`: one is there).
-    /// A take-over an earlier run staged and whose tag write landed is
-    /// finished with that run's key and epoch, not written again.
-    #[allow(clippy::too_many_arguments)]
-    async fn adopt_one(
-        store: &StateStore,
-        ec2: &Ec2Provider,
-        system_id: &str,
-        owner: &str,
-        a: &Adoptable,
-        paths: &EnvPaths,
-        unreadable: bool,
-        ctx: &Ctx,
-    ) -> Result<(EnvironmentRecord, String, Option<PathBuf>), NotAdopted> {
-        let staged = Staged::of(store, a.env_id);
-        let resource = a.what.resource();
-        let earlier = staged
-            .intent()
-            .filter(|i| Staged::landed(i, resource, a.epoch_tag.as_deref()));
-        if let Some(intent) = earlier {
-            ctx.log.info(format!(
-                "finishing the take-over of {resource} (environment {}) that an earlier `dormant adopt` \
-                 wrote to EC2 (epoch {}) and did not record: its key and record come from {}",
-                a.env_id,
-                intent.written,
-                staged.dir.display()
-            ));
-            return record(
-                store,
-                ec2,
-                system_id,
-                a,
-                paths,
-                unreadable,
-                &staged,
-                intent.written,
-                ctx,
-            )
-            .map_err(NotAdopted::Unfinished);
-        }
-        if let Some(intent) = staged.intent() {
-            ctx.log.info(format!(
-                "an earlier `dormant adopt` began taking {resource} (environment {}) over with epoch {}, \
-                 but its tag shows {}: that write never landed or another host's came after it; its \
-                 staging is dropped and the environment adopted afresh",
-                a.env_id,
-                intent.written,
-                a.epoch_tag.as_deref().unwrap_or("no epoch")
-            ));
-        }
-        staged.begin().map_err(NotAdopted::Nothing)?;
-        let result = stage_and_write(ec2, owner, a, paths, unreadable, &staged, ctx).await;
-        let epoch = match result {
-            Ok(epoch) => epoch,
-            Err(e) => {
-                if let NotAdopted::Nothing(_) = e {
-                    let _ = staged.drop_it();
-                }
-                return Err(e);
-            }
-        };
-        crate::failpoint!("adopt:tagged");
-        record(
-            store, ec2, system_id, a, paths, unreadable, &staged, epoch, ctx,
-        )
-        .map_err(NotAdopted::Unfinished)
-    }
-
-    /// The key pair and intent staged, then the tag write and its read-back:
-    /// the epoch written, once it is this run's.
-    async fn stage_and_write(
-        ec2: &Ec2Provider,
-        owner: &str,
-        a: &Adoptable,
-        paths: &EnvPaths,
-        unreadable: bool,
-        staged: &Staged,
-        ctx: &Ctx,
-    ) -> Result<String, NotAdopted> {
-        let nothing = NotAdopted::Nothing;
-        let in_staging = |p: &Path| staged.dir.join(p.file_name().unwrap_or_default());
-        let mut public_key = None;
-        if let Held::Machine { entry, .. } = &a.what {
-            let mut keys = paths.clone();
-            keys.ssh_key = in_staging(&paths.ssh_key);
-            public_key = Some(crate::transport::keys::ensure_keypair(&keys).map_err(nothing)?);
-            // The host key pinned at creation: the first resume's connection
-            // checks the machine against it (never accept-new).
-            let alias = format!("dormant-{}", a.env_id);
-            store::write_private(
-                &in_staging(&paths.known_hosts),
-                format!("{alias} {}\n", entry.host_key).as_bytes(),
-            )
-            .with_context(|| format!("writing the pinned host key into {}", staged.dir.display()))
-            .map_err(nothing)?;
-        }
-        if unreadable {
-            // The unreadable record goes aside after the tag write, under its
-            // lock: a process holding it now would make that fail with the
-            // take-over written, so find out before.
-            if registry::try_lock(paths).map_err(nothing)?.is_none() {
-                return Err(nothing(busy(paths)));
-            }
-        }
-        let value = crate::provider::ec2::handover::epoch_value(
-            crate::provider::ec2::handover::next_epoch(a.epoch),
-            owner,
-        );
-        staged
-            .record_intent(&Intent {
-                version: 1,
-                resource: a.what.resource().to_string(),
-                written: value.clone(),
-                found: a.epoch_tag.clone(),
-            })
-            .map_err(nothing)?;
-        crate::failpoint!("adopt:staged");
-        let (epoch, confirmed) = match ec2.take_over(a, &value, public_key.as_deref(), ctx).await {
-            Ok(done) => done,
-            Err(e) if e.is::<NothingWritten>() => return Err(nothing(e)),
-            Err(e) => return Err(NotAdopted::Unfinished(e)),
-        };
-        if let Confirmed::Another(now) = confirmed {
-            return Err(nothing(anyhow::anyhow!(
-                "another host adopted it at the same time: its epoch tag is now {} (this run wrote {epoch}), \
-                 so it is that host's; no record written here",
-                now.as_deref().unwrap_or("gone")
-            )));
-        }
-        Ok(epoch)
-    }
-
-    /// The record of a take-over whose tag write is this run's (or an
-    /// earlier run's, finished now): written into the staging directory
-    /// with its pending-event marker, the unreadable record moved aside,
-    /// then renamed into place.
-    #[allow(clippy::too_many_arguments)]
-    fn record(
-        store: &StateStore,
-        ec2: &Ec2Provider,
-        system_id: &str,
-        a: &Adoptable,
-        paths: &EnvPaths,
-        unreadable: bool,
-        staged: &Staged,
-        epoch: String,
-        _ctx: &Ctx,
-    ) -> Result<(EnvironmentRecord, String, Option<PathBuf>)> {
-        let mut key = EnvironmentKey::new(&a.runner_id, system_id, a.env_id)
-            .with_field("provider", ec2.name());
-        let (machine, volume) = match &a.what {
-            Held::Machine { machine, .. } => {
-                for (k, v) in ec2.key_fields(machine) {
-                    key = key.with_field(&k, &v);
-                }
-                (Some(machine.clone().with(EPOCH_FIELD, epoch.clone())), None)
-            }
-            Held::Volume { volume } => {
-                key = key.with_field(crate::envkey::STORAGE_FIELD, StorageMode::Volume.as_str());
-                if let Some(vols) = ec2.volumes() {
-                    for (k, v) in vols.key_fields(volume) {
-                        key = key.with_field(&k, &v);
-                    }
-                }
-                (None, Some(volume.clone().with(EPOCH_FIELD, epoch.clone())))
-            }
-        };
-        let now = crate::state::now_unix();
-        let rec = EnvironmentRecord::adopted(Adopted {
-            id: a.env_id,
-            provider: ec2.name().to_string(),
-            runner_id: a.runner_id.clone(),
-            system_id: system_id.to_string(),
-            project_id: a.project_id,
-            job_id: a.job_id,
-            key: key.encode(),
-            machine,
-            volume,
-            created_at: a.created_at.unwrap_or(now),
-            // Not recorded (a suspension whose tag write failed): from now,
-            // so the TTL never deletes it early.
-            suspended_at: a.suspended_at.unwrap_or(now),
-        });
-        store::write_private(
-            &staged.dir.join(PENDING_EVENT),
-            format!("{epoch}\n{}\n", a.what.resource()).as_bytes(),
-        )
-        .with_context(|| format!("writing {PENDING_EVENT} into {}", staged.dir.display()))?;
-        // Taken over in the cloud: the unreadable record can go aside now
-        // (earlier, a failed tag write would have moved it for nothing).
-        let quarantined = if unreadable {
-            Some(quarantine(store, paths)?)
-        } else {
-            None
-        };
-        if !registry::create_staged(store, &rec, staged.dir.clone())? {
-            bail!(
-                "environment {} appeared in {} meanwhile: left to the process that made it",
-                a.env_id,
-                store.environments_dir().display()
-            );
-        }
-        // The intent came along with the rename; the record now says it all
-        // (one left by a kill right here is an inert file).
-        let _ = store::remove_file(&paths.dir.join(INTENT));
-        crate::failpoint!("adopt:recorded");
-        Ok((rec, epoch, quarantined))
-    }
-
-    fn busy(paths: &EnvPaths) -> anyhow::Error {
-        anyhow::anyhow!(
-            "its record here cannot be read, and a dormant process holds its lock ({}): left as it is; \
-             run `dormant adopt` again once no job uses this host",
-            paths.lock.display()
-        )
-    }
-
-    /// Moves an environment directory whose record cannot be read into
-    /// `quarantine/<id>-<unix seconds>` in the state dir (never deleted),
-    /// under its record lock: a process that holds the lock is left to finish.
-    fn quarantine(store: &StateStore, paths: &EnvPaths) -> Result<PathBuf> {
-        let Some(_lock) = registry::try_lock(paths)? else {
-            return Err(busy(paths));
-        };
-        let dir = store.root().join(QUARANTINE_DIR);
-        store::ensure_private_dir(&dir)?;
-        let to = dir.join(format!("{}-{}", paths.id, crate::state::now_unix()));
-        std::fs::rename(&paths.dir, &to).with_context(|| {
-            format!(
-                "moving {} (its record cannot be read) to {}",
-                paths.dir.display(),
-                to.display()
-            )
-        })?;
-        store::sync_dir(store.environments_dir().as_path())
-            .with_context(|| format!("syncing {}", store.environments_dir().display()))?;
-        Ok(to)
     }
 }

@@ -7,7 +7,7 @@
 //! and the settings only: no call.
 
 use super::field;
-use super::volumes::vfield;
+use super::volumes_find::vfield;
 use crate::model::StorageMode;
 use crate::settings::ec2::Ec2Settings;
 use crate::state::EnvironmentRecord;

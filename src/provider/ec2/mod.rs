@@ -14,12 +14,14 @@
 //! capacity errors), `retype` (a resume that changes the instance type when
 //! the current one has no capacity), `volume` (the EBS calls of a data
 //! volume and their waits), `volumes` (volume mode: the `Volumes` side),
-//! `guest_seam` (the tests' stand-in for the guest's block device), `wait`
-//! (polling for an instance's state), `handover` (the tags a replacement
-//! runner-manager host takes an environment over with, and the boot hook
-//! that lets it in), `takeover` (what `dormant adopt` finds in EC2 and the
-//! tag write that takes an environment over), `warm` (warm instances: the
-//! `WarmMachines` side), `warm_launch` (what a warm instance is launched as).
+//! `volumes_find` (finding a data volume and checking it is this host's to
+//! act on), `guest_seam` (the tests' stand-in for the guest's block device),
+//! `wait` (polling for an instance's state), `handover` (the tags a
+//! replacement runner-manager host takes an environment over with, and the
+//! boot hook that lets it in), `takeover` (what `dormant adopt` finds in
+//! EC2), `takeover_write` (the tag write that takes an environment over),
+//! `warm` (warm instances: the `WarmMachines` side), `warm_launch` (what a
+//! warm instance is launched as).
 
 pub mod call;
 pub mod capacity;
@@ -38,8 +40,10 @@ pub mod placement;
 mod retype;
 pub mod subnets;
 pub mod takeover;
+pub mod takeover_write;
 pub mod volume;
 mod volumes;
+mod volumes_find;
 pub mod wait;
 mod warm;
 mod warm_launch;

@@ -347,7 +347,7 @@ impl WarmMachines for Ec2Provider {
     fn zone_for(&self, spec: &MachineSpec) -> Option<String> {
         spec.volume
             .as_ref()
-            .and_then(|v| v.field(super::volumes::vfield::ZONE))
+            .and_then(|v| v.field(super::volumes_find::vfield::ZONE))
             .map(str::to_string)
     }
 

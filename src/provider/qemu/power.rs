@@ -106,7 +106,7 @@ pub async fn boot_within(
         if let Some(r) = recorded.as_ref().and_then(|l| l.running_as.as_ref()) {
             alias::remove(p.store.root(), r.id)?;
         }
-        let file_ram = ram::has_file_ram(&argv);
+        let file_ram = vm::has_file_ram(&argv);
         match incoming {
             // The RAM file is opened in place; the capability the load
             // needs is set over QMP before it starts (`restore`).
@@ -236,7 +236,7 @@ async fn restore(
     // From QEMU's start: with the RAM file the load itself is milliseconds.
     let started = Instant::now();
     let (pid, port) = boot(p, vm, image, Some(launch), ctx).await?;
-    if ram::has_file_ram(&launch.argv) {
+    if vm::has_file_ram(&launch.argv) {
         // `-incoming defer`: the pages stay in the RAM file, only the
         // device state is loaded from the image.
         let mut q = Qmp::connect(&vm.qmp())?;

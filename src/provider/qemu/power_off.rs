@@ -200,7 +200,7 @@ async fn save(p: &QemuProvider, vm: &VmDir, pid: Pid, ctx: &Ctx) -> Result<()> {
     let launch = vm.read_launch()?;
     // The way the VM was started decides (a VM of an older dormant has
     // anonymous RAM: the whole memory goes into the image).
-    let file_ram = launch.as_ref().is_some_and(|l| ram::has_file_ram(&l.argv));
+    let file_ram = launch.as_ref().is_some_and(|l| vm::has_file_ram(&l.argv));
     if let Some(launch) = launch {
         let paths = p.store.env_paths(vm.env_id);
         if let Err(e) = guest::sync_disks(&paths, &p.settings.ssh_user, launch.port, ctx).await {

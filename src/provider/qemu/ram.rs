@@ -12,8 +12,12 @@
 //! `scripts/bench-hibernate-methods.py`; docs/qemu.md, "Lifecycle", says
 //! what it costs and why only hibernate-mode VMs get it.
 //!
+//! The command line that maps the file is `vm.rs`'s, with the rest of the
+//! command line (`vm::argv`); this file keeps the file itself: made anew for
+//! a boot, checked before a restore, synced on a save.
+//!
 //! Which way a VM saves and restores is read from its recorded command line
-//! ([`has_file_ram`]), never from the settings: a VM started by an older
+//! (`vm::has_file_ram`), never from the settings: a VM started by an older
 //! dormant (anonymous RAM) hibernates and restores the old way, copying its
 //! whole memory into `memory.state`.
 //!
@@ -34,34 +38,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::json;
 
 use super::qmp::Qmp;
-use super::vm::VmDir;
-
-/// The id of the memory backend on the command line.
-pub const BACKEND_ID: &str = "dormant-ram";
-
-/// The `-machine` value and the `-object` that put the guest's RAM in
-/// `vm`'s RAM file (`value` escapes commas in a path for QEMU).
-pub fn args(
-    vm: &VmDir,
-    memory_mib: u32,
-    value: impl Fn(&std::path::Path) -> String,
-) -> [String; 2] {
-    [
-        format!("q35,memory-backend={BACKEND_ID}"),
-        format!(
-            "memory-backend-file,id={BACKEND_ID},size={memory_mib}M,mem-path={},share=on",
-            value(&vm.ram())
-        ),
-    ]
-}
-
-/// Whether a recorded command line keeps the guest's RAM in the RAM file
-/// (VMs started by an older dormant, and those of other suspend modes, do
-/// not).
-pub fn has_file_ram(argv: &[String]) -> bool {
-    let object = format!("memory-backend-file,id={BACKEND_ID},");
-    argv.iter().any(|a| a.starts_with(&object))
-}
+use super::vm::{has_file_ram, VmDir};
 
 /// Before a fresh boot (not a restore): the RAM file of an earlier run is
 /// removed, and one that `argv` uses is made anew, empty and 0600 (QEMU
@@ -118,44 +95,3 @@ pub fn sync(vm: &VmDir) -> Result<()> {
 #[cfg(test)]
 #[path = "ram_qemu_tests.rs"]
 mod qemu_tests;
-
-#[cfg(test)]
-mod tests {
-    use std::path::Path;
-
-    use super::*;
-    use crate::model::EnvPaths;
-    use crate::settings::boot_image::BootImage;
-    use crate::settings::qemu::{QemuSettings, QemuSuspendMode};
-
-    #[test]
-    fn only_a_hibernate_mode_vm_gets_its_ram_in_a_file() {
-        let vm = VmDir::new(&EnvPaths::new(Path::new("/s,x"), uuid::Uuid::nil()));
-        let image = BootImage::Path("/b.qcow2".into());
-        let mut settings = QemuSettings {
-            memory_mib: 512,
-            ..Default::default()
-        };
-        for mode in [QemuSuspendMode::Shutdown, QemuSuspendMode::Hibernate] {
-            settings.suspend_mode = mode;
-            let a = super::super::vm::argv(&settings, &image, &vm, 2222);
-            let joined = a.join(" ");
-            let file = mode == QemuSuspendMode::Hibernate;
-            assert_eq!(has_file_ram(&a), file, "{joined}");
-            assert_eq!(
-                joined.contains("-machine q35,memory-backend=dormant-ram "),
-                file,
-                "{joined}"
-            );
-            assert_eq!(
-                joined.contains(
-                    "memory-backend-file,id=dormant-ram,size=512M,\
-                     mem-path=/s,,x/environments/00000000-0000-0000-0000-000000000000/vm/memory.ram,share=on"
-                ),
-                file,
-                "the environment's own file, commas doubled: {joined}"
-            );
-            assert!(joined.contains("-m 512 "), "{joined}");
-        }
-    }
-}

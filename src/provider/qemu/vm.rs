@@ -214,6 +214,30 @@ fn opt_value(path: &Path) -> String {
     path.display().to_string().replace(',', ",,")
 }
 
+/// The id of the guest RAM's memory backend on the command line.
+const RAM_BACKEND_ID: &str = "dormant-ram";
+
+/// The `-machine` value and the `-object` that put the guest's RAM in
+/// `vm`'s RAM file, for hibernate mode (`ram.rs` says why): the restore maps
+/// the file instead of copying the memory image.
+fn file_ram_args(vm: &VmDir, memory_mib: u32) -> [String; 2] {
+    [
+        format!("q35,memory-backend={RAM_BACKEND_ID}"),
+        format!(
+            "memory-backend-file,id={RAM_BACKEND_ID},size={memory_mib}M,mem-path={},share=on",
+            opt_value(&vm.ram())
+        ),
+    ]
+}
+
+/// Whether a recorded command line keeps the guest's RAM in the RAM file
+/// (VMs started by an older dormant, and those of other suspend modes, do
+/// not).
+pub fn has_file_ram(argv: &[String]) -> bool {
+    let object = format!("memory-backend-file,id={RAM_BACKEND_ID},");
+    argv.iter().any(|a| a.starts_with(&object))
+}
+
 /// The QEMU command line of a VM (without `-incoming`).
 pub fn argv(settings: &QemuSettings, image: &BootImage, vm: &VmDir, port: u16) -> Vec<String> {
     let mut a: Vec<String> = vec![settings.qemu_binary.display().to_string()];
@@ -227,7 +251,7 @@ pub fn argv(settings: &QemuSettings, image: &BootImage, vm: &VmDir, port: u16) -
     // Hibernate mode keeps the guest's RAM in a file (`ram.rs`): the restore
     // maps it instead of copying the memory image. Others keep anonymous RAM.
     let file_ram = (settings.suspend_mode == QemuSuspendMode::Hibernate)
-        .then(|| super::ram::args(vm, settings.memory_mib, opt_value));
+        .then(|| file_ram_args(vm, settings.memory_mib));
     let machine = file_ram.as_ref().map_or("q35", |[m, _]| m.as_str());
     push(&[
         "-name",
@@ -353,6 +377,37 @@ pub fn with_port(argv: &[String], old: u16, new: u16) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_hibernate_mode_vm_gets_its_ram_in_a_file() {
+        let vm = VmDir::new(&EnvPaths::new(Path::new("/s,x"), Uuid::nil()));
+        let image = BootImage::Path("/b.qcow2".into());
+        let mut settings = QemuSettings {
+            memory_mib: 512,
+            ..Default::default()
+        };
+        for mode in [QemuSuspendMode::Shutdown, QemuSuspendMode::Hibernate] {
+            settings.suspend_mode = mode;
+            let a = argv(&settings, &image, &vm, 2222);
+            let joined = a.join(" ");
+            let file = mode == QemuSuspendMode::Hibernate;
+            assert_eq!(has_file_ram(&a), file, "{joined}");
+            assert_eq!(
+                joined.contains("-machine q35,memory-backend=dormant-ram "),
+                file,
+                "{joined}"
+            );
+            assert_eq!(
+                joined.contains(
+                    "memory-backend-file,id=dormant-ram,size=512M,\
+                     mem-path=/s,,x/environments/00000000-0000-0000-0000-000000000000/vm/memory.ram,share=on"
+                ),
+                file,
+                "the environment's own file, commas doubled: {joined}"
+            );
+            assert!(joined.contains("-m 512 "), "{joined}");
+        }
+    }
 
     #[test]
     fn the_recorded_command_line_reads_back() {
