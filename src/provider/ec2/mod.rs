@@ -43,7 +43,6 @@ mod volumes;
 pub mod wait;
 mod warm;
 mod warm_launch;
-mod warm_yield;
 
 use std::time::Duration;
 
