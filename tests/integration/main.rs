@@ -90,6 +90,7 @@ mod shell;
 mod signals;
 mod ssh;
 mod sshd;
+mod state_owner;
 mod stress;
 
 /// The EC2 scenarios need the `ec2` feature; without it, say so instead of
