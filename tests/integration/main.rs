@@ -70,6 +70,8 @@ mod moto;
 #[cfg(feature = "ec2")]
 mod moto_refusals;
 mod notify;
+#[cfg(feature = "testing")]
+mod output_copy;
 mod pause;
 mod pause_bench;
 #[cfg(feature = "testing")]
