@@ -20,6 +20,7 @@ pub mod sweep;
 mod sweep_slice;
 pub mod volume;
 pub mod warm;
+mod warm_give_way;
 pub mod warm_refill;
 
 use std::time::Instant;

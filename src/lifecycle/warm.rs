@@ -39,9 +39,11 @@ pub struct Taken {
 /// Takes a ready warm machine for environment `env` (whose record exists,
 /// held by the caller), or finishes the hand-over a killed attempt of the
 /// same prepare began. `None`: there is none that fits (the caller boots a
-/// machine as usual). Waits for one that is still booting only when the
-/// provider says a machine of the job's own would wait for a slot
-/// (`WarmMachines::job_must_wait`): then that one is the job's quickest.
+/// machine as usual). When the provider says a machine of the job's own
+/// would wait for a slot (`WarmMachines::job_must_wait`), a job that fits
+/// waits for a warm machine still booting and takes it (its quickest
+/// machine), and a job that cannot take one makes the oldest ready warm
+/// machine give its slot up ([`give_way`]).
 pub async fn take(
     w: World<'_>,
     warm: &dyn WarmMachines,
@@ -71,7 +73,11 @@ pub enum For {
     NewBeforeVolume,
 }
 
-/// [`take`], for a new environment or a volume-mode resume.
+/// [`take`], for a new environment or a volume-mode resume: a hand-over a
+/// killed attempt began is finished; a job that cannot take a warm machine
+/// gives way; else the ready machines that fit are tried, oldest first, and
+/// when the job would wait for a slot, once more after waiting for the one
+/// booting (if any).
 pub async fn take_for(
     w: World<'_>,
     warm: &dyn WarmMachines,
@@ -81,7 +87,77 @@ pub async fn take_for(
     ctx: &Ctx,
 ) -> Result<Option<Taken>> {
     let pool = Pool::new(w.store);
-    // A hand-over to this environment that a killed attempt began.
+    if let Some(t) = finish_killed_take(w, warm, &pool, env, ctx).await? {
+        return Ok(Some(t));
+    }
+    if warm.wanted() == 0 {
+        return Ok(None);
+    }
+    let fits = match purpose {
+        For::New | For::NewBeforeVolume => warm.fits(spec),
+        For::Resume => warm.fits_resume(spec),
+    };
+    if !fits {
+        super::warm_give_way::give_way(w, warm, &pool, ctx).await;
+        return Ok(None);
+    }
+    let wanted = match warm.kind() {
+        Ok(kind) => Wanted {
+            fingerprint: kind.fingerprint,
+            max_age: warm.max_age().as_secs(),
+            zone: warm.zone_for(spec),
+        },
+        Err(e) => {
+            ctx.log.warn(format!("warm machines: {e:#}"));
+            return Ok(None);
+        }
+    };
+    let mut waited = false;
+    loop {
+        let ready = wanted.ready(&pool)?;
+        if purpose != For::Resume
+            && !ready.is_empty()
+            && earlier_attempt_has_machine(w, env, ctx).await?
+        {
+            return Ok(None);
+        }
+        if let Some(t) = take_first_alive(w, warm, &pool, ready, env, ctx).await? {
+            return Ok(Some(t));
+        }
+        if waited || !warm.job_must_wait(ctx).await? {
+            break;
+        }
+        waited = true;
+        // No slot for a machine of its own: rather than wait for one (and make
+        // the warm machine booting now give its slot up once ready), wait for
+        // that machine and take it. The pool is looked at once more either
+        // way: one may have become ready since the look above.
+        if let Some(booting) = wanted.booting(&pool)? {
+            ctx.log.info(format!(
+                "no free slot for a machine of its own: waiting for warm machine {booting}, which is \
+                 booting, to take it"
+            ));
+            wait_while_booting(&pool, booting, ctx).await?;
+        }
+    }
+    w.events
+        .record(
+            event(w, "missed", None).reason("no ready warm machine fit"),
+            ctx,
+        )
+        .await;
+    Ok(None)
+}
+
+/// Finishes a hand-over to this environment that a killed attempt of the
+/// same prepare began (an entry `taken` for it whose lock is free).
+async fn finish_killed_take(
+    w: World<'_>,
+    warm: &dyn WarmMachines,
+    pool: &Pool,
+    env: &EnvPaths,
+    ctx: &Ctx,
+) -> Result<Option<Taken>> {
     let taken_for_env = WarmStatus::Taken { env: env.id };
     for (id, entry) in pool.entries()? {
         let Ok(Some(entry)) = entry else { continue };
@@ -95,137 +171,131 @@ pub async fn take_for(
         let Some(entry) = pool.peek(id)?.filter(|e| e.status == taken_for_env) else {
             continue;
         };
-        if let Some(t) = finish(w, warm, &pool, lock, entry, env, ctx).await? {
+        if let Some(t) = finish(w, warm, pool, lock, entry, env, ctx).await? {
             return Ok(Some(t));
         }
     }
-    let fits = match purpose {
-        For::New | For::NewBeforeVolume => warm.fits(spec),
-        For::Resume => warm.fits_resume(spec),
-    };
-    if warm.wanted() == 0 || !fits {
-        return Ok(None);
+    Ok(None)
+}
+
+/// Which warm machines a job may take: made from today's settings, young
+/// enough, in the zone its volume needs (if any).
+struct Wanted {
+    fingerprint: String,
+    max_age: u64,
+    zone: Option<String>,
+}
+
+impl Wanted {
+    fn of_kind(&self, e: &WarmEntry) -> bool {
+        e.fingerprint == self.fingerprint && (self.zone.is_none() || e.zone == self.zone)
     }
-    let kind = match warm.kind() {
-        Ok(k) => k,
-        Err(e) => {
-            ctx.log.warn(format!("warm machines: {e:#}"));
-            return Ok(None);
-        }
-    };
-    let max_age = warm.max_age().as_secs();
-    let zone = warm.zone_for(spec);
-    let mut waited = false;
-    loop {
+
+    /// The ready ones, the oldest first: it is the next to be retired otherwise.
+    fn ready(&self, pool: &Pool) -> Result<Vec<WarmEntry>> {
         let now = now_unix();
-        let mut ready: Vec<WarmEntry> = pool
-            .entries()?
-            .into_iter()
-            .filter_map(|(_, e)| e.ok().flatten())
+        let mut ready: Vec<WarmEntry> = listed(pool)?
             .filter(|e| {
                 e.status == WarmStatus::Ready
-                    && e.fingerprint == kind.fingerprint
-                    && e.age_secs(now) < max_age
+                    && self.of_kind(e)
+                    && e.age_secs(now) < self.max_age
                     && e.machine.is_some()
-                    && (zone.is_none() || e.zone == zone)
             })
             .collect();
-        // The oldest first: it is the next to be retired otherwise.
         ready.sort_by_key(|e| e.launched_at);
-        if purpose != For::Resume && !ready.is_empty() {
-            // A new environment whose earlier attempt already has a machine (it
-            // took a warm one, finished the hand-over and was killed before
-            // recording it, and the runner's cleanup died too): that machine
-            // is adopted by the caller's create, found by its tags or
-            // directory. A second one would be left out of the record (EC2:
-            // leaked; qemu: its move onto the first's directory fails on every
-            // retry). Asked only when there is one to take (no call otherwise).
-            if let Some(m) = w.provider.find(env.id, ctx).await.with_context(|| {
-                format!(
-                    "looking for a machine an earlier attempt made for environment {}",
-                    env.id
-                )
-            })? {
-                ctx.log.info(format!(
-                "environment {} already has machine {} (an earlier attempt of this prepare took or made it): \
-                 no warm machine taken",
-                env.id, m.id
-            ));
-                return Ok(None);
-            }
+        Ok(ready)
+    }
+
+    /// One that is booting now.
+    fn booting(&self, pool: &Pool) -> Result<Option<uuid::Uuid>> {
+        Ok(listed(pool)?
+            .find(|e| e.status == WarmStatus::Launching && self.of_kind(e))
+            .map(|e| e.id))
+    }
+}
+
+/// The pool's entries as listed (not locked: each is read again under its
+/// lock before anything is done to it); unreadable ones are the refill's.
+pub(super) fn listed(pool: &Pool) -> Result<impl Iterator<Item = WarmEntry>> {
+    Ok(pool
+        .entries()?
+        .into_iter()
+        .filter_map(|(_, e)| e.ok().flatten()))
+}
+
+/// A new environment whose earlier attempt already has a machine (it took a
+/// warm one, finished the hand-over and was killed before recording it, and
+/// the runner's cleanup died too): that machine is adopted by the caller's
+/// create, found by its tags or directory. A second one would be left out of
+/// the record (EC2: leaked; qemu: its move onto the first's directory fails
+/// on every retry). Asked only when there is one to take (no call otherwise).
+async fn earlier_attempt_has_machine(w: World<'_>, env: &EnvPaths, ctx: &Ctx) -> Result<bool> {
+    let found = w.provider.find(env.id, ctx).await.with_context(|| {
+        format!(
+            "looking for a machine an earlier attempt made for environment {}",
+            env.id
+        )
+    })?;
+    if let Some(m) = &found {
+        ctx.log.info(format!(
+            "environment {} already has machine {} (an earlier attempt of this prepare took or made it): \
+             no warm machine taken",
+            env.id, m.id
+        ));
+    }
+    Ok(found.is_some())
+}
+
+/// Takes the first of `ready` that is still ready under its lock and still
+/// runs, and hands it over. One that stopped running is marked retiring
+/// (the next refill deletes it); one whose state cannot be told stays.
+async fn take_first_alive(
+    w: World<'_>,
+    warm: &dyn WarmMachines,
+    pool: &Pool,
+    ready: Vec<WarmEntry>,
+    env: &EnvPaths,
+    ctx: &Ctx,
+) -> Result<Option<Taken>> {
+    for candidate in ready {
+        let Some(lock) = pool.try_lock(candidate.id)? else {
+            continue; // a refill retiring it, or another prepare taking it
+        };
+        let Some(mut entry) = pool.peek(candidate.id)? else {
+            continue;
+        };
+        if entry.status != WarmStatus::Ready {
+            continue;
         }
-        for candidate in ready {
-            let Some(lock) = pool.try_lock(candidate.id)? else {
-                continue; // a refill retiring it, or another prepare taking it
-            };
-            let Some(mut entry) = pool.peek(candidate.id)? else {
-                continue;
-            };
-            if entry.status != WarmStatus::Ready {
+        let wp = pool.paths(entry.id);
+        let machine = entry
+            .machine
+            .clone()
+            .context("a ready warm machine without its machine")?;
+        match warm.alive(&wp, &machine, ctx).await {
+            Ok(true) => {}
+            Ok(false) => {
+                entry.status = WarmStatus::Retiring {
+                    why: "it stopped running while it waited".into(),
+                };
+                pool.set(&lock, &entry)?;
                 continue;
             }
-            let wp = pool.paths(entry.id);
-            let machine = entry
-                .machine
-                .clone()
-                .context("a ready warm machine without its machine")?;
-            match warm.alive(&wp, &machine, ctx).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    entry.status = WarmStatus::Retiring {
-                        why: "it stopped running while it waited".into(),
-                    };
-                    pool.set(&lock, &entry)?;
-                    continue; // the next refill deletes it
-                }
-                Err(e) => {
-                    // Neither handed out on a guess nor retired: it stays ready
-                    // for the next job, and the next refill asks again.
-                    ctx.log.warn(format!(
+            Err(e) => {
+                // Neither handed out on a guess nor retired: it stays ready
+                // for the next job, and the next refill asks again.
+                ctx.log.warn(format!(
                     "warm machine {} not taken: could not tell whether it still runs ({e:#}); it stays \
                      in the pool",
                     entry.id
                 ));
-                    continue;
-                }
+                continue;
             }
-            entry.status = WarmStatus::Taken { env: env.id };
-            pool.set(&lock, &entry)?;
-            crate::failpoint!("warm:taken");
-            return finish(w, warm, &pool, lock, entry, env, ctx).await;
         }
-        if waited || !warm.job_must_wait(ctx).await? {
-            break;
-        }
-        // No slot for a machine of its own: rather than wait for one (and make
-        // the warm machine booting now give its slot up once ready, qemu's
-        // `yield_slot`), wait for that machine and take it.
-        let Some(booting) = pool
-            .entries()?
-            .into_iter()
-            .filter_map(|(_, e)| e.ok().flatten())
-            .find(|e| {
-                e.status == WarmStatus::Launching
-                    && e.fingerprint == kind.fingerprint
-                    && (zone.is_none() || e.zone == zone)
-            })
-        else {
-            break;
-        };
-        waited = true;
-        ctx.log.info(format!(
-        "no free slot for a machine of its own: waiting for warm machine {}, which is booting, to take it",
-        booting.id
-    ));
-        wait_while_booting(&pool, booting.id, ctx).await?;
-    }
-    if warm.wanted() > 0 {
-        w.events
-            .record(
-                event(w, "missed", None).reason("no ready warm machine fit"),
-                ctx,
-            )
-            .await;
+        entry.status = WarmStatus::Taken { env: env.id };
+        pool.set(&lock, &entry)?;
+        crate::failpoint!("warm:taken");
+        return finish(w, warm, pool, lock, entry, env, ctx).await;
     }
     Ok(None)
 }
@@ -233,7 +303,7 @@ pub async fn take_for(
 /// Waits until warm machine `id` is no longer booting: ready (the caller
 /// takes it), or anything else — retired, taken by another job, or its
 /// launcher gone (its entry lock free: the next refill finishes it).
-async fn wait_while_booting(pool: &Pool, id: uuid::Uuid, ctx: &Ctx) -> Result<()> {
+pub(super) async fn wait_while_booting(pool: &Pool, id: uuid::Uuid, ctx: &Ctx) -> Result<()> {
     use crate::wait::{Poll, Schedule, Wait};
     let mut wait = Wait::new(
         ctx,

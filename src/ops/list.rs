@@ -207,8 +207,16 @@ pub fn inspect(settings: &Settings, job: &Job, key: &str, out: &mut dyn Write) -
         #[serde(flatten)]
         record: Shown<'a>,
         last_events: Vec<crate::events::Event>,
+        /// Why a copy of a stage's output for `dormant attach` last stopped
+        /// short (a write on this host failed): the operator's to fix, so
+        /// said here and not in the job log.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        output_copy_stopped: Option<String>,
     }
+    let paths = store.env_paths(id);
+    let output_copy_stopped = crate::state::stage_output::read_stopped(&paths);
     let doc = Inspected {
+        output_copy_stopped,
         record: Shown::of(&rec),
         last_events: crate::events::read::last_of(
             &crate::events::dir(store.root()),

@@ -70,11 +70,11 @@ pub trait WarmMachines: Send + Sync {
     }
 
     /// Whether a job's own machine would wait for a free slot now (the
-    /// machine limit is reached): then a job that fits waits for a warm
-    /// machine still booting and takes it, instead of making that machine
-    /// give its slot up once ready and booting its own. Default: never (EC2
-    /// makes room otherwise: the oldest ready warm instance is retired for
-    /// a job that cannot take one, `provider/ec2/warm_yield.rs`).
+    /// machine limit is reached): a report, on which the lifecycle decides
+    /// (`lifecycle/warm.rs`): a job that fits waits for a warm machine still
+    /// booting and takes it, instead of making that machine give its slot up
+    /// once ready and booting its own; a job that cannot take one makes the
+    /// oldest ready one give its slot up. Default: never (no machine limit).
     async fn job_must_wait(&self, _ctx: &Ctx) -> Result<bool> {
         Ok(false)
     }

@@ -916,3 +916,62 @@ async fn a_job_without_a_free_slot_takes_the_warm_machine_that_becomes_ready() {
         rig.events()
     );
 }
+
+/// A job that cannot take a warm machine (another image) and would wait for
+/// a slot makes the oldest ready one give its slot up (retired through the
+/// pool, with its event); with a free slot it leaves it alone. The decision
+/// is the lifecycle's, on the provider's report (`job_must_wait`).
+#[tokio::test]
+async fn a_job_that_cannot_take_one_retires_a_ready_warm_machine_only_without_a_free_slot() {
+    let rig = Rig::new();
+    let room = FakeWarm::new(1);
+    rig.refill(&room, true).await;
+    let id = rig.entries()[0].id;
+    let env = rig.env();
+    let other_image = MachineSpec {
+        image: Some("ubuntu".into()),
+        ..spec(&env)
+    };
+    assert!(take(rig.w(), &room, &other_image, &env, &ctx())
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(room.state(id).as_deref(), Some("running"), "a free slot");
+    assert_eq!(rig.entries().len(), 1);
+
+    let full = FakeWarm {
+        full: true,
+        ..room.clone()
+    };
+    assert!(take(rig.w(), &full, &other_image, &env, &ctx())
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(full.state(id).as_deref(), Some("deleted"));
+    assert!(rig.entries().is_empty(), "{:?}", rig.entries());
+    assert!(
+        rig.events().iter().any(|e| e == "warm/retired"),
+        "{:?}",
+        rig.events()
+    );
+}
+
+/// A job that can take a warm machine never makes one give its slot up: at
+/// the limit, with one ready, it takes it.
+#[tokio::test]
+async fn a_job_that_fits_takes_the_ready_warm_machine_at_the_limit() {
+    let rig = Rig::new();
+    let full = FakeWarm {
+        full: true,
+        ..FakeWarm::new(1)
+    };
+    rig.refill(&full, true).await;
+    let id = rig.entries()[0].id;
+    let env = rig.env();
+    let taken = take(rig.w(), &full, &spec(&env), &env, &ctx())
+        .await
+        .unwrap()
+        .expect("taken");
+    assert_eq!(taken.warm_id, id);
+    assert_eq!(full.state(id), Some(format!("handed to {}", env.id)));
+}

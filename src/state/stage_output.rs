@@ -24,7 +24,11 @@
 //! printed something are kept (a stage that ends with output removes the
 //! older copies, one without removes its own), and the environment's
 //! directory goes with its release. Writing the copy never fails or holds up
-//! a stage: a write that fails stops the copy, with a line on stderr.
+//! a stage: a write that fails stops the copy, and why is written beside it
+//! (`output/copy-stopped`, until a later copy is whole), which `dormant
+//! inspect` shows — not on
+//! stderr: that is the job log, read by the job's people, not the operator
+//! who can fix the runner host's disk.
 
 use std::fs::File;
 use std::io::Write;
@@ -74,6 +78,20 @@ pub fn read_last(paths: &EnvPaths) -> Result<Option<StageNow>> {
 /// `output/<stage id>.out`: the copy of one stage's job log.
 pub fn copy_file(paths: &EnvPaths, stage_id: &str) -> PathBuf {
     dir(paths).join(format!("{}.out", file_safe(stage_id)))
+}
+
+/// `output/copy-stopped`: the last time a copy stopped short (its stage and
+/// why, one line); removed once a later stage's copy is whole.
+pub fn stopped_file(paths: &EnvPaths) -> PathBuf {
+    dir(paths).join("copy-stopped")
+}
+
+/// Why a copy of this environment's output last stopped short, if one did
+/// since the last whole copy.
+pub fn read_stopped(paths: &EnvPaths) -> Option<String> {
+    std::fs::read_to_string(stopped_file(paths))
+        .ok()
+        .map(|t| t.trim().to_string())
 }
 
 fn file_safe(s: &str) -> String {
@@ -153,8 +171,11 @@ pub fn begin(paths: &EnvPaths, now: &StageNow) -> Result<OutputCopy> {
     store::write_json_unsynced(&stage_file(paths), now)?;
     Ok(OutputCopy {
         path,
+        stopped: stopped_file(paths),
+        stage_id: now.id.clone(),
         state: Mutex::new(CopyState {
             file: Some(file),
+            stopped: false,
             written: 0,
             kept_from: 0,
         }),
@@ -184,6 +205,9 @@ pub fn end(
         return Ok(());
     }
     store::write_json_unsynced(&last_file(paths), &now)?;
+    if !copy.has_stopped() {
+        let _ = std::fs::remove_file(&copy.stopped);
+    }
     if let Ok(entries) = std::fs::read_dir(&dir) {
         for e in entries.flatten() {
             let p = e.path();
@@ -218,20 +242,24 @@ pub fn last_copy(paths: &EnvPaths) -> Option<(PathBuf, String)> {
 /// written ([`JobLogOut`]).
 pub struct OutputCopy {
     path: PathBuf,
+    /// Where why it stopped short is written (`stopped_file`).
+    stopped: PathBuf,
+    stage_id: String,
     state: Mutex<CopyState>,
 }
 
 struct CopyState {
     /// `None` once a write failed: the copy stops there.
     file: Option<File>,
+    stopped: bool,
     written: u64,
     /// The offset of the first byte still kept (the part before is a hole).
     kept_from: u64,
 }
 
 impl OutputCopy {
-    /// Appends `bytes`; never fails (a failed write stops the copy, saying so
-    /// on stderr, which is the job log: a watcher misses the rest).
+    /// Appends `bytes`; never fails (a failed write stops the copy: a
+    /// watcher misses the rest, and why is written to `copy-stopped`).
     pub fn append(&self, bytes: &[u8]) {
         let Ok(mut st) = self.state.lock() else {
             return;
@@ -239,13 +267,15 @@ impl OutputCopy {
         let Some(file) = st.file.as_mut() else {
             return;
         };
-        if let Err(e) = file.write_all(bytes) {
-            eprintln!(
-                "dormant: warning: the copy of this stage's output for `dormant attach` stopped: \
-                 writing {}: {e}",
-                self.path.display()
-            );
-            st.file = None;
+        let written = if crate::failpoint::armed("output-copy:write") {
+            // Test builds only: a write that fails (a full disk), no kill.
+            Err(std::io::Error::other("failpoint output-copy:write"))
+        } else {
+            file.write_all(bytes)
+        };
+        if let Err(e) = written {
+            let why = format!("writing {}: {e}", self.path.display());
+            self.stop(&mut st, &why);
             return;
         }
         st.written += bytes.len() as u64;
@@ -254,18 +284,34 @@ impl OutputCopy {
             if to > st.kept_from {
                 let from = st.kept_from;
                 if let Err(e) = punch(st.file.as_ref().expect("checked above"), from, to - from) {
-                    eprintln!(
-                        "dormant: warning: the copy of this stage's output for `dormant attach` \
-                         stopped at {} MiB: dropping its oldest part from {} failed: {e}",
+                    let why = format!(
+                        "past {} MiB, dropping its oldest part from {} failed: {e}",
                         BOUND >> 20,
                         self.path.display()
                     );
-                    st.file = None;
+                    self.stop(&mut st, &why);
                     return;
                 }
                 st.kept_from = to;
             }
         }
+    }
+
+    /// Stops the copy at what it holds, saying why in `copy-stopped`
+    /// (best effort: the disk that refused the copy may refuse this too).
+    fn stop(&self, st: &mut CopyState, why: &str) {
+        st.file = None;
+        st.stopped = true;
+        let line = format!(
+            "stage {}: its output's copy for `dormant attach` stopped at byte {}: {why}\n",
+            self.stage_id, st.written
+        );
+        let _ = store::write_private(&self.stopped, line.as_bytes());
+    }
+
+    /// Whether a failed write stopped it short.
+    pub fn has_stopped(&self) -> bool {
+        self.state.lock().map(|s| s.stopped).unwrap_or(true)
     }
 
     /// Bytes appended so far (the copy's length).
@@ -379,6 +425,39 @@ mod tests {
             .read_to_end(&mut text)
             .unwrap();
         assert_eq!(text, b"one\n\0two");
+    }
+
+    #[test]
+    fn a_copy_that_cannot_be_written_says_why_until_a_later_copy_is_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        let p = paths(tmp.path());
+        let a = begin(&p, &stage("a.1")).unwrap();
+        a.append(b"kept");
+        // The disk refuses the rest (ENOSPC).
+        a.state.lock().unwrap().file = Some(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/full")
+                .unwrap(),
+        );
+        a.append(b"lost");
+        a.append(b"lost too");
+        assert!(a.has_stopped());
+        assert_eq!(a.len(), 4);
+        end(&p, stage("a.1"), Some(0), &a).unwrap();
+        let why = read_stopped(&p).expect("said");
+        assert!(
+            why.starts_with("stage a.1: ") && why.contains("stopped at byte 4: writing"),
+            "{why}"
+        );
+        // A stage that prints nothing leaves it; one whose copy is whole ends it.
+        let b = begin(&p, &stage("b.2")).unwrap();
+        end(&p, stage("b.2"), Some(0), &b).unwrap();
+        assert!(read_stopped(&p).is_some());
+        let c = begin(&p, &stage("c.3")).unwrap();
+        c.append(b"c");
+        end(&p, stage("c.3"), Some(0), &c).unwrap();
+        assert_eq!(read_stopped(&p), None);
     }
 
     #[test]

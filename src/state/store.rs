@@ -36,15 +36,14 @@ pub struct StateStore {
 
 impl StateStore {
     /// Opens (and creates, 0700) the state dir.
+    /// Root may use another user's state dir (an operator's `sudo dormant
+    /// list`): what it creates there is given to the state dir's owner, or
+    /// the runner, running as that user, could not use it.
     pub fn open(root: &Path) -> Result<Self> {
         refuse_another_users(root)?;
-        for dir in [
-            root.to_path_buf(),
-            root.join("jobs"),
-            root.join("environments"),
-            root.join("trash"),
-        ] {
-            ensure_private_dir(&dir)?;
+        ensure_private_dir(root)?;
+        for dir in ["jobs", "environments", "trash"] {
+            ensure_owned_dir(&root.join(dir), root)?;
         }
         Ok(StateStore {
             root: root.to_path_buf(),
@@ -225,6 +224,32 @@ fn refuse_another_users(root: &Path) -> Result<()> {
              user (`sudo -u <runner user> dormant …`)",
             root.display()
         );
+    }
+    Ok(())
+}
+
+/// [`ensure_private_dir`], and when it had to be made by root inside a
+/// directory `like` that belongs to someone else, given to `like`'s owner.
+pub fn ensure_owned_dir(dir: &Path, like: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    if dir.is_dir() {
+        return ensure_private_dir(dir);
+    }
+    ensure_private_dir(dir)?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Ok(());
+    }
+    let owner = fs::metadata(like).with_context(|| format!("reading {}", like.display()))?;
+    if owner.uid() != 0 {
+        std::os::unix::fs::chown(dir, Some(owner.uid()), Some(owner.gid())).with_context(|| {
+            format!(
+                "giving {} to uid {}, the owner of {}",
+                dir.display(),
+                owner.uid(),
+                like.display()
+            )
+        })?;
     }
     Ok(())
 }

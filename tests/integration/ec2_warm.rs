@@ -265,9 +265,9 @@ fn a_job_that_cannot_take_the_warm_instance_gets_its_slot_at_max_environments() 
     let second = rig.run(&own_type("echo on its own type"));
     assert_result(&second, JobResult::Success);
     assert!(
-        second.log().contains(&format!(
-            "warm instance {warm_id} gives its slot up for this job"
-        )),
+        second
+            .log()
+            .contains(&format!("({warm_id}) gives its slot up for this job")),
         "{}",
         second.log()
     );
@@ -290,7 +290,7 @@ fn a_job_that_cannot_take_the_warm_instance_gets_its_slot_at_max_environments() 
     let events = text(&rig.dormant(&["events", "--json"]));
     assert!(
         events.lines().any(|l| l.contains("\"retired\"")
-            && l.contains("a job needed its slot under ec2.max_environments")),
+            && l.contains("a job that cannot take it needed its slot")),
         "{events}"
     );
     assert!(
@@ -300,6 +300,89 @@ fn a_job_that_cannot_take_the_warm_instance_gets_its_slot_at_max_environments() 
             .all(|e| !e.path().join("warm.json").exists()),
         "the entry is gone"
     );
+}
+
+/// At `max_environments`, a job that *can* take the warm instance, arriving
+/// while it boots, waits for it and takes it: it never makes it give its
+/// slot up and boots its own (what a job that cannot take it does, above).
+/// "Booting" is the pool's `launching` with its launcher's lock held, which
+/// the test holds, then lets go once the job asked how many slots are used
+/// (the count that, before, came only from its own launch's capacity wait,
+/// which then made the instance give its slot up once ready).
+#[test]
+fn a_job_that_can_take_the_booting_warm_instance_at_max_environments_waits_and_takes_it() {
+    let env = Ec2Env::start();
+    let rig = env.rig(
+        "7",
+        SYSTEM,
+        &format!(
+            "runner_id = \"7\"\n{}",
+            settings(
+                &env,
+                "warm = 1\nmax_environments = 2\nallowed_instance_types = [\"t3.large\"]\n\
+                 prepare_timeout = \"60s\"\n",
+                ""
+            )
+        ),
+    );
+    warm_now(&rig);
+    let warm = warm_instances(&env);
+    assert_eq!(warm.len(), 1);
+    let warm_id = warm[0].instance_id().unwrap().to_string();
+    // A suspended environment of another type takes the other slot.
+    let first = rig.run(
+        &harness::job(5)
+            .suspend_on(true, false)
+            .var("DORMANT_EC2_INSTANCE_TYPE", "t3.large")
+            .script("true"),
+    );
+    assert_result(&first, JobResult::Success);
+    warm_now(&rig);
+    assert_eq!(warm_instances(&env).len(), 1);
+
+    // The warm instance is booting again, as far as the pool says.
+    let pool = Pool::at(&rig.state_dir);
+    let (entry_id, entry) = pool.entries().unwrap().pop().expect("one entry");
+    let mut entry = entry.unwrap().expect("readable");
+    let lock = pool.try_lock(entry_id).unwrap().expect("no refill runs");
+    let ready = entry.status.clone();
+    entry.status = dormant::state::pool::WarmStatus::Launching;
+    pool.set(&lock, &entry).unwrap();
+
+    env.proxy.clear_calls();
+    let since = Instant::now();
+    let job = std::thread::scope(|scope| {
+        let job = scope.spawn(|| {
+            rig.run(
+                &harness::job(5)
+                    .suspend_on(true, false)
+                    .script("echo on the default type"),
+            )
+        });
+        // The job looked at the pool and asked how many slots are used
+        // (before, with no ready one, it went on to launch its own).
+        env.proxy
+            .await_call("DescribeInstances", since, Duration::from_secs(60))
+            .expect("the job counts the slots");
+        entry.status = ready;
+        pool.set(&lock, &entry).unwrap();
+        drop(lock);
+        job.join().unwrap()
+    });
+    assert_result(&job, JobResult::Success);
+    // Whether it waited for the boot ("which is booting, to take it") or
+    // looked again after the count and found it ready depends on when the
+    // flip lands; either way it is taken (the wait itself: the fakes'
+    // `a_job_without_a_free_slot_takes_the_warm_machine_that_becomes_ready`).
+    assert!(job.log().contains("took warm machine"), "{}", job.log());
+    assert!(!job.log().contains("gives its slot up"), "{}", job.log());
+    assert_eq!(
+        key_field(job.key.as_deref().expect("a key"), "instance").as_deref(),
+        Some(warm_id.as_str()),
+        "the job's environment is the warm instance"
+    );
+    assert_eq!(env.proxy.count("RunInstances"), 0, "no launch of its own");
+    assert_eq!(env.proxy.count("TerminateInstances"), 0);
 }
 
 #[test]

@@ -71,6 +71,8 @@ mod moto;
 #[cfg(feature = "ec2")]
 mod moto_refusals;
 mod notify;
+#[cfg(feature = "testing")]
+mod output_copy;
 mod pause;
 mod pause_bench;
 #[cfg(feature = "testing")]
@@ -91,6 +93,7 @@ mod shell;
 mod signals;
 mod ssh;
 mod sshd;
+mod state_owner;
 mod stress;
 
 /// The EC2 scenarios need the `ec2` feature; without it, say so instead of

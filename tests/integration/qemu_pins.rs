@@ -10,7 +10,7 @@ use std::process::Command;
 
 use crate::harness::*;
 use crate::qemu::{env_paths, image_dir, one_vm, RUNNER, SYSTEM};
-use dormant::provider::qemu::pins::qcow2_backing;
+use dormant::provider::qemu::base_file::qcow2_backing;
 
 /// Runs a tool, failing the test with its stderr.
 fn tool(cmd: &mut Command) {

@@ -3,8 +3,9 @@
 //! counted under a lock so two prepares cannot both take the last slot) and EC2's own capacity errors (InsufficientInstanceCapacity,
 //! InstanceLimitExceeded, ...) are waited out inside the prepare timeout
 //! through `crate::wait`; a release on this runner manager wakes the waiters.
-//! A job that finds no slot makes the oldest ready warm instance give its
-//! slot up (it is retired), as a qemu job does with a warm VM.
+//! Warm instances count here like any other; whether a job makes one give
+//! its slot up is the lifecycle's decision (`lifecycle/warm_give_way.rs`),
+//! told by `job_must_wait` (`used`), never this wait's.
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -55,11 +56,6 @@ pub struct Capacity<'a> {
     /// Volume mode: a suspended environment is a data volume without an
     /// instance, and counts too.
     pub count_volumes: bool,
-    /// A job's launch: with no slot free, the oldest ready warm instance of
-    /// this provider's pool gives its slot up ([`super::Ec2Provider::yield_warm_slot`]);
-    /// `None` for a warm instance's own launch (warm instances never make
-    /// room for each other).
-    pub warm: Option<&'a super::Ec2Provider>,
 }
 
 impl Capacity<'_> {
@@ -187,18 +183,7 @@ impl Capacity<'_> {
             .retain(|(_, at)| now.saturating_sub(*at) < LEDGER_WINDOW_SECS);
         let used = self.in_use(&ledger, ctx).await?;
         if used >= self.max as usize {
-            let mut reason = format!("{used} of {} environments in use", self.max);
-            // A job must never wait behind an idle warm instance it cannot
-            // take (another image or instance type): the oldest ready one
-            // is retired; its termination notes a release, so the wait
-            // looks again at once.
-            if let Some(yielded) = match self.warm {
-                Some(p) => p.yield_warm_slot(ctx).await,
-                None => None,
-            } {
-                ctx.log.info(&yielded);
-                reason.push_str(&format!("; {yielded}"));
-            }
+            let reason = format!("{used} of {} environments in use", self.max);
             return Ok(Err(reason));
         }
         let launched = launch().await?;

@@ -247,7 +247,6 @@ impl Ec2Provider {
             system_id: &spec.system_id,
             max: self.settings.max_environments,
             count_volumes: self.settings.storage == StorageMode::Volume,
-            warm: Some(self),
         };
         let rounds = Rounds::default();
         let launched = cap

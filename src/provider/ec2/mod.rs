@@ -47,7 +47,6 @@ mod volumes_find;
 pub mod wait;
 mod warm;
 mod warm_launch;
-mod warm_yield;
 
 use std::time::Duration;
 

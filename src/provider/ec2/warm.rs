@@ -145,6 +145,30 @@ impl WarmMachines for Ec2Provider {
         self.settings.warm_max_age.get()
     }
 
+    /// Counted as a job's launch counts (`ec2.max_environments`, this
+    /// runner's instances, and in volume mode its data volumes alone): one
+    /// DescribeInstances, asked only when a job found no ready warm instance
+    /// to take or cannot take one.
+    async fn job_must_wait(&self, ctx: &Ctx) -> Result<bool> {
+        let max = self.settings.max_environments;
+        // Settings refuse `warm` with `max_environments` but no `runner_id`;
+        // without one there is no runner whose instances could be counted.
+        let (true, Some(runner_id)) = (max > 0, self.runner_id.as_deref()) else {
+            return Ok(false);
+        };
+        let region = self.clients.default_region().await?;
+        let client = self.clients.client(&region).await;
+        let cap = super::capacity::Capacity {
+            client: &client,
+            store: &self.store,
+            runner_id,
+            system_id: &self.system_id,
+            max,
+            count_volumes: self.settings.storage == crate::model::StorageMode::Volume,
+        };
+        Ok(cap.used(ctx).await? >= max as usize)
+    }
+
     fn kind(&self) -> Result<WarmKind> {
         let s = &self.settings;
         let image = s

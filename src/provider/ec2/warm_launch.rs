@@ -105,7 +105,6 @@ impl Ec2Provider {
                 max.saturating_sub(1).max(1)
             },
             count_volumes: self.settings.storage == StorageMode::Volume,
-            warm: None,
         }
     }
 

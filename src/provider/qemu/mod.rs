@@ -16,6 +16,7 @@
 //! base images every overlay is made on, so an image file can be replaced).
 
 pub mod alias;
+pub mod base_file;
 pub mod capacity;
 pub mod guest;
 pub mod hotplug;

@@ -16,7 +16,7 @@
 //! | file | what |
 //! | --- | --- |
 //! | `sha256-<hex>-<name>` | a pinned file (0444): a disk, kernel or initrd, named by its content's SHA-256 and its original file name |
-//! | `by-stat/<dev>-<ino>-<size>-<mtime>-<ctime>` | which pin a configured file is while it is unchanged (a cache: a new VM does not hash the base again) |
+//! | `by-stat/<dev>-<ino>-<size>-<mtime>-<ctime>` | which pin a configured file is while it is unchanged (`base_file::stamp`, the warm pool's notion of a changed file too; a cache: a new VM does not hash the base again) |
 //! | `pins.lock` | held while a pin is made and recorded, and while `sweep` removes pins |
 //! | `tmp-<uuid>` | a copy in progress, renamed to its pin once hashed |
 //!
@@ -37,15 +37,12 @@
 //! content is the same file), so it is safe from then on.
 
 use std::fs;
-use std::io::{Read, Write};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
+use super::base_file::{copy_hashing, qcow2_backing, rebase_unsafe, stamp};
 use super::vm::VmDir;
 use crate::context::Ctx;
 use crate::settings::boot_image::{BootImage, FullBootImage};
@@ -54,8 +51,6 @@ use crate::state::store::{ensure_private_dir, read_json, sync_dir, write_json};
 
 /// The format version of `image.json`.
 const IMAGE_FORMAT: u32 = 1;
-/// Copy buffer: large reads keep a multi-GiB copy at disk speed.
-const COPY_BUF: usize = 1 << 20;
 /// Prefix of a pin's file name; what `sweep` may remove.
 const PIN_PREFIX: &str = "sha256-";
 const TMP_PREFIX: &str = "tmp-";
@@ -206,7 +201,7 @@ impl Pins {
     /// The pin of `src` as it is now: found by its stat while unchanged,
     /// else copied, hashed and renamed into place. Under the lock.
     fn pin_file(&self, src: &Path, ctx: &Ctx) -> Result<PathBuf> {
-        let before = stat_key(src).with_context(|| {
+        let before = stamp(src).with_context(|| {
             format!(
                 "the base image file {} (qemu.image / qemu.images): see docs/qemu.md, \"Images\"",
                 src.display()
@@ -230,7 +225,7 @@ impl Pins {
                 return Err(e);
             }
         };
-        if stat_key(src)? != before {
+        if stamp(src)? != before {
             let _ = fs::remove_file(&tmp);
             bail!(
                 "the base image {} changed while dormant copied it (is it being replaced right now?): \
@@ -354,107 +349,6 @@ fn used_pins(root: &Path) -> Result<Vec<String>> {
 
 fn file_name(p: &Path) -> Option<String> {
     p.file_name().map(|n| n.to_string_lossy().into_owned())
-}
-
-/// A file's identity as long as its content is unchanged: a write changes
-/// its ctime (which no one can set back), a replacement by rename its inode.
-fn stat_key(path: &Path) -> Result<String> {
-    let m = fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
-    if !m.is_file() {
-        bail!("{} is not a file", path.display());
-    }
-    Ok(format!(
-        "{}-{}-{}-{}.{}-{}.{}",
-        m.dev(),
-        m.ino(),
-        m.len(),
-        m.mtime(),
-        m.mtime_nsec(),
-        m.ctime(),
-        m.ctime_nsec()
-    ))
-}
-
-/// Copies `src` to `dst` (0444, synced) and returns the copy's SHA-256 in hex.
-fn copy_hashing(src: &Path, dst: &Path) -> Result<String> {
-    let mut from = fs::File::open(src).with_context(|| format!("reading {}", src.display()))?;
-    let mut to = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(dst)
-        .with_context(|| format!("creating {}", dst.display()))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; COPY_BUF];
-    loop {
-        let n = from
-            .read(&mut buf)
-            .with_context(|| format!("reading {}", src.display()))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        to.write_all(&buf[..n])
-            .with_context(|| format!("writing {}", dst.display()))?;
-    }
-    to.set_permissions(fs::Permissions::from_mode(0o444))?;
-    to.sync_all()
-        .with_context(|| format!("syncing {}", dst.display()))?;
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
-}
-
-/// The backing file a qcow2 image's header names (None: no backing file or
-/// not a qcow2 file). Read from the header (QEMU's qcow2 spec: magic, then
-/// the backing file name's offset as a big-endian u64 at byte 8 and its
-/// length as a u32 at byte 16), so a look costs no process.
-pub fn qcow2_backing(path: &Path) -> Result<Option<PathBuf>> {
-    let mut f = match fs::File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
-    };
-    let mut header = [0u8; 20];
-    if f.read_exact(&mut header).is_err() || &header[..4] != b"QFI\xfb" {
-        return Ok(None);
-    }
-    let offset = u64::from_be_bytes(header[8..16].try_into().expect("8 bytes"));
-    let len = u32::from_be_bytes(header[16..20].try_into().expect("4 bytes")) as usize;
-    // The spec bounds it at 1023 bytes.
-    if offset == 0 || len == 0 || len > 1023 {
-        return Ok(None);
-    }
-    use std::io::Seek;
-    f.seek(std::io::SeekFrom::Start(offset))?;
-    let mut name = vec![0u8; len];
-    f.read_exact(&mut name)
-        .with_context(|| format!("reading the backing file name of {}", path.display()))?;
-    use std::os::unix::ffi::OsStringExt;
-    Ok(Some(PathBuf::from(std::ffi::OsString::from_vec(name))))
-}
-
-/// Points `overlay`'s header at `base` without touching its data (`-u`):
-/// only for a base with the same content as the one it names now.
-fn rebase_unsafe(qemu_img: &Path, overlay: &Path, base: &Path) -> Result<()> {
-    let out = Command::new(qemu_img)
-        .args(["rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b"])
-        .arg(base)
-        .arg(overlay)
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {} (is it installed?)", qemu_img.display()))?;
-    if !out.status.success() {
-        bail!(
-            "pointing {} at its pinned base image {}: qemu-img rebase failed ({}): {}",
-            overlay.display(),
-            base.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -2,12 +2,16 @@
 //! real-VM proof (a suspended environment resumed after its base file was
 //! overwritten) is `tests/integration/qemu_pins.rs`.
 
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 use super::*;
 use crate::context::JobLog;
 use crate::settings::boot_image::BootImage;
+use sha2::{Digest, Sha256};
 
 fn ctx() -> Ctx {
     Ctx::new(
