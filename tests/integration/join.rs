@@ -125,6 +125,49 @@ fn ssh_a_shell_beside_the_job_runs_with_it_and_ends_with_it() {
     });
 }
 
+/// The form people type: `dormant shell JOB` at a terminal opens a login
+/// shell beside the job that runs what is typed, in the job's project dir
+/// (the wrapper on the machine once gave it /dev/null for stdin: it ended at
+/// once). Then the job's exit code is its own.
+#[test]
+fn ssh_an_interactive_shell_beside_the_job_runs_what_is_typed() {
+    let sshd = Sshd::start();
+    let rig = crate::attach::ssh_rig(&sshd, "76", "s_76aa76aa76aa");
+    let flags = rig.dir.path().join("flags");
+    std::fs::create_dir_all(&flags).unwrap();
+    let f = flags.display().to_string();
+    let j = job(76);
+    let job_id = j.id;
+    let sim = j.script(&script(&flags));
+    std::thread::scope(|s| {
+        let running = s.spawn(|| rig.run(&sim));
+        wait_for(&flags.join("started"));
+        let typed = interactive_beside(&rig, job_id, &format!("touch {f}/joined; "));
+        assert!(typed.contains("/group/project"), "{typed}");
+        std::fs::write(flags.join("go"), "").unwrap();
+        let report = running.join().unwrap();
+        assert_result(&report, JobResult::BuildFailure(Some(3)));
+        assert!(
+            report.log().contains("saw-the-joined-shell"),
+            "{}",
+            report.log()
+        );
+    });
+}
+
+/// `dormant shell JOB` at a pseudo-terminal beside running job `job_id`:
+/// types `echo typed-$((6*7)) in $PWD`, then `more` (more to type) and
+/// `exit`; checks the shell ran it (the terminal echoes what is typed, so
+/// only the shell's output says `typed-42`) and exited 0. Returns what the
+/// terminal showed.
+pub(crate) fn interactive_beside(rig: &Rig, job_id: u64, more: &str) -> String {
+    let line = format!("echo typed-$((6*7)) in $PWD; {more}exit\n");
+    let s = crate::shell::in_pty(rig, "send", &line, &["shell", &job_id.to_string()]);
+    assert!(s.output.contains("typed-42 in /"), "{}", s.output);
+    assert_eq!(s.code, 0, "{}", s.output);
+    s.output
+}
+
 #[test]
 fn local_a_shell_beside_the_job_says_where_its_directory_is() {
     let rig = Rig::local("74", "s_74aa74aa74aa");
@@ -205,6 +248,9 @@ pub(crate) fn watched_and_joined(
             "the stage from its first byte"
         );
 
+        // The form people type: a login shell at a terminal, beside the job.
+        let typed = interactive_beside(rig, sim.id, "");
+        assert!(typed.contains("/group/project"), "{typed}");
         // A command beside the job, in its project dir on the machine.
         let out = rig.dormant(&["shell", &job_id, "--", "pwd; touch joined"]);
         let said = String::from_utf8_lossy(&out.stderr).into_owned();
