@@ -6,8 +6,9 @@
 //! message says where the job's directory is on this host.
 //!
 //! The lifecycle: is the job running its stages → record who joins (an
-//! event) → mark the join (`joined::mark`: its cleanup ends this shell) →
-//! connect and run the shell → remove the mark.
+//! event) → mark the join, then check the job still runs
+//! (`joined::mark`: its cleanup either ends this shell or it is refused
+//! here) → connect and run the shell → remove the mark.
 
 use anyhow::{bail, Context, Result};
 
@@ -35,8 +36,8 @@ pub(super) async fn join(
 ) -> Result<i32> {
     let id = found.paths.id;
     let rec = &found.record;
-    let job_id = match (found.running_job(), found.job) {
-        (Some((_, running)), asked) if asked.is_none_or(|a| a == running) => running,
+    let (runner, job_id) = match (found.running_job(), found.job) {
+        (Some((runner, running)), asked) if asked.is_none_or(|a| a == running) => (runner, running),
         _ => {
             return Err(Refused::NotRunning.because(format!(
                 "job {} runs no stage: its environment {id} is {}; `dormant shell` with the \
@@ -79,10 +80,13 @@ pub(super) async fn join(
         .job(Some(job_id))
         .user(&user);
     events.record(event, &ctx).await;
+    // The window the mark closes: the job was seen running, its cleanup may
+    // run now (a test pauses here to prove it).
+    crate::failpoint::pause("shell:join-checked").await;
     let nonce = format!("{:016x}", fastrand::u64(..));
     // Intent before effect: the job's cleanup finds the mark and ends the
     // shell, whatever becomes of this process.
-    let mark = joined::mark(&found.paths, &nonce)?;
+    let mark = joined::mark(&found.paths, &runner, job_id, &nonce)?;
     let transport = crate::transport::open(&target, &found.paths, settings, job)?;
     let line = (!req.command.is_empty()).then(|| req.command.join(" "));
     let tty = terminal::wants_tty(line.as_deref());
