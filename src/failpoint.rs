@@ -10,6 +10,12 @@
 //! points, comma-separated, for a scenario in which two processes die (a
 //! prepare, then the runner's cleanup after it); with a once-file each fires
 //! once, the first listed making `<file>`, the n-th `<file>.<n>`.
+//!
+//! A pause point (`failpoint::pause("shell:join-checked").await`) is for a
+//! race instead: armed by the same `DORMANT_FAILPOINT`, with
+//! `DORMANT_FAILPOINT_PAUSE=<dir>` it makes `<dir>/<name>.reached` and waits
+//! there until the test makes `<dir>/<name>.go`, so a test can run the other
+//! side of the race in the window, deterministically.
 
 #[cfg(feature = "testing")]
 mod armed {
@@ -17,8 +23,13 @@ mod armed {
     use std::sync::OnceLock;
 
     static ARMED: OnceLock<Vec<(String, Option<PathBuf>)>> = OnceLock::new();
+    static PAUSE: OnceLock<Option<PathBuf>> = OnceLock::new();
 
-    pub fn init(names: Option<&str>, once: Option<&str>) {
+    /// The longest a pause point waits for its test (then it goes on).
+    const PAUSE_BOUND: std::time::Duration = std::time::Duration::from_secs(300);
+
+    pub fn init(names: Option<&str>, once: Option<&str>, pause: Option<&str>) {
+        let _ = PAUSE.set(pause.map(PathBuf::from));
         let names = names.unwrap_or("").split(',').map(str::trim);
         let armed = names
             .filter(|n| !n.is_empty())
@@ -44,6 +55,18 @@ mod armed {
         find(name).is_some_and(|(_, once)| once.as_ref().is_none_or(|m| !m.exists()))
     }
 
+    pub async fn pause(name: &str) {
+        let (Some(_), Some(Some(dir))) = (find(name), PAUSE.get()) else {
+            return;
+        };
+        let _ = std::fs::write(dir.join(format!("{name}.reached")), "");
+        let go = dir.join(format!("{name}.go"));
+        let deadline = std::time::Instant::now() + PAUSE_BOUND;
+        while !go.exists() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn hit(name: &str) {
         let Some((_, once)) = find(name) else {
             return;
@@ -66,13 +89,17 @@ mod armed {
 }
 
 /// Arms the failpoint named in dormant's environment (no-op without the feature).
-pub fn init(_name: Option<&str>, _once: Option<&str>) {
+pub fn init(_name: Option<&str>, _once: Option<&str>, _pause: Option<&str>) {
     #[cfg(feature = "testing")]
-    armed::init(_name, _once);
+    armed::init(_name, _once, _pause);
 }
 
 #[cfg(feature = "testing")]
-pub use armed::{armed, hit};
+pub use armed::{armed, hit, pause};
+
+/// Without the `testing` feature no pause point ever waits.
+#[cfg(not(feature = "testing"))]
+pub async fn pause(_name: &str) {}
 
 /// Without the `testing` feature no failpoint is ever armed.
 #[cfg(not(feature = "testing"))]

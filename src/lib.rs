@@ -55,6 +55,7 @@ pub fn main_entry() -> i32 {
     failpoint::init(
         job.driver_var("DORMANT_FAILPOINT"),
         job.driver_var("DORMANT_FAILPOINT_ONCE"),
+        job.driver_var("DORMANT_FAILPOINT_PAUSE"),
     );
     #[cfg(feature = "ec2")]
     provider::ec2::guest_seam::init(job.driver_var("DORMANT_TEST_EC2_VOLUMES"));

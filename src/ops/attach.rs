@@ -119,8 +119,7 @@ fn not_running(found: &find::Found, out: &mut dyn Write) -> Result<Watched> {
     let shown = match stage_output::last_copy(&found.paths) {
         Some((path, stage_id)) => match File::open(&path) {
             Ok(file) => {
-                let mut offset = 0;
-                while matches!(copy_out(&file, &mut offset, out, None), Ok(true)) {}
+                drain(&file, &mut 0, out, None);
                 let _ = out.flush();
                 let which = match now.filter(|n| n.id == stage_id) {
                     Some(n) => format!(
@@ -267,21 +266,17 @@ impl Watch<'_> {
                 // A newer stage began (so ours ended and its copy is whole),
                 // or the environment is gone: what is left, then done.
                 other => {
-                    while copy_out(&file, &mut offset, out, Some(self.log)).map_err(|_| ())
-                        == Ok(true)
-                    {}
-                    if other.is_none() {
-                        return Ok(Stage::JobEnded);
-                    }
-                    return Ok(Stage::Ended(None));
+                    drain(&file, &mut offset, out, Some(self.log));
+                    return Ok(match other {
+                        None => Stage::JobEnded,
+                        Some(_) => Stage::Ended(None),
+                    });
                 }
             }
             idle += 1;
             if idle.is_multiple_of(RECORD_EVERY) && !self.job_runs()? {
                 // (The run that wrote it was killed: its end is never recorded.)
-                while copy_out(&file, &mut offset, out, Some(self.log)).map_err(|_| ()) == Ok(true)
-                {
-                }
+                drain(&file, &mut offset, out, Some(self.log));
                 return Ok(Stage::JobEnded);
             }
             if self.nap(POLL).await {
@@ -304,6 +299,13 @@ impl Watch<'_> {
             () = self.cancel.cancelled() => true,
         }
     }
+}
+
+/// Copies all that `file` holds from `offset` on, for a stage that will not
+/// grow any more. A failed write (the reader went away) ends it too: nobody
+/// wants the rest.
+fn drain(file: &File, offset: &mut u64, out: &mut dyn Write, log: Option<&JobLog>) {
+    while matches!(copy_out(file, offset, out, log), Ok(true)) {}
 }
 
 /// Copies what `file` holds from `offset` on (one read of up to 64 KiB) to

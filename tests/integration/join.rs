@@ -111,10 +111,14 @@ fn ssh_a_shell_beside_the_job_runs_with_it_and_ends_with_it() {
         );
         // Each stage's files go once dormant has read its end: waited for, bounded.
         crate::reattach::assert_nothing_kept(&sshd);
-        assert!(!rig
-            .state_dir
-            .join(format!("environments/{env}/joined"))
-            .exists());
+        // No mark is left (what stays says the job's joins are closed).
+        let left: Vec<_> =
+            std::fs::read_dir(rig.state_dir.join(format!("environments/{env}/joined")))
+                .unwrap()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect();
+        assert_eq!(left, ["closed"]);
         assert_eq!(
             rig.status(report.key.as_deref().unwrap()).as_deref(),
             Some("suspended"),
@@ -122,6 +126,115 @@ fn ssh_a_shell_beside_the_job_runs_with_it_and_ends_with_it() {
         );
         // Each join is an event naming who, and counted.
         crate::attach::each_join_is_an_event_and_counted(&rig, "shell", 2);
+    });
+}
+
+/// The form people type: `dormant shell JOB` at a terminal opens a login
+/// shell beside the job that runs what is typed, in the job's project dir
+/// (the wrapper on the machine once gave it /dev/null for stdin: it ended at
+/// once). Then the job's exit code is its own.
+#[test]
+fn ssh_an_interactive_shell_beside_the_job_runs_what_is_typed() {
+    let sshd = Sshd::start();
+    let rig = crate::attach::ssh_rig(&sshd, "76", "s_76aa76aa76aa");
+    let flags = rig.dir.path().join("flags");
+    std::fs::create_dir_all(&flags).unwrap();
+    let f = flags.display().to_string();
+    let j = job(76);
+    let job_id = j.id;
+    let sim = j.script(&script(&flags));
+    std::thread::scope(|s| {
+        let running = s.spawn(|| rig.run(&sim));
+        wait_for(&flags.join("started"));
+        let typed = interactive_beside(&rig, job_id, &format!("touch {f}/joined; "));
+        assert!(typed.contains("/group/project"), "{typed}");
+        std::fs::write(flags.join("go"), "").unwrap();
+        let report = running.join().unwrap();
+        assert_result(&report, JobResult::BuildFailure(Some(3)));
+        assert!(
+            report.log().contains("saw-the-joined-shell"),
+            "{}",
+            report.log()
+        );
+    });
+}
+
+/// `dormant shell JOB` at a pseudo-terminal beside running job `job_id`:
+/// types `echo typed-$((6*7)) in $PWD`, then `more` (more to type) and
+/// `exit`; checks the shell ran it (the terminal echoes what is typed, so
+/// only the shell's output says `typed-42`) and exited 0. Returns what the
+/// terminal showed.
+pub(crate) fn interactive_beside(rig: &Rig, job_id: u64, more: &str) -> String {
+    let line = format!("echo typed-$((6*7)) in $PWD; {more}exit\n");
+    let s = crate::shell::in_pty(rig, "send", &line, &["shell", &job_id.to_string()]);
+    assert!(s.output.contains("typed-42 in /"), "{}", s.output);
+    assert_eq!(s.code, 0, "{}", s.output);
+    s.output
+}
+
+/// A join that saw the job running and then lost the race with the job's
+/// cleanup (which came between the join's look at the record and its mark:
+/// a pause point holds the join there while the job ends) never runs beside
+/// a job that ended: it finds the job's joins closed, and leaves no mark.
+#[test]
+fn ssh_a_join_losing_the_race_with_the_cleanup_does_not_outlive_the_job() {
+    let sshd = Sshd::start();
+    let rig = crate::attach::ssh_rig(&sshd, "77", "s_77aa77aa77aa");
+    let point = "shell:join-checked";
+    let flags = rig.dir.path().join("flags");
+    std::fs::create_dir_all(&flags).unwrap();
+    let f = flags.display().to_string();
+    let j = job(77);
+    let job_id = j.id;
+    // Kept (suspended): on an ssh host the workspace stays, so a join that
+    // got through would run there.
+    let sim = j.suspend_on(true, true).script(&format!(
+        "touch {f}/started; i=0; while [ ! -e {f}/go ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done"
+    ));
+    std::thread::scope(|s| {
+        let running = s.spawn(|| rig.run(&sim));
+        wait_for(&flags.join("started"));
+        let joining = Command::new(BIN)
+            .args(["shell", &job_id.to_string(), "--"])
+            .arg(format!("touch {f}/ran"))
+            .env_clear()
+            .envs(&rig.runner.env)
+            .env("DORMANT_FAILPOINT", point)
+            .env("DORMANT_FAILPOINT_PAUSE", &flags)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for(&flags.join(format!("{point}.reached")));
+        // The job ends and its cleanup runs to its end; then the join goes on.
+        std::fs::write(flags.join("go"), "").unwrap();
+        let report = running.join().unwrap();
+        assert_result(&report, JobResult::Success);
+        std::fs::write(flags.join(format!("{point}.go")), "").unwrap();
+        let out = joining.wait_with_output().unwrap();
+        let said = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(
+            !flags.join("ran").exists(),
+            "the join ran beside a job that had ended: {said}"
+        );
+        assert_eq!(out.status.code(), Some(5), "{said}");
+        assert!(
+            said.contains("ended while this shell was joining it"),
+            "{said}"
+        );
+        let env = dormant::identity::new_env_id(&rig.runner.runner_id, job_id);
+        let left: Vec<_> =
+            std::fs::read_dir(rig.state_dir.join(format!("environments/{env}/joined")))
+                .unwrap()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect();
+        assert_eq!(left, ["closed"], "no mark is left");
+        assert_eq!(
+            rig.status(report.key.as_deref().unwrap()).as_deref(),
+            Some("suspended")
+        );
     });
 }
 
@@ -205,6 +318,9 @@ pub(crate) fn watched_and_joined(
             "the stage from its first byte"
         );
 
+        // The form people type: a login shell at a terminal, beside the job.
+        let typed = interactive_beside(rig, sim.id, "");
+        assert!(typed.contains("/group/project"), "{typed}");
         // A command beside the job, in its project dir on the machine.
         let out = rig.dormant(&["shell", &job_id, "--", "pwd; touch joined"]);
         let said = String::from_utf8_lossy(&out.stderr).into_owned();

@@ -62,7 +62,7 @@ pub struct Session {
     pub code: i32,
 }
 
-fn in_pty(rig: &Rig, mode: &str, arg: &str, args: &[&str]) -> Session {
+pub(crate) fn in_pty(rig: &Rig, mode: &str, arg: &str, args: &[&str]) -> Session {
     let driver = rig.dir.path().join("pty_driver.py");
     std::fs::write(&driver, PTY_DRIVER).unwrap();
     let out = Command::new("python3")

@@ -19,7 +19,12 @@ if ! cd -- "$3" 2>/dev/null; then
   if [ -n "$4" ]; then echo "dormant: $3 does not exist" >&2; exit 1; fi
   echo "dormant: $3 does not exist, starting in $HOME" >&2
 fi
-if [ -n "$4" ]; then "${SHELL:-/bin/sh}" -c "$4" 9<&- & c=$!; else "${SHELL:-/bin/sh}" -l 9<&- & c=$!; fi
+if [ -n "$4" ]; then set -- -c "$4"; else set -- -l; fi
+# In the background, so that the traps above run while it does. But bash
+# without job control gives a background command /dev/null for stdin and
+# makes it ignore SIGINT and SIGQUIT: give back both, the person's terminal
+# (or stdin) and Ctrl-C for the programs run in the shell.
+{ trap - INT QUIT; exec "${SHELL:-/bin/sh}" "$@"; } 0<&0 9<&- & c=$!
 # (A trapped signal ends `wait` early: wait again until the shell is gone.)
 while :; do wait "$c"; r=$?; kill -0 "$c" 2>/dev/null || break; done
 exit "$r"
