@@ -30,9 +30,12 @@
 //! After the script's bytes, the wrapper's stdin stays open as a control
 //! line: `TERM` or `KILL` signals the script's process group (a termination
 //! needs no second channel). Kept only: `ACK <n>` (dormant has the output up
-//! to byte `n` in its job log: the machine may drop it), `TAKEN <n>` (a
+//! to byte `n` in its job log, sent after every read: the machine may drop
+//! it), `TAKEN <n>` (a
 //! paused round's job log ended at byte `n`: the next round starts there),
-//! `PAUSE <question>` (`dormant pause`), `KEEP` (below). Direct: end of file — dormant died or the
+//! `PAUSE <question>` (`dormant pause`), `DONE` (dormant has the stage's
+//! end: a paused script the stage relayed to its end goes with it), `KEEP`
+//! (below). Direct: end of file — dormant died or the
 //! connection was lost — terminates the group (SIGTERM, SIGKILL 5 s later),
 //! so a script never runs on with nobody to report to. Kept: end of file over
 //! a connection that lives (the session's sshd process is still there)
