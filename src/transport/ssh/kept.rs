@@ -272,7 +272,9 @@ where
                     .pause
                     .and_then(|file| crate::state::pause_request::for_stage(file, script.id));
                 if let Some(question) = asked {
-                    ctx.log.info(format!("dormant pause: pausing {} on {}", script.stage, place.dest));
+                    // (A line of the job log's own: after the script's
+                    // current line, which a frozen script may leave open.)
+                    st.stream.note(format!("dormant pause: pausing {} on {}", script.stage, place.dest));
                     let _ = control.send(format!(
                         "PAUSE {}",
                         super::pause::encode_base64(question.as_bytes())
