@@ -22,6 +22,7 @@ pub mod volume;
 pub mod warm;
 mod warm_give_way;
 pub mod warm_refill;
+mod warm_steps;
 
 use std::time::Instant;
 

@@ -12,22 +12,14 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
+use super::warm_steps::{event, listed, wait_while_booting};
 use super::World;
 use crate::context::Ctx;
-use crate::events::{Event, Kind};
 use crate::model::{EnvPaths, Machine};
 use crate::provider::warm::WarmMachines;
 use crate::provider::MachineSpec;
 use crate::state::pool::{self, Pool, WarmEntry, WarmStatus};
 use crate::state::{now_unix, FileLock};
-
-pub(super) fn event(w: World<'_>, cause: &str, entry: Option<&WarmEntry>) -> Event {
-    let mut e = Event::new(Kind::Warm, cause, w.provider.name());
-    if let Some(entry) = entry {
-        e.warm = Some(entry.id);
-    }
-    e
-}
 
 /// A taken warm machine, as the new environment's.
 pub struct Taken {
@@ -214,15 +206,6 @@ impl Wanted {
     }
 }
 
-/// The pool's entries as listed (not locked: each is read again under its
-/// lock before anything is done to it); unreadable ones are the refill's.
-pub(super) fn listed(pool: &Pool) -> Result<impl Iterator<Item = WarmEntry>> {
-    Ok(pool
-        .entries()?
-        .into_iter()
-        .filter_map(|(_, e)| e.ok().flatten()))
-}
-
 /// A new environment whose earlier attempt already has a machine (it took a
 /// warm one, finished the hand-over and was killed before recording it, and
 /// the runner's cleanup died too): that machine is adopted by the caller's
@@ -300,33 +283,6 @@ async fn take_first_alive(
     Ok(None)
 }
 
-/// Waits until warm machine `id` is no longer booting: ready (the caller
-/// takes it), or anything else — retired, taken by another job, or its
-/// launcher gone (its entry lock free: the next refill finishes it).
-pub(super) async fn wait_while_booting(pool: &Pool, id: uuid::Uuid, ctx: &Ctx) -> Result<()> {
-    use crate::wait::{Poll, Schedule, Wait};
-    let mut wait = Wait::new(
-        ctx,
-        format!("warm machine {id} to finish booting"),
-        Schedule::fixed(BOOTING_POLL),
-    );
-    wait.until(|| async {
-        let booting = pool
-            .peek(id)?
-            .is_some_and(|e| e.status == WarmStatus::Launching);
-        // Its launcher holds the entry's lock while it boots.
-        if booting && pool.try_lock(id)?.is_none() {
-            return Ok(Poll::Pending("it is booting".to_string()));
-        }
-        Ok(Poll::Ready(()))
-    })
-    .await
-}
-
-/// A booting warm machine is looked at this often by a job waiting for it
-/// (a local file read and a lock attempt).
-const BOOTING_POLL: Duration = Duration::from_millis(250);
-
 /// Gives a taken machine to the environment: its key pair and pinned host
 /// key, then the provider's part; then the entry goes. `None`: a killed
 /// attempt had moved it into this environment, which was released since.
@@ -377,34 +333,4 @@ async fn finish(
         warm_id: entry.id,
         age_secs,
     }))
-}
-
-/// `retiring` (written first), the machine deleted, the entry removed.
-pub(super) async fn retire(
-    w: World<'_>,
-    warm: &dyn WarmMachines,
-    pool: &Pool,
-    lock: FileLock,
-    mut entry: WarmEntry,
-    why: &str,
-    ctx: &Ctx,
-) -> Result<()> {
-    if !matches!(entry.status, WarmStatus::Retiring { .. }) {
-        entry.status = WarmStatus::Retiring {
-            why: why.to_string(),
-        };
-        pool.set(&lock, &entry)?;
-    }
-    crate::failpoint!("warm:retiring");
-    let wp = pool.paths(entry.id);
-    let machine = match &entry.machine {
-        Some(m) => Some(m.clone()),
-        None => warm.find_launched(&wp, ctx).await?,
-    };
-    warm.retire(&wp, machine.as_ref(), ctx).await?;
-    crate::failpoint!("warm:retired");
-    w.events
-        .record(event(w, "retired", Some(&entry)).reason(why), ctx)
-        .await;
-    pool.remove(w.store, lock, entry.id)
 }

@@ -7,7 +7,7 @@
 
 use anyhow::{Context, Result};
 
-use super::warm::{listed, retire, wait_while_booting};
+use super::warm_steps::{listed, retire, wait_while_booting};
 use super::World;
 use crate::context::Ctx;
 use crate::provider::warm::WarmMachines;

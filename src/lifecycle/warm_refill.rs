@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use super::warm::{event, retire};
+use super::warm_steps::{event, retire};
 use super::World;
 use crate::context::Ctx;
 use crate::model::{EnvPaths, Machine, Target};
