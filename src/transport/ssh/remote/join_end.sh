@@ -48,7 +48,8 @@ for j in "$t/$e".join.*; do
   s=; read -r s < "$j" 2>/dev/null
   if [ "$s" = ended ]; then
     # Word for a join on its way: its wrapper removes it. One that never
-    # came (its dormant shell was killed) is removed by a later cleanup
+    # came (its dormant shell was killed, or refused on the runner host
+    # after the cleanup saw its mark) is removed by a later cleanup
     # of the environment, after an hour: far longer than a join takes to connect.
     [ -n "$(find "$j" -mmin +60 2>/dev/null)" ] && rm -f -- "$j"
     continue
