@@ -18,6 +18,13 @@
 //! before cleanup looked is ended with the rest; one written after finds the
 //! joins closed and the join gives up. The files are the state dir owner's
 //! even when root joins, so the runner's cleanup can read and remove them.
+//!
+//! A join that passed that check still has to connect and register on the
+//! machine: cleanup may find its mark with nothing registered yet. So it
+//! hands the transport the nonces of the marks it saw; on the machine each
+//! not yet registered gets a registration file saying `ended`, which the
+//! wrapper arriving late finds (both create the file exclusively: whichever
+//! is first, the other sees it) and then runs nothing.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -192,7 +199,11 @@ pub async fn end_all(paths: &EnvPaths, transport: Option<&dyn Transport>, job: u
             "dormant: job {job} has ended: its cleanup ends this shell now (dormant shell beside a \
              running job lasts as long as the job)"
         );
-        if let Err(e) = t.end_joined(&message, &ctx).await {
+        let nonces: Vec<String> = marks
+            .iter()
+            .filter_map(|m| Some(m.file_name()?.to_string_lossy().into_owned()))
+            .collect();
+        if let Err(e) = t.end_joined(&message, &nonces, &ctx).await {
             warn("could not end", e);
         }
     }

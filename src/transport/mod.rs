@@ -204,9 +204,10 @@ pub trait Transport: Send + Sync {
 
     /// The job's cleanup: tells every shell joined beside the job
     /// (`message`), ends it with everything it started, and removes what it
-    /// left on the machine. Bounded by `ctx`.
-    async fn end_joined(&self, message: &str, ctx: &Ctx) -> Result<()> {
-        let _ = (message, ctx);
+    /// left on the machine; a join of `nonces` (the marks the cleanup saw)
+    /// not registered there yet is refused when it arrives. Bounded by `ctx`.
+    async fn end_joined(&self, message: &str, nonces: &[String], ctx: &Ctx) -> Result<()> {
+        let _ = (message, nonces, ctx);
         Ok(())
     }
 }

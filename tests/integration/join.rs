@@ -238,6 +238,66 @@ fn ssh_a_join_losing_the_race_with_the_cleanup_does_not_outlive_the_job() {
     });
 }
 
+/// The window after the join's mark, before its wrapper registers on the
+/// machine (one SSH connect): the cleanup sees the mark but nothing on the
+/// machine to end. It leaves word there for that nonce; the wrapper arriving
+/// late finds it, runs nothing and leaves nothing behind.
+#[test]
+fn ssh_a_join_registering_after_the_cleanup_ended_the_joins_runs_nothing() {
+    let sshd = Sshd::start();
+    let rig = crate::attach::ssh_rig(&sshd, "78", "s_78aa78aa78aa");
+    let point = "shell:join-marked";
+    let flags = rig.dir.path().join("flags");
+    std::fs::create_dir_all(&flags).unwrap();
+    let f = flags.display().to_string();
+    let j = job(78);
+    let job_id = j.id;
+    // Kept (suspended): the workspace and the host stay, so the late
+    // connection gets through and its shell would run there.
+    let sim = j.suspend_on(true, true).script(&format!(
+        "touch {f}/started; i=0; while [ ! -e {f}/go ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done"
+    ));
+    std::thread::scope(|s| {
+        let running = s.spawn(|| rig.run(&sim));
+        wait_for(&flags.join("started"));
+        let joining = Command::new(BIN)
+            .args(["shell", &job_id.to_string(), "--"])
+            .arg(format!("touch {f}/ran"))
+            .env_clear()
+            .envs(&rig.runner.env)
+            .env("DORMANT_FAILPOINT", point)
+            .env("DORMANT_FAILPOINT_PAUSE", &flags)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for(&flags.join(format!("{point}.reached")));
+        // The job ends and its cleanup (which sees the mark) runs to its
+        // end; then the join connects.
+        std::fs::write(flags.join("go"), "").unwrap();
+        let report = running.join().unwrap();
+        assert_result(&report, JobResult::Success);
+        std::fs::write(flags.join(format!("{point}.go")), "").unwrap();
+        let out = joining.wait_with_output().unwrap();
+        let said = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(
+            !flags.join("ran").exists(),
+            "the join ran beside a job that had ended: {said}"
+        );
+        assert!(
+            said.contains("the job ended before this shell could join it"),
+            "{said}"
+        );
+        assert_ne!(out.status.code(), Some(0), "{said}");
+        assert_eq!(sshd.kept_files(), Vec::<String>::new(), "left on the host");
+        assert_eq!(
+            rig.status(report.key.as_deref().unwrap()).as_deref(),
+            Some("suspended")
+        );
+    });
+}
+
 #[test]
 fn local_a_shell_beside_the_job_says_where_its_directory_is() {
     let rig = Rig::local("74", "s_74aa74aa74aa");

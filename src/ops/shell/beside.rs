@@ -87,6 +87,9 @@ pub(super) async fn join(
     // Intent before effect: the job's cleanup finds the mark and ends the
     // shell, whatever becomes of this process.
     let mark = joined::mark(&found.paths, &runner, job_id, &nonce)?;
+    // The window the machine side closes: marked and allowed, not yet
+    // registered on the machine; the cleanup may run now (a test pauses here).
+    crate::failpoint::pause("shell:join-marked").await;
     let transport = crate::transport::open(&target, &found.paths, settings, job)?;
     let line = (!req.command.is_empty()).then(|| req.command.join(" "));
     let tty = terminal::wants_tty(line.as_deref());
@@ -106,7 +109,8 @@ pub(super) async fn join(
         Ended::Exited(code) => code,
         Ended::Signalled(s) => 128 + s.number(),
     };
-    if mark.ended_by_cleanup() {
+    // (97: the wrapper refused, having said why: the job ended first.)
+    if mark.ended_by_cleanup() && code != 97 {
         log.info(format!("job {job_id} ended: its cleanup ended this shell"));
     }
     drop(mark);

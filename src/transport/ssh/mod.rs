@@ -242,14 +242,14 @@ impl Transport for SshTransport {
         Ok(self.join(dir, command, tty, nonce))
     }
 
-    async fn end_joined(&self, message: &str, ctx: &Ctx) -> Result<()> {
+    async fn end_joined(&self, message: &str, nonces: &[String], ctx: &Ctx) -> Result<()> {
         // Over the job's master while it runs (cleanup, before the stop).
         let session = self.master.session(ctx, Purpose::Reconnect).await?;
         let dest = self.master.destination();
         let env = self.master.paths.id.simple().to_string();
         run_checked(
             &session,
-            &remote::join_end_command(&env, message),
+            &remote::join_end_command(&env, message, nonces),
             ctx.remaining().min(JOIN_END_BOUND),
             &format!("ending the shells joined beside the job on {dest}"),
         )

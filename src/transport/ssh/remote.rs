@@ -123,7 +123,9 @@ pub const LEFTOVERS: &str = include_str!("remote/leftovers.sh");
 /// machine for [`JOIN_END`].
 pub const JOIN: &str = include_str!("remote/join.sh");
 
-/// Ends the shells joined beside environment `$1`'s job, telling them `$2`.
+/// Ends the shells joined beside environment `$1`'s job, telling them `$2`;
+/// `$3...` = the nonces of the joins marked: one not registered yet is
+/// refused when it arrives.
 pub const JOIN_END: &str = include_str!("remote/join_end.sh");
 
 /// The remote command of a joined shell (in bash, whatever the login shell).
@@ -138,14 +140,20 @@ pub fn join_command(env: &str, nonce: &str, dir: &str, command: Option<&str>) ->
     )
 }
 
-/// The command that ends the shells joined beside environment `env`'s job.
-pub fn join_end_command(env: &str, message: &str) -> String {
-    format!(
+/// The command that ends the shells joined beside environment `env`'s job
+/// (and refuses the joins of `nonces` still on their way).
+pub fn join_end_command(env: &str, message: &str, nonces: &[String]) -> String {
+    let mut line = format!(
         "bash -c {} dormant {} {}",
         shell_quote(JOIN_END),
         shell_quote(env),
         shell_quote(message)
-    )
+    );
+    for n in nonces {
+        line.push(' ');
+        line.push_str(&shell_quote(n));
+    }
+    line
 }
 
 /// How a session takes part in a stage with kept output.
@@ -406,6 +414,8 @@ pub fn parse_report(line: &str) -> Report {
     Report::Other(line.to_string())
 }
 
+#[cfg(test)]
+mod join_tests;
 #[cfg(test)]
 mod kept_tests;
 #[cfg(test)]
