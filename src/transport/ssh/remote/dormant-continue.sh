@@ -149,6 +149,8 @@ while :; do
     # (P's files go with this stage's, once dormant has its end:
     # kept_owner.sh `fin`.)
     [ "$len" -le "$ps" ] || done_at "$len"
+    # (The exit code given: only then may P's files go with this stage's.)
+    : > "$T.gave"
     exit "$rc"
   fi
   if [ -z "$z" ]; then
