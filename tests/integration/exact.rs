@@ -757,7 +757,10 @@ events fired (job, kind, what): {fired:?}"
             && what.starts_with("killed")
         {
             run.killed = true;
-            run.killed_run |= kind == EventKind::KillRun;
+            // (A continue killed mid-copy may leave that one copy, at
+            // most 64 KiB, to be shown again: docs/pause.md, "Exactness
+            // and bounds".)
+            run.killed_run |= matches!(kind, EventKind::KillRun | EventKind::KillContinue);
         }
     }
     Ok((runs, key))

@@ -474,8 +474,16 @@ async fn write_control<I: AsyncWrite + AsRawFd + Unpin>(
     }
     stdin.flush().await?;
     let started = Instant::now();
+    // The master takes a line within microseconds: looked at every 50 µs
+    // for the first 2 ms (the end of a stage waits on this), then every 2 ms.
+    let mut quick = 0;
     while pending_in_pipe(&stdin) > 0 && started.elapsed() < KEEP_HANDOFF {
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        if quick < 40 {
+            quick += 1;
+            std::thread::sleep(Duration::from_micros(50));
+        } else {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
     }
     Ok(())
 }

@@ -98,8 +98,13 @@ if [ -n "$c" ]; then
       fi
     done
   }
-  exec 4> >(pump >&3 3>&-); u=$!
-  { set -m; ( set +m; trap : QUIT; [ -z "${11}" ] || export DORMANT_STAGE=$o PATH=$t/${11}:$PATH; unset w p q g x r o f t m c K L rep u n; unset -f pump; set --; eval "$s" ) </dev/null >&4 2>&4 3>&- 4>&- & p=$!; set +m; } 2>/dev/null
+  # (A coprocess: its stdout, which it keeps as fd 9 and never writes, is
+  # how the wrapper hears it end — an end of file, no polling.)
+  coproc PUMP { pump 9>&1 >&3 3>&-; }
+  u=$PUMP_PID
+  exec 4>&"${PUMP[1]}" 5<&"${PUMP[0]}"
+  eval "exec ${PUMP[1]}>&- ${PUMP[0]}<&-"
+  { set -m; ( set +m; trap : QUIT; [ -z "${11}" ] || export DORMANT_STAGE=$o PATH=$t/${11}:$PATH; unset w p q g x r o f t m c K L rep u n PUMP PUMP_PID; unset -f pump; set --; eval "$s" ) </dev/null >&4 2>&4 3>&- 4>&- 5<&- & p=$!; set +m; } 2>/dev/null
   exec 4>&-
   unset s
   # A signal that came before the script's pid was known (the script may run
@@ -119,14 +124,8 @@ if [ -n "$c" ]; then
   # The pump has the group's last bytes once the pipe's writers are gone; one
   # that a process outside the group keeps open is not waited for past 2 s
   # (what it writes after the script's end is not the stage's).
-  # (It ends within a few ms: the first looks are 1 ms apart, then 50 ms.)
-  i=0
-  while { read -r l < "/proc/$u/stat"; } 2>/dev/null; do
-    l=${l##*) }; case ${l%% *} in Z|X) break;; esac
-    [ $((i += 1)) -le 60 ] || break
-    [ -n "$n" ] || { exec 4< <(:); exec 4<>/dev/fd/4; n=1; }
-    if [ $i -le 20 ]; then read -r -t 0.001 -u 4 _; else read -r -t 0.05 -u 4 _; fi
-  done
+  read -r -t 2 -u 5 _
+  exec 5<&-
   # The output's length: fd 3's position (the owner's `pos`, which is not
   # defined here; this wrapper's own fd cannot go away under the read).
   z=; while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$$/fdinfo/3"

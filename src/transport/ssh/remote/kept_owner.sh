@@ -152,14 +152,14 @@ taken() {
 }
 # Stops what is left of the stage, drops its files, and goes. With $1 =
 # end (dormant said `DONE`: its job log has the stage's end), a script this
-# stage relayed that has ended, whose whole output this job's log has
-# (`.kept` at its length) and whose exit code its dormant-continue gave
-# (`.gave`), goes too: its end was this job's (until then
+# stage relayed that has ended, whose exit code its dormant-continue gave
+# (`.gave`: after this job's log had its whole output), goes too: its end
+# was this job's (until then
 # it is kept, so that a job killed after the relay still leaves the
 # script's exit code to the next dormant-continue).
 fin() {
   local i=0 x y
-  if [ "$1" = end ] && [ -e "$o.gave" ] && { read -r x < "$o.relay" && read -r _ i < "$x.exit" && read -r y < "$x.kept"; } 2>/dev/null && [ "$y" -ge "$i" ] 2>/dev/null; then rm -f -- "$x".*; fi
+  if [ "$1" = end ] && [ -e "$o.gave" ] && { read -r x < "$o.relay"; } 2>/dev/null && [ -e "$x.exit" ]; then rm -f -- "$x".*; fi
   i=0
   x=
   if [ "/proc/$m/fd/3" -ef "$o.out" ]; then
