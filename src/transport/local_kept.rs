@@ -34,7 +34,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use tokio::process::Command;
 
-use super::ssh::kept::{self, Once, Place, Stage};
+use super::ssh::kept::{self, Once};
+use super::ssh::kept_state::{Place, Stage};
 use super::ssh::remote;
 use super::{Ran, Script};
 use crate::context::Ctx;

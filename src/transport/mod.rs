@@ -3,6 +3,7 @@
 
 pub mod keys;
 pub mod local;
+mod local_child;
 pub mod local_kept;
 mod relay;
 pub mod signals;

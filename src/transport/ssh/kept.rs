@@ -1,6 +1,7 @@
 //! One session of a stage whose output is kept on the machine
 //! (`remote/kept.sh`): it starts the stage, or follows one a lost connection
-//! left running, from the byte where the job log stopped ([`Stream`]).
+//! left running, from the byte where the job log stopped
+//! ([`Stream`](super::stream::Stream)).
 //!
 //! The session's stdin carries the script (when it starts the stage), then
 //! control lines: `TERM`/`KILL` on SIGTERM, `PAUSE <question>` on a
@@ -18,25 +19,24 @@
 //! the local transport runs the same wrapper in a local bash and reads it
 //! with it (`transport/local_kept.rs`), so pausing works there by this one
 //! protocol.
+//!
+//! Here is the session's driver; what dormant knows of the stage across its
+//! sessions and what one session reported are in [`super::kept_state`], the
+//! session's stdin in [`super::kept_control`].
 
 use std::os::fd::AsRawFd;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Result};
 use openssh::Session;
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
 
 use super::channel::{self, KILL_STEP, TERM_GRACE};
-use super::remote::{self, Kept, Mode, Report};
-use super::stream::Stream;
+use super::kept_control::{write_control, KEEP_HANDOFF};
+use super::kept_state::{Heard, Place, Stage};
+use super::remote::{self, Kept, Mode};
 use crate::context::Ctx;
 use crate::transport::{Ran, Script, ScriptExit};
-
-/// How long `KEEP` may take to leave dormant's pipe for the master: once the
-/// master has read it, it is delivered even as dormant closes the session
-/// (the master sends what it read before it closes a channel whose client
-/// left). Only on the rare path of a session broken over a live connection.
-const KEEP_HANDOFF: Duration = Duration::from_millis(200);
 
 /// How often a running stage looks for a `dormant pause` request: the pause
 /// takes effect at most this long after it was recorded (plus the machine's
@@ -51,73 +51,6 @@ const PAUSE_POLL: Duration = Duration::from_millis(100);
 /// again, and the new session's owner takes over and halts again.
 const PAUSE_TAKEN: Duration = Duration::from_secs(10);
 
-/// Sessions in a row that broke at once, the stage not moving (nothing learnt
-/// from them), before the stage is given up: the machine (or the local bash)
-/// refuses them for a reason waiting does not fix.
-const MAX_FUTILE_SESSIONS: u32 = 5;
-
-/// What dormant knows of a stage across its sessions.
-pub struct Stage<W: std::io::Write> {
-    pub stream: Stream<W>,
-    /// The machine said the stage started (a session claimed it or follows it).
-    pub started: bool,
-    /// A session carrying the script was opened: a later one must not start
-    /// the script again without asking ([`Mode::Retry`]).
-    pub sent: bool,
-    /// When the connection was found lost, until a session follows again.
-    pub lost_since: Option<Instant>,
-    /// The machine refused a `dormant pause` (another script of the
-    /// environment waits for its answer): it is not asked again.
-    pub pause_refused: bool,
-}
-
-impl<W: std::io::Write> Stage<W> {
-    pub fn new(out: W) -> Self {
-        Stage {
-            stream: Stream::new(out),
-            started: false,
-            sent: false,
-            lost_since: None,
-            pause_refused: false,
-        }
-    }
-
-    /// How far the stage has come: a session that ends at once leaves it
-    /// where it was.
-    pub fn progress(&self) -> (bool, u64) {
-        (self.started, self.stream.offset())
-    }
-
-    /// After a session that broke (`before`: [`Stage::progress`] when it
-    /// began): counts it in `futile` if the stage did not move, and waits a
-    /// little longer each time. `false`: [`MAX_FUTILE_SESSIONS`] came in a
-    /// row (the job log's line is ended): the caller gives the stage up.
-    pub async fn again_after_broken(&mut self, before: (bool, u64), futile: &mut u32) -> bool {
-        *futile = if self.progress() == before {
-            *futile + 1
-        } else {
-            0
-        };
-        if *futile >= MAX_FUTILE_SESSIONS {
-            self.stream.end_line();
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(100) * *futile).await;
-        true
-    }
-
-    /// How the next session takes part.
-    pub fn mode(&self) -> Mode {
-        if self.started {
-            Mode::Follow(self.stream.offset())
-        } else if self.sent {
-            Mode::Retry
-        } else {
-            Mode::Start
-        }
-    }
-}
-
 /// How one session ended.
 pub enum Once {
     Done(Ran),
@@ -125,17 +58,6 @@ pub enum Once {
     MasterUnreachable(String),
     /// The session ended before the stage's end was read.
     Broken(String),
-}
-
-/// The stage's place on the machine, the script and where its output goes.
-pub struct Place<'a> {
-    pub dest: &'a str,
-    pub workdir: Option<&'a str>,
-    /// The script as uploaded ([`remote::script_with_env`]).
-    pub body: &'a [u8],
-    pub env: &'a str,
-    pub linger_secs: u64,
-    pub bound: u64,
 }
 
 /// The next session's command line (`remote/kept.sh` in `mode`) and what it
@@ -375,130 +297,6 @@ where
     let e = s.error.unwrap_or_default();
     st.stream.end_line();
     bail!("{e} ({})", place.dest)
-}
-
-/// What one session reported so far.
-#[derive(Default)]
-struct Heard {
-    /// The session's stdout carries the stage's output (it said where from).
-    attached: bool,
-    exit: Option<(i32, Option<u64>)>,
-    /// The script asked: this round's output ends at the offset.
-    paused: Option<(u64, Vec<u8>)>,
-    watched: Option<bool>,
-    error: Option<String>,
-    other: Vec<String>,
-    cancelled: bool,
-}
-
-impl Heard {
-    fn take<W: std::io::Write>(
-        &mut self,
-        report: Report,
-        st: &mut Stage<W>,
-        place: &Place<'_>,
-        script: &Script<'_>,
-    ) {
-        match report {
-            Report::Kept => {
-                self.attached = true;
-                st.started = true;
-            }
-            Report::At(at) => {
-                self.attached = true;
-                st.started = true;
-                let dropped = st.stream.resume_at(at);
-                let gap = if dropped > 0 {
-                    format!(
-                        "; {dropped} bytes of its output were dropped on the machine meanwhile \
-                         (more than ssh.kept_output_mib = {} MiB)",
-                        place.bound >> 20
-                    )
-                } else {
-                    String::new()
-                };
-                match st.lost_since.take() {
-                    Some(since) => st.stream.note(format!(
-                        "the SSH connection to {} was gone for {:.1} s during {}; re-attached, the \
-                         script ran on{gap}",
-                        place.dest,
-                        since.elapsed().as_secs_f64(),
-                        script.stage
-                    )),
-                    None if dropped > 0 => st
-                        .stream
-                        .note(format!("the job log fell behind {}{gap}", script.stage)),
-                    None => {}
-                }
-            }
-            Report::Pgid(_) => {
-                for l in &self.other {
-                    eprintln!("{l}");
-                }
-            }
-            Report::Exit(code, len) => self.exit = Some((code, len)),
-            Report::Paused(at, question) => self.paused = Some((at, question)),
-            Report::Watched(present) => self.watched = Some(present),
-            Report::Warn(text) => {
-                // (kept_owner.sh `halt`: one paused script per environment.)
-                if text.starts_with("dormant pause: not paused") {
-                    st.pause_refused = true;
-                    if let Some(file) = script.pause {
-                        let _ = crate::state::pause_request::withdraw(file, script.id);
-                    }
-                }
-                st.stream.note(format!("warning: {text}"));
-            }
-            Report::Error(e) => self.error = Some(e),
-            Report::Other(l) => {
-                if self.attached {
-                    eprintln!("{l}");
-                }
-                self.other.push(l);
-            }
-        }
-    }
-}
-
-/// The session's stdin: the script, then control lines until the sender is
-/// dropped; then it waits (at most [`KEEP_HANDOFF`]) until the master has
-/// taken them.
-async fn write_control<I: AsyncWrite + AsRawFd + Unpin>(
-    mut stdin: I,
-    upload: &[u8],
-    mut lines: tokio::sync::mpsc::UnboundedReceiver<String>,
-) -> std::io::Result<()> {
-    stdin.write_all(upload).await?;
-    while let Some(line) = lines.recv().await {
-        stdin.write_all(&remote::signal_line(&line)).await?;
-    }
-    stdin.flush().await?;
-    let started = Instant::now();
-    // The master takes a line within microseconds: looked at every 50 µs
-    // for the first 2 ms (the end of a stage waits on this), then every 2 ms.
-    let mut quick = 0;
-    while pending_in_pipe(&stdin) > 0 && started.elapsed() < KEEP_HANDOFF {
-        if quick < 40 {
-            quick += 1;
-            std::thread::sleep(Duration::from_micros(50));
-        } else {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    }
-    Ok(())
-}
-
-/// Bytes written into the pipe the master reads the session's stdin from,
-/// not read by it yet.
-fn pending_in_pipe(stdin: &impl AsRawFd) -> i32 {
-    let mut n: libc::c_int = 0;
-    // SAFETY: FIONREAD writes one int through a valid pointer; the fd is ours.
-    let r = unsafe { libc::ioctl(stdin.as_raw_fd(), libc::FIONREAD, &mut n) };
-    if r == 0 {
-        n
-    } else {
-        0
-    }
 }
 
 async fn sleep_until(at: Option<tokio::time::Instant>) {

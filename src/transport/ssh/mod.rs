@@ -14,6 +14,8 @@ mod channel;
 mod client;
 mod hostkey;
 pub(crate) mod kept;
+mod kept_control;
+pub(crate) mod kept_state;
 mod master;
 pub(crate) mod pause;
 pub mod ready;

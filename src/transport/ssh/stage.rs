@@ -8,7 +8,8 @@
 use anyhow::{anyhow, bail, Result};
 use openssh::Session;
 
-use super::kept::{self, Place, Stage};
+use super::kept;
+use super::kept_state::{Place, Stage};
 use super::master::{Master, Purpose};
 use super::{channel, remote};
 use crate::context::{Ctx, JobLog};
