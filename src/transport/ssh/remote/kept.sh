@@ -48,7 +48,7 @@ m= p=
 unset -f claim unclaim
 if [ -z "$c" ] && [ "$6" = start ]; then echo "dormant-error could not create $o.out to keep the stage's output" >&2; exit 97; fi
 if [ -n "$c" ]; then
-  m=$$ rep= n=
+  m=$$ rep=
   # dormant-ask and dormant-continue, on the script's PATH: written once per
   # boot (tmpfs) and version, made whole before their directory's rename.
   [ -z "${11}" ] || [ -d "$t/${11}" ] || eval "${12}"
@@ -104,7 +104,7 @@ if [ -n "$c" ]; then
   u=$PUMP_PID
   exec 4>&"${PUMP[1]}" 5<&"${PUMP[0]}"
   eval "exec ${PUMP[1]}>&- ${PUMP[0]}<&-"
-  { set -m; ( set +m; trap : QUIT; [ -z "${11}" ] || export DORMANT_STAGE=$o PATH=$t/${11}:$PATH; unset w p q g x r o f t m c K L rep u n PUMP PUMP_PID; unset -f pump; set --; eval "$s" ) </dev/null >&4 2>&4 3>&- 4>&- 5<&- & p=$!; set +m; } 2>/dev/null
+  { set -m; ( set +m; trap : QUIT; [ -z "${11}" ] || export DORMANT_STAGE=$o PATH=$t/${11}:$PATH; unset w p q g x r o f t m c K L rep u PUMP PUMP_PID; unset -f pump; set --; eval "$s" ) </dev/null >&4 2>&4 3>&- 4>&- 5<&- & p=$!; set +m; } 2>/dev/null
   exec 4>&-
   unset s
   # A signal that came before the script's pid was known (the script may run
