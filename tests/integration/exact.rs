@@ -1020,9 +1020,36 @@ fn dormant_line(line: &[u8]) -> bool {
         .any(|p| l.starts_with(p))
 }
 
+/// `raw` without the continuing job's shell's line about its killed
+/// `dormant-continue` where it does not start a line (bash writes it as the
+/// command ends, after whatever the paused script's output left open, e.g.
+/// binary without a newline), and those lines.
+fn cut_killed_lines(raw: &[u8]) -> (Vec<u8>, Vec<String>) {
+    let (mut out, mut cut) = (Vec::with_capacity(raw.len()), Vec::new());
+    let mut i = 0;
+    while i < raw.len() {
+        let rest = &raw[i..];
+        if i > 0 && raw[i - 1] != b'\n' && rest.starts_with(b"bash: line ") {
+            let end = rest
+                .iter()
+                .position(|&b| b == b'\n')
+                .map_or(rest.len(), |n| n + 1);
+            let line = &rest[..end];
+            if contains(line, b" Killed ") && contains(line, b"dormant-continue") {
+                cut.push(String::from_utf8_lossy(line).trim_end().to_string());
+                i += end;
+                continue;
+            }
+        }
+        out.push(raw[i]);
+        i += 1;
+    }
+    (out, cut)
+}
+
 fn strip_dormant(raw: &[u8]) -> (Stream, Vec<String>) {
     let mut s = Stream::default();
-    let mut removed = Vec::new();
+    let (raw, mut removed) = cut_killed_lines(raw);
     let mut prev_removed = false;
     for line in raw.split_inclusive(|&b| b == b'\n') {
         if line.ends_with(b"\n") && dormant_line(line) {

@@ -51,6 +51,11 @@ const PAUSE_POLL: Duration = Duration::from_millis(100);
 /// again, and the new session's owner takes over and halts again.
 const PAUSE_TAKEN: Duration = Duration::from_secs(10);
 
+/// How long the end of a stage that relayed a paused script, or of a pause
+/// round a background writer went on in, waits for the owner to confirm it
+/// has dormant's last line (`dormant-took`; it looks every 50 ms).
+const OWNER_TOOK: Duration = Duration::from_secs(5);
+
 /// How one session ended.
 pub enum Once {
     Done(Ran),
@@ -205,6 +210,17 @@ where
                     pause_due = Some(tokio::time::Instant::now() + PAUSE_TAKEN);
                 }
             }
+            // The control lines first: below the output's reads, which are
+            // ready all along while a script writes fast, they waited in
+            // dormant's memory (acknowledgements by the megabyte, lost
+            // with a killed `dormant run`, and the machine's bound not
+            // moving meanwhile).
+            r = &mut writer, if writing => {
+                writing = false;
+                if let Err(e) = r {
+                    tracing::debug!("writing to the {} session: {e}", script.stage);
+                }
+            }
             line = lines.next_line(), if !stderr_done => match line {
                 Ok(Some(line)) => s.take(remote::parse_report(&line), st, place, script),
                 _ => stderr_done = true,
@@ -222,27 +238,54 @@ where
                 }
                 _ => stdout_done = true,
             },
-            r = &mut writer, if writing => {
-                writing = false;
-                if let Err(e) = r {
-                    tracing::debug!("writing to the {} session: {e}", script.stage);
-                }
-            }
         }
     };
     if let Some(code) = ended {
-        if s.paused.is_some() {
+        // Whether the owner must have the last line before the session
+        // closes: what is still in the connection then is lost with it.
+        let mut confirm = false;
+        if let Some((at, _)) = &s.paused {
             // The round's job log ends where dormant stopped, which is past
             // the owner's offset when a background writer went on: the next
             // round starts there (`TAKEN`), and the question starts a line.
             let _ = control.send(format!("TAKEN {}", st.stream.offset()));
+            confirm = st.stream.offset() > *at;
             st.stream.end_line();
         } else if !s.cancelled {
             // The job log has the stage's end: a paused script the stage
-            // relayed to its end goes with the stage's files (`DONE`).
+            // relayed to its end goes with the stage's files (`DONE`), and
+            // its owner records how far this job's log has it.
             let _ = control.send("DONE".into());
+            confirm = s.relaying;
         }
         drop(control);
+        if confirm {
+            let took = async {
+                loop {
+                    tokio::select! {
+                        r = &mut writer, if writing => {
+                            writing = false;
+                            if let Err(e) = r {
+                                tracing::debug!("writing to the {} session: {e}", script.stage);
+                            }
+                        }
+                        line = lines.next_line() => match line {
+                            Ok(Some(l)) if remote::parse_report(&l) == remote::Report::Took => break,
+                            Ok(Some(_)) => {}
+                            _ => break,
+                        },
+                    }
+                }
+            };
+            if tokio::time::timeout(OWNER_TOOK, took).await.is_err() {
+                tracing::debug!(
+                    "{} on {}: the owner did not confirm the stage's last line within {} s",
+                    script.stage,
+                    place.dest,
+                    OWNER_TOOK.as_secs()
+                );
+            }
+        }
         if writing {
             let _ = tokio::time::timeout(KEEP_HANDOFF * 2, &mut writer).await;
         }

@@ -101,6 +101,9 @@ pub(super) struct Heard {
     pub(super) error: Option<String>,
     pub(super) other: Vec<String>,
     pub(super) cancelled: bool,
+    /// The script relays a paused script ([`Report::Relaying`]): the stage's
+    /// end waits until the owner took the last acknowledgement.
+    pub(super) relaying: bool,
 }
 
 impl Heard {
@@ -164,6 +167,9 @@ impl Heard {
                 st.stream.note(format!("warning: {text}"));
             }
             Report::Error(e) => self.error = Some(e),
+            Report::Relaying => self.relaying = true,
+            // (Waited for at the stage's end only: `kept::drive`.)
+            Report::Took => {}
             Report::Other(l) => {
                 if self.attached {
                     eprintln!("{l}");

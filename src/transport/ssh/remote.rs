@@ -365,6 +365,12 @@ pub enum Report {
     /// Kept: the script asked (`dormant-ask`); this round's output ends at
     /// this offset; the question (docs/pause.md).
     Paused(u64, Vec<u8>),
+    /// Kept: the stage's script relays a paused script (`dormant-continue`):
+    /// what this job's log has of it is recorded from dormant's `ACK`s.
+    Relaying,
+    /// Kept: the owner has taken dormant's `TAKEN` or `DONE`, and every
+    /// acknowledgement before it.
+    Took,
     /// Anything else: the wrapper's shell complaining (e.g. no bash).
     Other(String),
 }
@@ -376,8 +382,11 @@ pub fn parse_report(line: &str) -> Report {
             return Report::Pgid(p);
         }
     }
-    if line == "dormant-kept" {
-        return Report::Kept;
+    match line {
+        "dormant-kept" => return Report::Kept,
+        "dormant-relay" => return Report::Relaying,
+        "dormant-took" => return Report::Took,
+        _ => {}
     }
     if let Some(rest) = line.strip_prefix("dormant-at ") {
         if let Ok(at) = rest.trim().parse() {

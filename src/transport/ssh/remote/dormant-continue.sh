@@ -118,7 +118,7 @@ copy() {
     [ $((e - at)) -le 65536 ] || e=$((at + 65536))
     tail -c +$((at + 1)) -- "$P.out" | head -c $((e - at))
     at=$e
-    echo "$ts $ps $at" > "$T.base"
+    base "$at"
   done
   { read -r c < "$P.kept"; } 2>/dev/null
   [ $((${c:-0} - k)) -ge 1048576 ] 2>/dev/null || return 0
@@ -137,11 +137,17 @@ done_at() {
   done
   return 1
 }
+# `.base` rewritten in place, never truncated: the numbers are padded to
+# one width, so a continue killed as it writes leaves the old line or the
+# new one, never an empty file (after which its owner could no longer say
+# how far this job's log had the paused script: all it showed since the
+# owner last looked was shown again).
+base() { printf '%20s %20s %20s\n' "$ts" "$ps" "$1" 1<>"$T.base"; }
 nap() { [ -n "$nn" ] || { exec 8< <(:); exec 8<>/dev/fd/8; nn=1; }; read -r -t "$1" -u 8 _; }
 nn=
 here
 ts=${y:-0} ps=$at
-echo "$ts $ps $ps" > "$T.base"
+base "$ps"
 while :; do
   pos
   if { read -r rc len < "$P.exit"; } 2>/dev/null && [ -n "$len" ]; then

@@ -28,10 +28,15 @@ asked() {
     [ -n "$z" ] || return
     q=0
     while [ $((q += 1)) -le 20 ]; do at=$z; nap 0.05; pos "$m" 3; [ -n "$z" ] || return; [ "$z" = "$at" ] && break; done
+  fi
+  # The question, read before the round is recorded: one withdrawn
+  # meanwhile (its dormant-ask was killed, e.g. by `timeout`, and took its
+  # `.ask` away) is no round; the output streams on.
+  q=$( { IFS= read -r _ && head -c 4096 | base64 -w0; } 2>/dev/null < "$o.ask" ) || return
+  if [ "$n" != "$pr" ]; then
     echo "$n $z" > "$o.paused.o" && mv -f -- "$o.paused.o" "$o.paused" || return
     at=$z
   fi
-  q=$(tail -n +2 -- "$o.ask" | head -c 4096 | base64 -w0)
   echo "dormant-paused $at $q" >&2
   # Told: a dormant-continue relaying a later round (its own stage is this
   # one) may end the stage now. Ended before this line, the wrapper's
@@ -134,6 +139,9 @@ ack() {
 relayed() {
   local ts ps pe x c
   { read -r ts ps pe < "$o.base" && read -r x < "$o.relay"; } 2>/dev/null || return
+  # (Said once: dormant then waits at the stage's end until this owner has
+  # its last acknowledgement, `dormant-took`, before it closes the session.)
+  [ -n "$rl" ] || { rl=1; echo "dormant-relay" >&2; }
   [ "$tk" -gt "$ts" ] 2>/dev/null || return
   c=$((ps + tk - ts))
   [ -n "$pe" ] && [ "$c" -gt "$pe" ] && c=$pe
@@ -200,7 +208,7 @@ up() {
 # connection, the script runs on and the stage is kept $L s for dormant to
 # come back. A newer owner (a re-attach) takes over.
 own() {
-  local me=$BASHPID c x y k=0 tk=0 rc= e= keep= dl pend= pz= wk=
+  local me=$BASHPID c x y k=0 tk=0 rc= e= keep= dl pend= pz= wk= rl= g
   [ "$1" = start ] && echo "$me $f" > "$o.own"
   # A lost connection must not end the owner when it says something.
   trap '' PIPE
@@ -211,21 +219,29 @@ own() {
     # The script's group, once the wrapper has started it.
     [ -n "$p" ] || { read -r x y < "$o.pid" && [ -n "$y" ] && m=$x p=$y; } 2>/dev/null
     if [ -n "$pend" ] && [ -n "$p" ]; then kill -s "$pend" -- "-$p" 2>/dev/null; pend=; fi
-    # A control line, or the session's end, waiting? Then read it with no
+    # Control lines, or the session's end, waiting? Then read them with no
     # timeout: a line comes in one write, so it is there whole. (A timed read
     # that expires mid-line loses what it read, and the rest no longer
-    # matches: under load a TERM or a KEEP was lost that way.)
+    # matches: under load a TERM or a KEEP was lost that way.) All that are
+    # waiting, at once: an owner that took one line per turn fell behind
+    # dormant's acknowledgements, and those still in the connection when
+    # dormant closed the session were lost with it.
     if read -r -t 0; then
-      if IFS= read -r c; then
+      g=
+      while :; do
+        IFS= read -r c || { g=1; break; }
         case $c in
           TERM|KILL) if [ -n "$p" ]; then kill -s "$c" -- "-$p" 2>/dev/null; else pend=$c; fi;;
           KEEP) keep=1;;
-          DONE) fin end;;
+          # (What this job's log has of a relayed script is recorded first.)
+          DONE) [ -e "$o.base" ] && relayed; echo "dormant-took" >&2; fin end;;
           ACK\ *) ack "${c#ACK }";;
-          TAKEN\ *) [ -n "$pz" ] && taken "${c#TAKEN }";;
+          TAKEN\ *) [ -n "$pz" ] && { taken "${c#TAKEN }"; echo "dormant-took" >&2; };;
           PAUSE*) [ -z "$pz" ] && halt "${c#PAUSE}";;
         esac
-      elif [ -z "$e" ]; then
+        read -r -t 0 || break
+      done
+      if [ -n "$g" ] && [ -z "$e" ]; then
         e=1 dl=$((SECONDS + L)); nap 0; exec 0<&8
         # Paused: dormant has this round's output; the script waits on.
         [ -n "$pz" ] && { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
