@@ -168,6 +168,9 @@ enum EventKind {
     KillRun,
     /// kill -9 of the running `dormant-continue`.
     KillContinue,
+    /// SIGSTOP of the running continuing job's `dormant run` (named cases
+    /// only: a `KillRun` later ends it, having read nothing meanwhile).
+    StopRun,
     /// Every established connection to the test sshd cut (ssh only).
     Cut,
 }
@@ -881,7 +884,10 @@ fn fire_events(
             if done[i] || !d.join(&e.at).exists() {
                 continue;
             }
-            let needs_continue = matches!(e.kind, EventKind::KillRun | EventKind::KillContinue);
+            let needs_continue = matches!(
+                e.kind,
+                EventKind::KillRun | EventKind::KillContinue | EventKind::StopRun
+            );
             let ready = |now: &Mutex<Now>| {
                 now.lock()
                     .unwrap()
@@ -906,15 +912,21 @@ fn fire_events(
                     },
                     None => "no sshd".into(),
                 },
-                EventKind::KillRun => kill_where(|p| {
-                    p.cmdline.get(1).is_some_and(|a| a == b"run")
-                        && p.cmdline.get(3).is_some_and(|a| a == b"build_script")
-                        && p.cmdline.get(2).is_some_and(|a| {
-                            a.starts_with(
-                                place.rig.runner.tmp_root.display().to_string().as_bytes(),
-                            )
-                        })
-                }),
+                EventKind::KillRun | EventKind::StopRun => {
+                    let sig = match e.kind {
+                        EventKind::StopRun => libc::SIGSTOP,
+                        _ => libc::SIGKILL,
+                    };
+                    signal_where(sig, |p| {
+                        p.cmdline.get(1).is_some_and(|a| a == b"run")
+                            && p.cmdline.get(3).is_some_and(|a| a == b"build_script")
+                            && p.cmdline.get(2).is_some_and(|a| {
+                                a.starts_with(
+                                    place.rig.runner.tmp_root.display().to_string().as_bytes(),
+                                )
+                            })
+                    })
+                }
                 EventKind::KillContinue => {
                     let n = format!("EXACT_CASE={nonce}").into_bytes();
                     kill_where(|p| {
@@ -936,14 +948,21 @@ fn fire_events(
 }
 
 fn kill_where(f: impl Fn(&Proc) -> bool) -> String {
+    signal_where(libc::SIGKILL, f)
+}
+
+fn signal_where(sig: i32, f: impl Fn(&Proc) -> bool) -> String {
     let pids: Vec<u32> = procs().iter().filter(|p| f(p)).map(|p| p.pid).collect();
     for &p in &pids {
-        kill9(p);
+        // SAFETY: kill(2) on a pid just read from /proc as one of this case's.
+        unsafe {
+            libc::kill(p as i32, sig);
+        }
     }
-    if pids.is_empty() {
-        "nothing to kill (not running then)".into()
-    } else {
-        format!("killed {pids:?}")
+    match (pids.is_empty(), sig) {
+        (true, _) => "nothing to kill (not running then)".into(),
+        (false, libc::SIGSTOP) => format!("stopped {pids:?}"),
+        (false, _) => format!("killed {pids:?}"),
     }
 }
 
@@ -1660,6 +1679,58 @@ fn killed_continuing_run() -> Case {
 #[test]
 fn exact_defect3_killed_continuing_run_on_local() {
     assert_case(&killed_continuing_run(), Provider::Local);
+}
+
+/// A continuing job's `dormant run` killed after its script asked again but
+/// before its log had the round's output (frozen meanwhile, so it read
+/// none of it): the next `dormant-continue` starts where that job's log
+/// ended, not at the new round's offset (soak seed 3693788959123266103 on
+/// local lost 8.6 KB that way).
+fn killed_before_the_round_was_shown() -> Case {
+    let mut rng = Rng(5);
+    let mut line = Vec::new();
+    for i in 0..256 {
+        line.extend(format!("between the asks {i} ").into_bytes());
+        line.extend((0..1000).map(|_| b'a' + (rng.next() % 26) as u8));
+        line.push(b'\n');
+    }
+    let ask = |q: &str| Piece::Ask {
+        question: q.into(),
+        timeout: None,
+        prompt: false,
+    };
+    let mut c = hand(
+        "kill -9 of a continuing dormant run before its round's output was shown",
+        vec![line],
+        vec![
+            ask("first?"),
+            Piece::Sleep { ms: 300 },
+            burst(0, Out::Plain),
+            ask("second?"),
+        ],
+        3,
+    );
+    c.events.push(Event {
+        kind: EventKind::StopRun,
+        at: "m1".into(),
+        delay_ms: 0,
+    });
+    c.events.push(Event {
+        kind: EventKind::KillRun,
+        at: "m3".into(),
+        delay_ms: 2000,
+    });
+    c
+}
+
+#[test]
+fn exact_a_killed_run_before_its_round_was_shown_on_local() {
+    assert_case(&killed_before_the_round_was_shown(), Provider::Local);
+}
+
+#[test]
+fn exact_a_killed_run_before_its_round_was_shown_on_ssh() {
+    assert_case(&killed_before_the_round_was_shown(), Provider::Ssh);
 }
 
 /// Issue 37, 6: `timeout 3 dormant-ask q; echo IMPORTANT; exit 7` (with `||`

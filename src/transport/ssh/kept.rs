@@ -244,12 +244,13 @@ where
         // Whether the owner must have the last line before the session
         // closes: what is still in the connection then is lost with it.
         let mut confirm = false;
-        if let Some((at, _)) = &s.paused {
+        if s.paused.is_some() {
             // The round's job log ends where dormant stopped, which is past
             // the owner's offset when a background writer went on: the next
-            // round starts there (`TAKEN`), and the question starts a line.
+            // round starts there (`TAKEN`, recorded in `.kept` before the
+            // owner confirms), and the question starts a line.
             let _ = control.send(format!("TAKEN {}", st.stream.offset()));
-            confirm = st.stream.offset() > *at;
+            confirm = true;
             st.stream.end_line();
         } else if !s.cancelled {
             // The job log has the stage's end: a paused script the stage

@@ -48,11 +48,15 @@ if [ -z "$P" ]; then
   exit 125
 fi
 read -r pr at < "$P.paused"
-# Output the job log had past the round's offset is dropped from the file
-# (`.kept`, the owner's ack): it was shown, so it is not shown again.
+# This job's log starts where the jobs' logs have the paused script's output
+# up to (`.kept`: its owner's record at the round's end, or the relaying
+# stage's, kept_owner.sh `acked`, `relayed`): past the round's offset when
+# a background writer went on and dormant showed it; short of it when the
+# `dormant run` that was to show the round's end was killed first. (No
+# `.kept`: its owner died before it wrote one; the round's offset then.)
 k=; { read -r k < "$P.kept"; } 2>/dev/null
-k=${k:-0}
-[ "$k" -gt "$at" ] 2>/dev/null && at=$k
+[ -n "$k" ] && at=$k
+k=$at
 # Relaying P: a `dormant pause` of this stage pauses P (kept_owner.sh, halt).
 echo "$P" > "$T.relay"
 # Paused from the host (`dormant pause`, `$P.stop`): the script's group is

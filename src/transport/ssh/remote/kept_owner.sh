@@ -124,9 +124,19 @@ ack() {
   [ "$1" -gt "$tk" ] 2>/dev/null || return
   tk=$1
   [ $((tk - k)) -ge $((K / 4)) ] || return
+  acked
+}
+# Everything dormant acknowledged so far, dropped and recorded now: at each
+# quarter of the bound, when a round ends paused (`TAKEN`) and when the
+# session ends, so that `.kept` says exactly how far the jobs' logs have the
+# output after a round or a killed `dormant run`: where the next
+# `dormant-continue` starts. (Rewritten in place, one width: a reader never
+# finds it empty.)
+acked() {
+  [ "$tk" -gt "$k" ] 2>/dev/null || return 0
   fallocate -p -o "$k" -l $((tk - k)) -- "$o.out" 2>/dev/null || [ -n "$wk" ] || { wk=1; echo "dormant-warn could not drop output the job log has from the stage's file on the machine (fallocate -p failed): the file keeps it, the bound counts without it" >&2; }
   k=$tk
-  echo "$k" > "$o.kept"
+  printf '%20s\n' "$k" 1<>"$o.kept"
 }
 # This stage's dormant-continue relays a paused script P (`.relay`), whose
 # output it copies into this stage from byte <P start> on, starting at this
@@ -146,7 +156,7 @@ relayed() {
   c=$((ps + tk - ts))
   [ -n "$pe" ] && [ "$c" -gt "$pe" ] && c=$pe
   [ "$c" = "$rc" ] && return
-  echo "$c" > "$x.kept.r" && mv -f -- "$x.kept.r" "$x.kept" && rc=$c
+  printf '%20s\n' "$c" 1<>"$x.kept" && rc=$c
 }
 # The paused round's job log ends at byte $1 (`TAKEN <n>`), past the offset
 # the owner recorded when a background writer went on meanwhile: the next
@@ -154,6 +164,7 @@ relayed() {
 taken() {
   local r at
   ack "$1"
+  acked
   { read -r r at < "$o.paused"; } 2>/dev/null || return
   [ "$1" -gt "$at" ] 2>/dev/null || return
   echo "$r $1" > "$o.paused.o" && mv -f -- "$o.paused.o" "$o.paused"
@@ -243,6 +254,10 @@ own() {
       done
       if [ -n "$g" ] && [ -z "$e" ]; then
         e=1 dl=$((SECONDS + L)); nap 0; exec 0<&8
+        # What dormant has, recorded before anything else (a killed
+        # `dormant run`: the next job's log starts there).
+        [ -e "$o.base" ] && relayed
+        acked
         # Paused: dormant has this round's output; the script waits on.
         [ -n "$pz" ] && { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
         [ -z "$keep" ] && up && fin
