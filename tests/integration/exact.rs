@@ -797,8 +797,17 @@ fn drive_jobs(
         if key.is_none() {
             key = report.key.clone();
         }
+        // A kill that struck: the job ended as it makes it end. (One that
+        // came as the `dormant-continue` was giving the script's own exit
+        // code struck nothing: the case is at its end.)
         let killed = now.lock().unwrap().fired.iter().any(|(fj, k, w)| {
-            *fj == j && *k != EventKind::Pause && *k != EventKind::Cut && w.starts_with("killed")
+            *fj == j
+                && w.starts_with("killed")
+                && match k {
+                    EventKind::KillRun => report.result == JobResult::SystemFailure,
+                    EventKind::KillContinue => report.result == JobResult::BuildFailure(Some(137)),
+                    _ => false,
+                }
         });
         let paused = report.result == JobResult::Success
             && key

@@ -138,6 +138,16 @@ acked() {
   k=$tk
   printf '%20s\n' "$k" 1<>"$o.kept"
 }
+# The acknowledgements waiting on stdin, taken and recorded (the owner's
+# last act when it is stopped).
+taking() {
+  local c
+  while read -r -t 0 && IFS= read -r c; do
+    case $c in ACK\ *|TAKEN\ *) ack "${c#* }";; esac
+  done
+  [ -e "$o.base" ] && relayed
+  acked
+}
 # This stage's dormant-continue relays a paused script P (`.relay`), whose
 # output it copies into this stage from byte <P start> on, starting at this
 # stage's byte <start> (`.base`: <start> <P start> <P copied>, rewritten
@@ -169,18 +179,18 @@ taken() {
   [ "$1" -gt "$at" ] 2>/dev/null || return
   echo "$r $1" > "$o.paused.o" && mv -f -- "$o.paused.o" "$o.paused"
 }
-# Stops what is left of the stage, drops its files, and goes. With $1 =
-# end (dormant said `DONE`: its job log has the stage's end), a script this
+# dormant said `DONE` (its job log has the stage's end): a script this
 # stage relayed that has ended, whose exit code its dormant-continue gave
-# (`.gave`: after this job's log had its whole output), goes too: its end
-# was this job's (until then
-# it is kept, so that a job killed after the relay still leaves the
-# script's exit code to the next dormant-continue).
+# (`.gave`: after this job's log had its whole output), goes: its end was
+# this job's. (Until then it is kept, so that a job killed after the relay
+# still leaves the script's exit code to the next dormant-continue.)
+given() {
+  local x
+  if [ -e "$o.gave" ] && { read -r x < "$o.relay"; } 2>/dev/null && [ -e "$x.exit" ]; then rm -f -- "$x".*; fi
+}
+# Stops what is left of the stage, drops its files, and goes.
 fin() {
   local i=0 x y
-  if [ "$1" = end ] && [ -e "$o.gave" ] && { read -r x < "$o.relay"; } 2>/dev/null && [ -e "$x.exit" ]; then rm -f -- "$x".*; fi
-  i=0
-  x=
   if [ "/proc/$m/fd/3" -ef "$o.out" ]; then
     # (The script's group may be a moment from being recorded.)
     while [ -z "$p" ] && [ $((i += 1)) -le 20 ]; do
@@ -223,7 +233,10 @@ own() {
   [ "$1" = start ] && echo "$me $f" > "$o.own"
   # A lost connection must not end the owner when it says something.
   trap '' PIPE
-  trap 'holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0' TERM
+  # Stopped (leftovers.sh, a cleanup after a killed `dormant run`): what
+  # dormant acknowledged before it died, still waiting in the pipe while
+  # this owner napped, is recorded first.
+  trap 'taking; holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0' TERM
   [ -r "$o.kept" ] && read -r k < "$o.kept"
   tk=${k:-0}
   while :; do
@@ -245,7 +258,9 @@ own() {
           TERM|KILL) if [ -n "$p" ]; then kill -s "$c" -- "-$p" 2>/dev/null; else pend=$c; fi;;
           KEEP) keep=1;;
           # (What this job's log has of a relayed script is recorded first.)
-          DONE) [ -e "$o.base" ] && relayed; echo "dormant-took" >&2; fin end;;
+          # (The relayed script's files go before the confirmation: the
+          # job's cleanup, which comes next, asks whether a script waits.)
+          DONE) [ -e "$o.base" ] && relayed; given; echo "dormant-took" >&2; fin;;
           ACK\ *) ack "${c#ACK }";;
           TAKEN\ *) [ -n "$pz" ] && { taken "${c#TAKEN }"; echo "dormant-took" >&2; };;
           PAUSE*) [ -z "$pz" ] && halt "${c#PAUSE}";;
