@@ -65,9 +65,14 @@
 //! in every state — running, disconnected, paused. A `tail -f` per session
 //! (the owner starts it first thing, beside the script's start, and it reads
 //! the file from byte 0 however late it comes) copies it into the session.
-//! The owner, a subshell reading the control lines, punches what dormant
-//! acknowledged (`ACK`) out of the file (`fallocate -p`, offsets stay) and
-//! moves `.kept`: nothing dormant has not taken is ever dropped. The owner's functions
+//! The owner, a subshell reading the control lines (all that wait, at
+//! once), punches what dormant acknowledged (`ACK`) out of the file
+//! (`fallocate -p`, offsets stay) and moves `.kept`: nothing dormant has not
+//! taken is ever dropped, and after a round, a lost session or a kill
+//! `.kept` is exactly what the job logs have (where the next
+//! `dormant-continue` starts). It confirms `TAKEN` and a relaying stage's
+//! `DONE` with `dormant-took`, which dormant waits for before it closes the
+//! session. The owner's functions
 //! (`remote/kept_owner.sh`) travel as the wrapper's last argument and are
 //! defined only in the owner and in a re-attach: the stage's own path never
 //! parses them.

@@ -239,33 +239,43 @@ own() {
   trap 'taking; holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0' TERM
   [ -r "$o.kept" ] && read -r k < "$o.kept"
   tk=${k:-0}
+  # (The never-written pipe every nap reads, opened now: a function with a
+  # local `n` of its own, `asked`, would take it for opened.)
+  nap 0
   while :; do
     # The script's group, once the wrapper has started it.
     [ -n "$p" ] || { read -r x y < "$o.pid" && [ -n "$y" ] && m=$x p=$y; } 2>/dev/null
     if [ -n "$pend" ] && [ -n "$p" ]; then kill -s "$pend" -- "-$p" 2>/dev/null; pend=; fi
-    # Control lines, or the session's end, waiting? Then read them with no
-    # timeout: a line comes in one write, so it is there whole. (A timed read
-    # that expires mid-line loses what it read, and the rest no longer
-    # matches: under load a TERM or a KEEP was lost that way.) All that are
+    # A control line, or the session's end: waited for at most 50 ms, and
+    # taken at once (dormant waits for the owner at a round's end). The wait
+    # is for one byte only: a line comes in one write, so the rest is there
+    # whole, read with no timeout. (A timed read of a whole line that
+    # expires mid-line loses what it read, and the rest no longer matches:
+    # under load a TERM or a KEEP was lost that way.) Then all the lines
     # waiting, at once: an owner that took one line per turn fell behind
     # dormant's acknowledgements, and those still in the connection when
     # dormant closed the session were lost with it.
-    if read -r -t 0; then
+    x=; IFS= read -r -t 0.05 -N 1 x; y=$?
+    if [ "$y" -le 128 ]; then
       g=
-      while :; do
-        IFS= read -r c || { g=1; break; }
+      [ "$y" -eq 0 ] || g=1
+      while [ -z "$g" ]; do
+        c=
+        [ "$x" = $'\n' ] || IFS= read -r c || { g=1; break; }
+        [ "$x" = $'\n' ] || c=$x$c
         case $c in
           TERM|KILL) if [ -n "$p" ]; then kill -s "$c" -- "-$p" 2>/dev/null; else pend=$c; fi;;
           KEEP) keep=1;;
-          # (What this job's log has of a relayed script is recorded first.)
-          # (The relayed script's files go before the confirmation: the
-          # job's cleanup, which comes next, asks whether a script waits.)
+          # (What this job's log has of a relayed script is recorded first;
+          # its files go before the confirmation: the job's cleanup, which
+          # comes next, asks whether a script waits.)
           DONE) [ -e "$o.base" ] && relayed; given; echo "dormant-took" >&2; fin;;
           ACK\ *) ack "${c#ACK }";;
           TAKEN\ *) [ -n "$pz" ] && { taken "${c#TAKEN }"; echo "dormant-took" >&2; };;
           PAUSE*) [ -z "$pz" ] && halt "${c#PAUSE}";;
         esac
         read -r -t 0 || break
+        IFS= read -r -N 1 x || g=1
       done
       if [ -n "$g" ] && [ -z "$e" ]; then
         e=1 dl=$((SECONDS + L)); nap 0; exec 0<&8
@@ -277,8 +287,6 @@ own() {
         [ -n "$pz" ] && { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
         [ -z "$keep" ] && up && fin
       fi
-    else
-      nap 0.05
     fi
     [ -z "$pz" ] && [ -e "$o.ask" ] && asked
     [ -e "$o.base" ] && relayed
