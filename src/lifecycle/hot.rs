@@ -133,6 +133,9 @@ const WAIT_STEP: Duration = Duration::from_secs(60);
 /// then cools it. Returns when it is cooled, not hot any more, or gone.
 pub async fn wait_and_cool(w: World<'_>, paths: &EnvPaths, ctx: &Ctx) -> Result<()> {
     let me = super::recover::operator("dormant cool");
+    // A waiter that dies here (or never started) leaves the record hot: the
+    // first sweep after the window cools it.
+    crate::failpoint!("hot:waiting");
     loop {
         let Some(rec) = registry::peek(paths)? else {
             return Ok(());

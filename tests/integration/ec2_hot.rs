@@ -285,6 +285,53 @@ fn ec2_a_hot_windows_end_killed_at_each_step_is_finished_by_the_next_sweep() {
     }
 }
 
+/// The waiter killed before it looked (`hot:waiting`; as one that never
+/// started, or died with its host): the record stays hot, and the first
+/// sweep after the window cools it, once.
+#[test]
+fn ec2_a_hot_window_whose_waiter_died_is_ended_by_the_sweep() {
+    let env = Ec2Env::start();
+    let mut rig = env.rig("85", "s_85aa85aa85aa", &hot(&env, "hibernate", "2s"));
+    let d = tempfile::tempdir().unwrap();
+    arm(&mut rig, Some("hot:waiting"), false);
+    let r = rig.run(&job(85).script(&asking(d.path(), "Later?")));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    let said = "dormant: failpoint hot:waiting: SIGKILL";
+    let cool_log = rig.env_dir(&key).join("cool.log");
+    wait_until("the waiter's death", || {
+        std::fs::read_to_string(&cool_log).is_ok_and(|t| t.contains(said))
+    });
+    arm(&mut rig, None, false);
+    let until = rig.record(&key).unwrap()["hot_until"].as_u64().unwrap();
+    wait_until("the window's end", || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            > until
+    });
+    assert!(stops(&env).is_empty(), "still hot: nobody stopped it");
+    assert!(rig.record(&key).unwrap()["hot_until"].is_u64());
+    let out = rig.dormant(&["sweep"]);
+    assert!(out.status.success(), "{out:?}");
+    let rec = rig.record(&key).unwrap();
+    assert_eq!(rec["status"], "suspended", "{rec}");
+    assert!(rec["hot_until"].is_null(), "{rec}");
+    let s = stops(&env);
+    assert_eq!(s.len(), 1, "{s:?}");
+    assert!(s[0].contains("Hibernate=true"), "{}", s[0]);
+    assert!(
+        events(&rig, &key).iter().any(|e| e["event"] == "suspended"
+            && e["cause"] == "cooled"
+            && e["by"]
+                .as_str()
+                .is_some_and(|b| b.starts_with("dormant sweep"))),
+        "the sweep cooled it"
+    );
+    kill(pid_in(&d.path().join("pid")));
+}
+
 /// What the runner's calls printed (the cleanup's stderr reaches the
 /// runner's log, not the job log).
 fn runner_output(r: &JobReport) -> String {
