@@ -75,8 +75,8 @@ pub async fn keep_hot(
     let mut event = Event::about(Kind::Suspended, why.cause.as_str(), &rec)
         .by(holder)
         .job(why.job)
-        .reason(&format!("{}; hot until {}", why.text, until_text(until)))
-        .duration(Duration::ZERO);
+        .reason(&format!("{}; hot until {}", why.text, until_text(until)));
+    // No duration: nothing was stopped (the suspend histogram times stops).
     event.hot_until = Some(crate::state::rfc3339(until));
     w.events.record(event, &ctx).await;
     Ok(rec)

@@ -117,6 +117,14 @@ fn ec2_a_continue_within_the_hot_window_takes_the_running_instance() {
         "{ev:?}"
     );
 
+    let metrics = String::from_utf8_lossy(&rig.dormant(&["metrics"]).stdout).into_owned();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "dormant_hot_environments{provider=\"ec2\"} 1"),
+        "{metrics}"
+    );
+
     // The continue: no start, the same process, the answer.
     let r2 = rig.run(&job(81).resume(&key).script("dormant-continue yes"));
     assert_result(&r2, JobResult::BuildFailure(Some(7)));
@@ -135,6 +143,17 @@ fn ec2_a_continue_within_the_hot_window_takes_the_running_instance() {
             .any(|e| e["event"] == "resumed" && e["cause"] == "hot" && e["hot"] == true),
         "{ev:?}"
     );
+    let metrics = String::from_utf8_lossy(&rig.dormant(&["metrics"]).stdout).into_owned();
+    for want in [
+        "dormant_hot_environments{provider=\"ec2\"} 0",
+        "dormant_continues_total{provider=\"ec2\",path=\"hot\"} 1",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == want),
+            "{want}:
+{metrics}"
+        );
+    }
     kill(pid);
 }
 
