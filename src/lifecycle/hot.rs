@@ -124,6 +124,55 @@ pub async fn cool(
     Ok(Some(rec))
 }
 
+/// Why a hot window ended early for a job (the `cooled` event's reason).
+pub const GAVE_WAY: &str = "a job needed its slot (max_environments)";
+
+/// A job that needs a slot must not wait behind a hot machine (the warm
+/// pool's give-way rule, `warm_give_way.rs`): when the provider says a job's
+/// machine would wait (`running_slots_full`), the hot environment whose
+/// window ends first is cooled now. Best effort: whatever fails is logged,
+/// and the job waits for a slot as usual. Returns the environment cooled.
+pub async fn give_way(w: World<'_>, ctx: &Ctx) -> Option<uuid::Uuid> {
+    let result: Result<Option<uuid::Uuid>> = async {
+        if !w.provider.running_slots_full(ctx).await? {
+            return Ok(None);
+        }
+        let mut hot: Vec<(u64, uuid::Uuid)> = Vec::new();
+        for id in w.store.environment_ids()? {
+            if let Ok(Some(rec)) = registry::peek(&w.store.env_paths(id)) {
+                if let (Some(until), None) = (rec.hot_until(), rec.claim()) {
+                    if rec.provider == w.provider.name() {
+                        hot.push((until, id));
+                    }
+                }
+            }
+        }
+        hot.sort();
+        let me = super::recover::operator("a job's prepare");
+        for (_, id) in hot {
+            let paths = w.store.env_paths(id);
+            if cool(w, &paths, &me, GAVE_WAY, ctx).await?.is_some() {
+                return Ok(Some(id));
+            }
+        }
+        Ok(None)
+    }
+    .await;
+    match result {
+        Ok(Some(id)) => {
+            ctx.log.info(format!(
+                "no free slot: hot environment {id} (its window ending first) was suspended for this job"
+            ));
+            Some(id)
+        }
+        Ok(None) => None,
+        Err(e) => {
+            ctx.log.warn(format!("hot window: {e:#}"));
+            None
+        }
+    }
+}
+
 /// How long the detached waiter sleeps at most between two looks at the
 /// record: a window moved later (the environment resumed and paused again)
 /// is followed; the sweep cools it anyway if the waiter dies.

@@ -232,6 +232,8 @@ async fn resume(
             machine
         }
         Some(machine) => {
+            // No waiting behind a machine kept hot for a paused script.
+            crate::lifecycle::hot::give_way(s.world(), ctx).await;
             let started_machine = s.provider.start(&machine, ctx).await;
             if let Err(e) = &started_machine {
                 record_failure(s, &paths, Step::Start, e, ctx).await;
