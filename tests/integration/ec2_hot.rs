@@ -356,3 +356,27 @@ fn ec2_a_hot_window_whose_waiter_died_is_ended_by_the_sweep() {
 fn runner_output(r: &JobReport) -> String {
     r.calls.iter().map(|c| c.output.as_str()).collect()
 }
+
+/// `dormant try` on EC2 with a hot window: job 1 asks, job 2 continues the
+/// running instance, and the summary says its timing is a hot one.
+#[test]
+fn ec2_try_shows_a_hot_continue() {
+    let env = Ec2Env::start();
+    let rig = env.rig("86", "s_86aa86aa86aa", &hot(&env, "hibernate", "10m"));
+    let out = rig.dormant(&["try"]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("job 2: resume with the key in the payload, hot (job 1's machine still ran"),
+        "{text}"
+    );
+    assert!(
+        text.contains("ok    job 2 took job 1's running machine"),
+        "{text}"
+    );
+    assert_eq!(starts(&env), 0, "{text}");
+}
