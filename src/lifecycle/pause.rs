@@ -30,17 +30,22 @@ pub fn keep_message(settings: &Settings, record: &EnvironmentRecord) -> Option<S
     let ttl = settings.suspend.ttl;
     let Some(window) = super::hot::window(settings, record) else {
         return Some(format!(
-            "the paused script is kept until it is continued, or the environment is released              (suspend.ttl = \"{ttl}\")"
+            "the paused script is kept until it is continued, or the environment is released \
+             (suspend.ttl = \"{ttl}\")"
         ));
     };
     let window = crate::settings::HumanDuration::from_secs(window.as_secs());
     Some(if keeps_memory(settings) {
         format!(
-            "the machine stays running {window} after this job (suspend.hot_for), then it              hibernates with the paused script; kept until continued or released              (suspend.ttl = \"{ttl}\")"
+            "the machine stays running {window} after this job (suspend.hot_for), then it \
+             hibernates with the paused script; kept until continued or released \
+             (suspend.ttl = \"{ttl}\")"
         )
     } else {
         format!(
-            "the paused script is kept for {window} after this job (suspend.hot_for) while its              machine runs; then the machine is suspended and the script is lost: answer within              {window}"
+            "the paused script is kept for {window} after this job (suspend.hot_for) while its \
+             machine runs; then the machine is suspended and the script is lost: answer within \
+             {window}"
         )
     })
 }

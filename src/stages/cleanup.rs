@@ -355,7 +355,8 @@ async fn keep_hot(
     let rec = lifecycle::hot::keep_hot(s.world(), paths, holder, window, &reason, ctx).await?;
     let until = rec.hot_until().unwrap_or_default();
     s.log.info(format!(
-        "job {} {}: paused; environment {id} stays hot (its machine runs) until {}, then it is          suspended; key: {}",
+        "job {} {}: paused; environment {id} stays hot (its machine runs) until {}, then it is \
+         suspended; key: {}",
         state.job_id,
         why.outcome.as_str(),
         lifecycle::hot::until_text(until),
@@ -364,7 +365,8 @@ async fn keep_hot(
     match lifecycle::hot::start_waiter(paths) {
         Ok(pid) => tracing::debug!("dormant cool {id} started (pid {pid})"),
         Err(e) => s.log.warn(format!(
-            "environment {id}: starting the hot window's waiter failed ({e:#}); the next sweep              suspends it once the window has passed"
+            "environment {id}: starting the hot window's waiter failed ({e:#}); the next sweep \
+             suspends it once the window has passed"
         )),
     }
     announce(

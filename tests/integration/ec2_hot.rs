@@ -87,8 +87,11 @@ fn ec2_a_continue_within_the_hot_window_takes_the_running_instance() {
     let log = r.log();
     assert_paused_line(&log, &key, "\"Ship it?\"");
     assert!(
-        log.contains("dormant-ask: the machine stays running 10m after this job"),
-        "dormant-ask says how long it is kept:\n{log}"
+        log.lines().any(|l| l
+            == "dormant-ask: the machine stays running 10m after this job (suspend.hot_for), \
+                then it hibernates with the paused script; kept until continued or released \
+                (suspend.ttl = \"7d\")"),
+        "dormant-ask says how long it is kept, on one line:\n{log}"
     );
     let pid = pid_in(&d.path().join("pid"));
 

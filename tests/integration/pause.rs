@@ -330,7 +330,9 @@ fn a_hot_window_is_a_no_op_on_local_and_ssh() {
         let key = r.key.clone().unwrap();
         let log = r.log();
         assert!(
-            log.contains("dormant-ask: the paused script is kept until it is continued"),
+            log.lines().any(|l| l
+                == "dormant-ask: the paused script is kept until it is continued, or the \
+                    environment is released (suspend.ttl = \"7d\")"),
             "{name}: {log}"
         );
         let rec = rig.record(&key).unwrap();
