@@ -15,6 +15,10 @@
 # resume's hold and prepare, and from B's first prepare call to the first
 # byte the continued script prints after the answer (and that minus the
 # hold: dormant's part); explained in tests/integration/pause_bench.rs.
+# ec2-hot: the same on EC2 with a hot window (suspend.hot_for = "10m"): job
+# A's cleanup leaves the instance running, B takes it (no StartInstances,
+# no hold, the loopback sshd up as a running instance's); the hot row and the
+# ec2 (hibernated) row of one run are the issue's "hot vs hibernated".
 #
 # qemu (hibernate mode), two tables:
 #  1. the machine alone, a 1 GiB TCG guest whose RAM holds 768 MiB of random
@@ -33,13 +37,13 @@
 #     prepare, the suspend of the paused job (its cleanup: a hibernation)
 #     and the hibernation dormant logs. It takes the machine-wide VM lock.
 #
-# Usage: scripts/bench-pause.sh [--providers ssh,ec2,qemu] [--pending S] [--runs N]
-#        (default: ssh,ec2, 20 s, 3 runs; debug build)
+# Usage: scripts/bench-pause.sh [--providers ssh,ec2,ec2-hot,qemu] [--pending S] [--runs N]
+#        (default: ssh,ec2,ec2-hot, 20 s, 3 runs; debug build)
 # Env:   DORMANT_TEST_MOTO_SERVER, DORMANT_TEST_SSHD, DORMANT_TEST_QEMU_IMAGE
 #        as for scripts/test.sh (the qemu image is built if unset).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PROVIDERS=ssh,ec2 PENDING=20 RUNS=3
+PROVIDERS=ssh,ec2,ec2-hot PENDING=20 RUNS=3
 while [ $# -gt 0 ]; do
   case "$1" in
     --providers) PROVIDERS=$2; shift 2 ;;

@@ -141,6 +141,15 @@ pub enum Command {
     /// (`[qemu] warm`, `[ec2] warm`). Prepare starts it detached after taking a warm
     /// machine; the Debian package's timer runs it every minute.
     Warm,
+    /// Wait until the hot window of environment ID has passed, then suspend
+    /// its machine (docs/pause.md, "The hot window"). Started detached by the
+    /// cleanup that made it hot; not for operators (`dormant sweep` does the
+    /// same for every window that has passed).
+    #[command(hide = true)]
+    Cool {
+        /// The environment's id.
+        id: String,
+    },
     /// Print Prometheus text: the registry (environments by status, oldest
     /// suspension, paused jobs waiting for an answer and the oldest question)
     /// and the event log's counters and histograms.

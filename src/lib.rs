@@ -213,6 +213,12 @@ async fn dispatch(cli: Cli, job: Job) -> Result<(), Failure> {
             Ok(())
         }
         Command::Warm => Ok(ops::warm::warm(&settings, &job, log, cancel).await?),
+        Command::Cool { id } => {
+            let id = uuid::Uuid::parse_str(&id).map_err(|e| {
+                anyhow::anyhow!("dormant cool: {id:?} is not an environment id: {e}")
+            })?;
+            Ok(ops::cool::cool(&settings, &job, id, log, cancel).await?)
+        }
         Command::Metrics => {
             let store = state::StateStore::open(&settings.state_dir(&job)?)?;
             Ok(ops::metrics::metrics(

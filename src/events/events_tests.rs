@@ -542,3 +542,67 @@ async fn warm_idle_seconds_run_from_ready_to_taken_or_retired_across_runs() {
         "{text}"
     );
 }
+
+/// A line of kind `kind` and cause `cause` about environment `env` at `ts_ms`.
+fn env_line(kind: Kind, cause: &str, env: uuid::Uuid, ts_ms: u64) -> Event {
+    let mut e = Event::new(kind, cause, "ec2");
+    e.env = Some(env);
+    e.ts_ms = ts_ms;
+    e
+}
+
+/// The hot window's machine-seconds run from the `suspended` line that made
+/// it hot to its end (a hot resume, a cooling, a release); continues are
+/// counted hot or cold by the `resumed` lines' `hot`; a fresh install has
+/// every series at zero.
+#[test]
+fn hot_seconds_and_continues_hot_or_cold_are_counted() {
+    let [a, b, c] = [(); 3].map(|_| uuid::Uuid::new_v4());
+    let mut t = Tally::default();
+    let hot_line = |env, ts| {
+        let mut e = env_line(Kind::Suspended, "paused", env, ts);
+        e.hot_until = Some("2026-11-28T20:10:00Z".into());
+        e
+    };
+    let mut hot_resume = env_line(Kind::Resumed, "hot", a, 5_000);
+    hot_resume.hot = Some(true);
+    let mut cold_resume = env_line(Kind::Resumed, "job", b, 90_000);
+    cold_resume.hot = Some(false);
+    for e in [
+        hot_line(a, 1_000),
+        hot_line(b, 2_000),
+        hot_line(c, 3_000),
+        hot_resume,
+        env_line(Kind::Suspended, "cooled", b, 62_000),
+        cold_resume,
+        // A plain resume (nothing paused) is no continue.
+        env_line(Kind::Resumed, "job", a, 95_000),
+    ] {
+        t.fold(&e);
+    }
+    assert_eq!(t.hot_s["ec2"], 4.0 + 60.0, "c still runs hot");
+    assert_eq!(t.continues["ec2\thot"], 1);
+    assert_eq!(t.continues["ec2\tcold"], 1);
+    t.fold(&env_line(Kind::Released, "ttl", c, 13_000));
+    assert_eq!(t.hot_s["ec2"], 4.0 + 60.0 + 10.0);
+    let mut out = Vec::new();
+    t.render(&["ec2"], &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    for want in [
+        "dormant_hot_seconds_total{provider=\"ec2\"} 74",
+        "dormant_continues_total{provider=\"ec2\",path=\"hot\"} 1",
+        "dormant_continues_total{provider=\"ec2\",path=\"cold\"} 1",
+    ] {
+        assert!(text.lines().any(|l| l == want), "{want} in:\n{text}");
+    }
+    let mut out = Vec::new();
+    Tally::default().render(&["qemu"], &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    for want in [
+        "dormant_hot_seconds_total{provider=\"qemu\"} 0",
+        "dormant_continues_total{provider=\"qemu\",path=\"hot\"} 0",
+        "dormant_continues_total{provider=\"qemu\",path=\"cold\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == want), "{want} in:\n{text}");
+    }
+}

@@ -35,6 +35,7 @@ impl Tally {
             .chain(self.failures.keys())
             .chain(self.sweep_unvisited.keys())
             .chain(self.warm_idle_s.keys())
+            .chain(self.hot_s.keys())
         {
             all.insert(split::<1>(k)[0].to_string());
         }
@@ -63,6 +64,10 @@ impl Tally {
                 t.sweep_unvisited.entry(key(&[p, scope])).or_default();
             }
             t.warm_idle_s.entry(p.clone()).or_default();
+            t.hot_s.entry(p.clone()).or_default();
+            for path in ["hot", "cold"] {
+                t.continues.entry(key(&[p, path])).or_default();
+            }
         }
         t
     }
@@ -126,6 +131,34 @@ impl Tally {
                 out,
                 "dormant_warm_idle_seconds_total{{provider=\"{p}\"}} {}",
                 (s * 1000.0).round() / 1000.0
+            )?;
+        }
+        family(
+            out,
+            "dormant_hot_seconds_total",
+            "counter",
+            "Machine-seconds paused environments' machines ran in their hot window (suspend.hot_for), a cost like \
+             dormant_warm_idle_seconds_total (counted when each window ends).",
+        )?;
+        for (p, s) in &self.hot_s {
+            writeln!(
+                out,
+                "dormant_hot_seconds_total{{provider=\"{p}\"}} {}",
+                (s * 1000.0).round() / 1000.0
+            )?;
+        }
+        family(
+            out,
+            "dormant_continues_total",
+            "counter",
+            "Resumes of an environment whose script waits paused, by path: hot (its machine ran: the hot \
+             window) or cold (started, restored).",
+        )?;
+        for (k, n) in &self.continues {
+            let [p, path] = split::<2>(k);
+            writeln!(
+                out,
+                "dormant_continues_total{{provider=\"{p}\",path=\"{path}\"}} {n}"
             )?;
         }
         family(

@@ -67,6 +67,9 @@ pub struct SweepCounts {
     pub errors: u64,
     /// Not looked at because the time bound ran out.
     pub unvisited: u64,
+    /// Hot windows that had passed, ended (docs/pause.md).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cooled: u64,
     /// Environments in the registry when it started (a full sweep; a
     /// cleanup's slice reads only its own entries and does not know).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -126,6 +129,14 @@ pub struct Event {
     /// `root (sudo by alice)`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// `suspended` (cause `paused`) into a hot window: when the window ends,
+    /// RFC 3339 UTC; the machine runs until then (docs/pause.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot_until: Option<String>,
+    /// `resumed` of an environment with a paused script: a continue, served
+    /// hot (`true`: the running machine taken, cause `hot`) or cold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot: Option<bool>,
 }
 
 impl Event {
@@ -159,6 +170,8 @@ impl Event {
             sweep: None,
             warm: None,
             user: None,
+            hot_until: None,
+            hot: None,
         }
     }
 
@@ -267,3 +280,7 @@ fn cut(s: &str, max: usize) -> String {
 #[cfg(test)]
 #[path = "events_tests.rs"]
 mod tests;
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}

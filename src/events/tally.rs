@@ -29,7 +29,7 @@ use crate::state::store::{self, FORMAT_VERSION};
 pub const CHECKPOINT: &str = "metrics.json";
 /// Changes when what is counted changes: an older checkpoint is rebuilt.
 /// 2: warm machines' idle time.
-const TALLY_FORMAT: u32 = 2;
+const TALLY_FORMAT: u32 = 3;
 /// At most this many warm machines waiting for their `taken` or `retired`
 /// line are remembered (a pool is a handful; one whose last line a killed
 /// process never wrote must not grow the checkpoint for ever): the oldest
@@ -102,6 +102,18 @@ pub struct Tally {
     /// `taken` or `retired` line.
     #[serde(default)]
     pub warm_waiting: BTreeMap<String, u64>,
+    /// provider: machine-seconds paused environments' machines ran hot (the
+    /// hot window), counted when each window ends (taken by a resume,
+    /// cooled, or released).
+    #[serde(default)]
+    pub hot_s: BTreeMap<String, f64>,
+    /// provider, environment id: when its hot window began (ms), until it ends.
+    #[serde(default)]
+    pub hot_waiting: BTreeMap<String, u64>,
+    /// provider, path (`hot` or `cold`): continues, i.e. resumes of an
+    /// environment whose script waits paused, by whether the machine ran.
+    #[serde(default)]
+    pub continues: BTreeMap<String, u64>,
     pub damaged: u64,
     pub missed_files: u64,
     pub last_full_sweep_ms: u64,
@@ -119,6 +131,9 @@ impl Default for Tally {
             sweep_unvisited: BTreeMap::new(),
             warm_idle_s: BTreeMap::new(),
             warm_waiting: BTreeMap::new(),
+            hot_s: BTreeMap::new(),
+            hot_waiting: BTreeMap::new(),
+            continues: BTreeMap::new(),
             damaged: 0,
             missed_files: 0,
             last_full_sweep_ms: 0,
@@ -157,6 +172,7 @@ impl Tally {
             .events
             .entry(key(&[provider, &e.event, &e.cause]))
             .or_default() += 1;
+        self.fold_hot(e);
         let mut observe = |metric: &str, extra: &str, v: Option<f64>| {
             if let Some(v) = v {
                 let extra = if extra.is_empty() { "" } else { label(extra) };
@@ -196,6 +212,44 @@ impl Tally {
             "failed" => *self.failures.entry(key(&[provider, &e.cause])).or_default() += 1,
             "warm" => self.fold_warm(e),
             _ => {}
+        }
+    }
+
+    /// The hot window's machine-seconds (from the `suspended` line that
+    /// made it hot to the `resumed` (cause `hot`), `suspended` (cause
+    /// `cooled`) or `released` line of the same environment) and the
+    /// continues served hot or cold (`resumed` lines with `hot`).
+    fn fold_hot(&mut self, e: &Event) {
+        let provider = label(&e.provider).to_string();
+        if e.event == "resumed" {
+            if let Some(hot) = e.hot {
+                let path = if hot { "hot" } else { "cold" };
+                *self.continues.entry(key(&[&provider, path])).or_default() += 1;
+            }
+        }
+        let Some(env) = e.env else { return };
+        let k = format!("{provider}\t{env}");
+        let ends = matches!(
+            (e.event.as_str(), e.cause.as_str()),
+            ("resumed", "hot") | ("suspended", "cooled") | ("released", _)
+        );
+        if e.event == "suspended" && e.hot_until.is_some() {
+            self.hot_waiting.insert(k, e.ts_ms);
+            while self.hot_waiting.len() > WARM_WAITING_MAX {
+                let oldest = self
+                    .hot_waiting
+                    .iter()
+                    .min_by_key(|(_, ts)| **ts)
+                    .map(|(k, _)| k.clone());
+                if let Some(oldest) = oldest {
+                    self.hot_waiting.remove(&oldest);
+                }
+            }
+        } else if ends {
+            if let Some(since) = self.hot_waiting.remove(&k) {
+                let secs = e.ts_ms.saturating_sub(since) as f64 / 1000.0;
+                *self.hot_s.entry(provider).or_default() += secs;
+            }
         }
     }
 

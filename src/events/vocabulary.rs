@@ -76,10 +76,13 @@ pub enum SuspendCause {
     Recovered,
     /// A job's script asked (`dormant-ask`) and waits, kept alive.
     Paused,
+    /// A hot window ended (it passed, or a job needed its slot): the
+    /// running machine of a paused environment suspended as its mode does.
+    Cooled,
 }
 
 impl SuspendCause {
-    pub const ALL: [SuspendCause; 7] = [
+    pub const ALL: [SuspendCause; 8] = [
         SuspendCause::Triggers,
         SuspendCause::JobRequest,
         SuspendCause::Shell,
@@ -87,6 +90,7 @@ impl SuspendCause {
         SuspendCause::Unused,
         SuspendCause::Recovered,
         SuspendCause::Paused,
+        SuspendCause::Cooled,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -98,6 +102,7 @@ impl SuspendCause {
             SuspendCause::Unused => "unused",
             SuspendCause::Recovered => "recovered",
             SuspendCause::Paused => "paused",
+            SuspendCause::Cooled => "cooled",
         }
     }
 }
@@ -263,6 +268,7 @@ pub fn known_causes() -> Vec<(&'static str, &'static str)> {
     let mut out = vec![
         (Kind::Created.as_str(), "job"),
         (Kind::Resumed.as_str(), "job"),
+        (Kind::Resumed.as_str(), "hot"),
         (Kind::Resumed.as_str(), "shell"),
     ];
     out.extend(

@@ -9,9 +9,11 @@
 //! (`crate::events`) once its result is recorded: this is the one place a
 //! suspension or a release is written there. `volume` and `guest` are volume
 //! mode's effects; `lost` says whether a machine went away under a job; `warm` takes
-//! and retires warm machines, `warm_refill` refills the pool.
+//! and retires warm machines, `warm_refill` refills the pool; `hot` keeps a
+//! paused environment's machine running for its hot window and ends it.
 
 pub mod guest;
+pub mod hot;
 pub mod joined;
 pub mod lost;
 pub mod pause;

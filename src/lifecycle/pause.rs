@@ -18,6 +18,48 @@ pub const VAR: &str = "DORMANT_PAUSE";
 /// saying so instead of finding nothing or waiting.
 pub const LOST_VAR: &str = "DORMANT_PAUSE_LOST";
 
+/// The variable `dormant-ask` prints on stderr before it asks: how long the
+/// script will be kept (set where a pause is allowed).
+pub const KEEP_VAR: &str = "DORMANT_PAUSE_KEEP";
+
+/// What [`KEEP_VAR`] says: the hot window, and what follows it.
+pub fn keep_message(settings: &Settings, record: &EnvironmentRecord) -> Option<String> {
+    if refusal(settings, record).is_some() {
+        return None;
+    }
+    let ttl = settings.suspend.ttl;
+    let Some(window) = super::hot::window(settings, record) else {
+        return Some(format!(
+            "the paused script is kept until it is continued, or the environment is released \
+             (suspend.ttl = \"{ttl}\")"
+        ));
+    };
+    let window = crate::settings::HumanDuration::from_secs(window.as_secs());
+    Some(if keeps_memory(settings) {
+        format!(
+            "the machine stays running {window} after this job (suspend.hot_for), then it \
+             hibernates with the paused script; kept until continued or released \
+             (suspend.ttl = \"{ttl}\")"
+        )
+    } else {
+        format!(
+            "the paused script is kept for {window} after this job (suspend.hot_for) while its \
+             machine runs; then the machine is suspended and the script is lost: answer within \
+             {window}"
+        )
+    })
+}
+
+/// Whether this provider's suspension keeps the machine's memory (and so a
+/// paused script) beyond a hot window.
+fn keeps_memory(settings: &Settings) -> bool {
+    match settings.provider {
+        ProviderKind::Ssh | ProviderKind::Local => true,
+        ProviderKind::Qemu => settings.qemu.suspend_mode == QemuSuspendMode::Hibernate,
+        ProviderKind::Ec2 => settings.ec2.suspend_mode == SuspendMode::Hibernate,
+    }
+}
+
 /// The message behind [`LOST_VAR`] for this record, if its paused script
 /// was lost: names the environment, what happened, and what to do.
 pub fn lost_message(record: &EnvironmentRecord) -> Option<String> {
@@ -38,7 +80,9 @@ pub const SUMMARY_MAX: usize = 200;
 /// Why a script in this environment cannot pause, naming the setting; `None`
 /// when a paused script is kept: the `ssh` and `local` providers' kept
 /// stages (the script waits on the host), and qemu's and EC2's in `hibernate` mode (it
-/// waits in the guest or instance, whose memory the suspension saves).
+/// waits in the guest or instance, whose memory the suspension saves) — or,
+/// in their other modes, for the hot window only (`suspend.hot_for`: the
+/// machine runs on after the job; its suspension then loses the script).
 pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String> {
     if !settings.suspend.enabled {
         return Some("suspend.enabled = false: the environment is released, not kept".into());
@@ -60,6 +104,8 @@ pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String
                 .into(),
         );
     }
+    // Volume mode was refused above: its window is not kept (hot::window).
+    let hot = !settings.suspend.hot_for.is_zero();
     match settings.provider {
         // The script waits on the host, which stays up.
         ProviderKind::Ssh => None,
@@ -68,6 +114,8 @@ pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String
         ProviderKind::Local => None,
         // Hibernation saves the guest's memory, the paused script with it.
         ProviderKind::Qemu if settings.qemu.suspend_mode == QemuSuspendMode::Hibernate => None,
+        // The hot window keeps the VM running: a pause for that long.
+        ProviderKind::Qemu if hot => None,
         ProviderKind::Qemu => Some(
             "qemu.suspend_mode = \"shutdown\": a suspension powers the VM off, ending its \
              processes (suspend_mode = \"hibernate\" keeps them)"
@@ -76,6 +124,7 @@ pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String
         // As qemu's: the hibernated instance's memory holds the script.
         // (Volume mode, which never hibernates, was refused above.)
         ProviderKind::Ec2 if settings.ec2.suspend_mode == SuspendMode::Hibernate => None,
+        ProviderKind::Ec2 if hot => None,
         ProviderKind::Ec2 => Some(
             "ec2.suspend_mode = \"stop\": a suspension stops the instance, ending its \
              processes (suspend_mode = \"hibernate\" keeps them)"
@@ -215,6 +264,38 @@ mod tests {
         s.ssh.reconnect_timeout = crate::settings::HumanDuration::from_secs(0);
         let direct = refusal(&s, &machine).unwrap();
         assert!(direct.contains("ssh.reconnect_timeout"), "{direct}");
+    }
+
+    #[test]
+    fn a_hot_window_allows_a_pause_where_memory_is_lost_and_says_for_how_long() {
+        let mut machine = record(StorageMode::Machine);
+        machine.machine = Some(crate::model::Machine::new("i-1"));
+        for provider in [ProviderKind::Ec2, ProviderKind::Qemu] {
+            let mut s = Settings {
+                provider,
+                ..Settings::default()
+            };
+            assert!(refusal(&s, &machine).is_some(), "stop/shutdown, no window");
+            assert_eq!(keep_message(&s, &machine), None);
+            s.suspend.hot_for = crate::settings::HumanDuration::from_secs(600);
+            assert_eq!(refusal(&s, &machine), None, "{provider:?} with a window");
+            let keep = keep_message(&s, &machine).unwrap();
+            assert!(
+                keep.contains("kept for 10m") && keep.contains("lost"),
+                "{keep}"
+            );
+            // Volume mode keeps no window: still refused.
+            assert!(refusal(&s, &record(StorageMode::Volume)).is_some());
+            s.ec2.suspend_mode = SuspendMode::Hibernate;
+            s.qemu.suspend_mode = QemuSuspendMode::Hibernate;
+            let keep = keep_message(&s, &machine).unwrap();
+            assert!(keep.contains("hibernates"), "{keep}");
+        }
+        // local: no window (nothing to keep running), kept all the same.
+        let mut s = Settings::default();
+        s.suspend.hot_for = crate::settings::HumanDuration::from_secs(600);
+        let keep = keep_message(&s, &machine).unwrap();
+        assert!(keep.contains("until it is continued"), "{keep}");
     }
 
     #[test]

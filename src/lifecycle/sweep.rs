@@ -38,6 +38,8 @@ pub struct SweepReport {
     pub released: Vec<Uuid>,
     /// Held by a holder that is gone; settled.
     pub recovered: Vec<Uuid>,
+    /// Hot windows that had passed: their machines suspended.
+    pub cooled: Vec<Uuid>,
     /// Directories and files a killed process left.
     pub removed: Vec<PathBuf>,
     pub kept: usize,
@@ -136,6 +138,16 @@ pub async fn sweep(
         let expired = rec.status() == EnvStatus::Suspended
             && now_unix().saturating_sub(rec.last_activity()) >= ttl;
         let failed_release = rec.status() == EnvStatus::Releasing;
+        if !expired && super::hot::expired(&rec, now_unix()) {
+            let until = rec.hot_until().unwrap_or_default();
+            let why = format!("its window passed at {}", crate::state::rfc3339(until));
+            match super::hot::cool(w, &paths, &me, &why, ctx).await {
+                Ok(Some(_)) => report.cooled.push(*id),
+                Ok(None) => report.kept += 1,
+                Err(e) => report.errors.push(e),
+            }
+            continue;
+        }
         if !expired && super::volume::has_leftovers(&rec) {
             match finish_volume_suspend(w, &paths, &me, &rec, ctx).await {
                 Ok(()) => report.recovered.push(*id),
@@ -233,10 +245,16 @@ async fn record_summary(
         removed: report.removed.len() as u64,
         errors: report.errors.len() as u64,
         unvisited: report.unvisited as u64,
+        cooled: report.cooled.len() as u64,
         environments: report.environments.map(|n| n as u64),
     };
-    let idle =
-        counts.released + counts.recovered + counts.removed + counts.errors + counts.unvisited == 0;
+    let idle = counts.released
+        + counts.recovered
+        + counts.removed
+        + counts.errors
+        + counts.unvisited
+        + counts.cooled
+        == 0;
     if scope == Scope::Slice && idle {
         return;
     }

@@ -77,6 +77,11 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
                     ),
                     _ => (rec.status().as_str(), String::new()),
                 };
+                // The hot window: its machine still runs (docs/pause.md).
+                let asks = match rec.hot_until() {
+                    Some(t) => format!("  hot until {}{asks}", crate::state::rfc3339(t)),
+                    None => asks,
+                };
                 writeln!(
                     out,
                     "{:<36}  {:<10}  {:<8}  {:<7}  {:>7}  {:>10}  {:>4}  {:<10}  {}{asks}",

@@ -49,6 +49,9 @@ pub fn metrics(
     let mut paused: BTreeMap<String, u64> = BTreeMap::new();
     paused.insert(provider.to_string(), 0);
     let mut oldest_paused: u64 = 0;
+    // provider → paused environments whose machine still runs (the hot window).
+    let mut hot: BTreeMap<String, u64> = BTreeMap::new();
+    hot.insert(provider.to_string(), 0);
     let mut unreadable = 0u64;
     let now = now_unix();
     for id in store.environment_ids()? {
@@ -59,6 +62,7 @@ pub fn metrics(
                         counts.insert((rec.provider.clone(), status.as_str()), 0);
                     }
                     paused.entry(rec.provider.clone()).or_default();
+                    hot.entry(rec.provider.clone()).or_default();
                 }
                 *counts
                     .entry((rec.provider.clone(), rec.status().as_str()))
@@ -71,6 +75,9 @@ pub fn metrics(
                     if let Some(p) = rec.paused.as_ref().filter(|p| p.lost.is_none()) {
                         *paused.entry(rec.provider.clone()).or_default() += 1;
                         oldest_paused = oldest_paused.max(now.saturating_sub(p.at));
+                    }
+                    if rec.hot_until().is_some() {
+                        *hot.entry(rec.provider.clone()).or_default() += 1;
                     }
                     let k = kept
                         .entry((rec.provider.clone(), rec.storage.as_str()))
@@ -121,6 +128,18 @@ pub fn metrics(
     )?;
     writeln!(out, "# TYPE dormant_oldest_paused_seconds gauge")?;
     writeln!(out, "dormant_oldest_paused_seconds {oldest_paused}")?;
+    writeln!(
+        out,
+        "# HELP dormant_hot_environments Paused environments whose machine still runs in its hot window \
+         (suspend.hot_for), by provider: each holds a slot and costs a running machine."
+    )?;
+    writeln!(out, "# TYPE dormant_hot_environments gauge")?;
+    for (provider, n) in &hot {
+        writeln!(
+            out,
+            "dormant_hot_environments{{provider=\"{provider}\"}} {n}"
+        )?;
+    }
     writeln!(
         out,
         "# HELP dormant_suspended_storage_bytes Storage suspended environments keep, by provider and storage mode: \

@@ -1,10 +1,11 @@
 //! Operator commands beside the four stages: `list`, `inspect`, `events`,
 //! `release`, `sweep`, `adopt` (take over a lost host's EC2 environments),
-//! `metrics`, `shell`, `attach` (watch a running job), `pause` (pause a running job), `warm` (top up the warm pool), and `try`, which drives a whole job like GitLab Runner
+//! `metrics`, `shell`, `attach` (watch a running job), `pause` (pause a running job), `warm` (top up the warm pool), `cool` (the detached end of a hot window), and `try`, which drives a whole job like GitLab Runner
 //! would. They use the lifecycle (`crate::lifecycle`), never a stage.
 
 pub mod adopt;
 pub mod attach;
+pub mod cool;
 pub mod events;
 pub mod find;
 pub mod list;

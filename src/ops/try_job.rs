@@ -31,6 +31,16 @@ const PASSED_VARS: &[&str] = &[
     "DORMANT_STATE_DIR",
     "DORMANT_CONFIG",
     "DORMANT_LOG",
+    // The AWS credential chain's variables: the runner passes its own
+    // environment to dormant, so an `ec2` try must too (else only a profile
+    // under HOME or an instance profile would work).
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_EC2_METADATA_DISABLED",
 ];
 
 const WRITE_FILE: &str = "echo \"written by dormant try job $CI_JOB_ID at $(date)\" > dormant-try.txt\necho wrote dormant-try.txt in $PWD";
@@ -144,12 +154,33 @@ pub fn try_job(
             if asked { CONTINUE } else { "" }
         ));
         second.get_sources = "touch .fetched-by-job-2".into();
+        // The hot window (docs/pause.md): job 1's machine still runs, and
+        // job 2's timing is that of a continue that starts nothing.
+        let hot = env_id
+            .and_then(|id| {
+                crate::state::registry::peek(&store.env_paths(id))
+                    .ok()
+                    .flatten()
+            })
+            .and_then(|rec| rec.hot_until())
+            .is_some();
         let r2 = runner.run_job(&second)?;
         print_job(
             out,
-            "job 2: resume with the key in the payload, no trigger (releases at the end)",
+            if hot {
+                "job 2: resume with the key in the payload, hot (job 1's machine still ran: no \
+                 start, no restore), no trigger (releases at the end)"
+            } else {
+                "job 2: resume with the key in the payload, no trigger (releases at the end)"
+            },
             &r2,
         )?;
+        if hot {
+            checks.push((
+                r2.log().contains("is hot: taking its running machine"),
+                "job 2 took job 1's running machine (the hot window, suspend.hot_for)".into(),
+            ));
+        }
         checks.push((
             r2.result == JobResult::Success,
             "job 2 resumed and found job 1's file".into(),

@@ -136,6 +136,15 @@ pub trait Provider: Send + Sync {
         None
     }
 
+    /// Whether a job's machine would wait for a slot now (`max_environments`)
+    /// that suspending a running machine frees: the hot window's give-way
+    /// (`lifecycle::hot::give_way`) asks it. qemu counts running VMs; EC2
+    /// counts stopped instances too, so a hot instance holds no slot its
+    /// hibernation would free (default: never).
+    async fn running_slots_full(&self, _ctx: &Ctx) -> Result<bool> {
+        Ok(false)
+    }
+
     /// Makes the machine, or adopts the one an earlier attempt made under the
     /// same name, whatever state it is in. Returns once it is running.
     async fn create_or_reclaim(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine>;

@@ -34,6 +34,9 @@ const fn bound(key: &'static str, zero_ok: bool, max: HumanDuration) -> Duration
 ///   of a job no process runs for a moment, and that must not look gone.
 /// - `suspend.ttl`: 365 d. A suspended environment costs disk (or an EBS
 ///   volume) while it waits; a year is the longest any pipeline pauses.
+/// - `suspend.hot_for` (the hot window after a pause): 0 (off) to 24 h; a
+///   machine left running longer than a day for an answer costs more than
+///   any restore saves.
 /// - `suspend.notify_timeout`: 1 min; the hook runs inside a job's prepare
 ///   and cleanup, which it must not hold up.
 /// - `ssh.connect_timeout` (one connect attempt): 10 min; a handshake that has
@@ -61,6 +64,7 @@ pub const DURATION_BOUNDS: &[DurationBound] = &[
     bound("suspend.ttl", false, days(365)),
     bound("suspend.cleanup_sweep_budget", true, hours(1)),
     bound("suspend.claim_grace", false, days(7)),
+    bound("suspend.hot_for", true, hours(24)),
     bound(
         "suspend.notify_timeout",
         false,
@@ -91,6 +95,7 @@ impl Settings {
                 Some(self.suspend.cleanup_sweep_budget),
             ),
             ("suspend.claim_grace", Some(self.suspend.claim_grace)),
+            ("suspend.hot_for", Some(self.suspend.hot_for)),
             ("suspend.notify_timeout", Some(self.suspend.notify_timeout)),
             ("ssh.connect_timeout", Some(self.ssh.connect_timeout)),
             ("ssh.ready_timeout", Some(self.ssh.ready_timeout)),

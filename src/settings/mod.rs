@@ -121,6 +121,12 @@ pub struct SuspendSettings {
     /// and a running stage is a live process, so past this the holder is gone:
     /// a resume, `release` or `sweep` recovers the environment.
     pub claim_grace: HumanDuration,
+    /// The hot window (docs/pause.md, "The hot window"): how long the machine
+    /// of a job that ended paused keeps running before it is suspended as
+    /// the provider's mode does (qemu and EC2 only; `local` and `ssh` keep
+    /// nothing running for it). A continue within it takes the running
+    /// machine. `0s` (the default: a running machine costs money) turns it off.
+    pub hot_for: HumanDuration,
 }
 
 impl Default for SuspendSettings {
@@ -133,6 +139,7 @@ impl Default for SuspendSettings {
             notify_timeout: HumanDuration::from_secs(5),
             allow_job_request: true,
             claim_grace: HumanDuration::from_secs(5 * 60),
+            hot_for: HumanDuration::from_secs(0),
         }
     }
 }

@@ -433,3 +433,21 @@ fn a_state_dir_too_long_for_qemu_sockets_fails_naming_the_limit() {
     let local = Settings::parse_str("").unwrap();
     assert!(local.state_dir(&job).is_ok());
 }
+
+#[test]
+fn the_hot_window_is_read_bounded_and_off_by_default() {
+    assert!(Settings::default().suspend.hot_for.is_zero());
+    let s = Settings::parse_str("[suspend]\nhot_for = \"10m\"\n").unwrap();
+    assert_eq!(s.suspend.hot_for.as_secs(), 600);
+    let s = Settings::parse_str("[suspend]\nhot_for = \"0s\"\n").unwrap();
+    assert!(s.suspend.hot_for.is_zero(), "0s turns it off");
+    let err = Settings::parse_str("[suspend]\nhot_for = \"ten minutes\"\n").unwrap_err();
+    let text = format!("{err:#}");
+    assert!(
+        text.contains("suspend.hot_for: \"ten minutes\" is not a duration"),
+        "{text}"
+    );
+    let err = Settings::parse_str("[suspend]\nhot_for = \"2d\"\n").unwrap_err();
+    let text = format!("{err:#}");
+    assert!(text.contains("suspend.hot_for"), "{text}");
+}

@@ -40,6 +40,8 @@ pub struct FakeCloud {
     /// A stop that loses the machine's memory (a hibernation that fell back
     /// to a power-off), and why.
     pub memory_lost: Option<String>,
+    /// Every slot is taken (`running_slots_full`).
+    pub slots_full: bool,
 }
 
 #[derive(Clone, Default)]
@@ -67,6 +69,10 @@ impl Provider for FakeProvider {
 
     fn storage(&self) -> StorageMode {
         self.cloud.lock().unwrap().storage
+    }
+
+    async fn running_slots_full(&self, _ctx: &Ctx) -> Result<bool> {
+        Ok(self.cloud.lock().unwrap().slots_full)
     }
 
     fn volumes(&self) -> Option<&dyn Volumes> {

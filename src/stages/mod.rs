@@ -117,6 +117,9 @@ impl Session {
 #[cfg(test)]
 pub(crate) mod fakes;
 #[cfg(test)]
+#[path = "hot_tests.rs"]
+mod hot_tests;
+#[cfg(test)]
 mod volume_tests;
 #[cfg(test)]
 mod warm_tests;

@@ -159,6 +159,10 @@ async fn prepare_new(
         taken = take_warm(s, &spec, &paths, For::New, ctx).await?;
     }
     let warm_id = taken.as_ref().map(|t| t.warm_id);
+    if taken.is_none() {
+        // No waiting behind a machine kept hot for a paused script.
+        crate::lifecycle::hot::give_way(s.world(), ctx).await;
+    }
     let made = match taken {
         Some(t) => Ok(t.machine),
         None => s

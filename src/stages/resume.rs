@@ -171,10 +171,10 @@ async fn resume(
     let mut state = job_state(s, locked, env_id, Mode::Resume)?;
     crate::failpoint!("resume:claiming");
     let mut recovered = false;
-    let machine = loop {
+    let (machine, hot) = loop {
         let claimed = registry::update(&paths, ctx, |r| claim_resume(s, r, &key, &holder)).await;
         match claimed {
-            Ok((_, machine)) => break machine,
+            Ok((_, claimed)) => break claimed,
             Err(UpdateError::Gone(_)) => return Err(not_found()),
             Err(UpdateError::Refused(NotClaimed::Refused(f))) => return Err(f),
             Err(UpdateError::Io(e)) => return Err(Failure::System(e)),
@@ -222,7 +222,18 @@ async fn resume(
     };
     let mut warm_id = None;
     let machine = match machine {
+        // The hot window (docs/pause.md): the machine never stopped. Its SSH
+        // master, kept by the paused job's cleanup, is taken by `connect`.
+        Some(machine) if hot => {
+            s.log.info(format!(
+                "environment {env_id} is hot: taking its running machine {} (no start, no restore)",
+                machine.id
+            ));
+            machine
+        }
         Some(machine) => {
+            // No waiting behind a machine kept hot for a paused script.
+            crate::lifecycle::hot::give_way(s.world(), ctx).await;
             let started_machine = s.provider.start(&machine, ctx).await;
             if let Err(e) = &started_machine {
                 record_failure(s, &paths, Step::Start, e, ctx).await;
@@ -259,11 +270,13 @@ async fn resume(
     let (rec, ()) = registry::update(&paths, ctx, |r| r.activate(&holder))
         .await
         .map_err(update_error)?;
-    let mut resumed = Event::about(Kind::Resumed, "job", &rec)
+    let mut resumed = Event::about(Kind::Resumed, if hot { "hot" } else { "job" }, &rec)
         .by(&holder)
         .duration(started.elapsed())
         .suspended_for(rec.suspended_at.map_or(0, |t| now_unix().saturating_sub(t)));
     resumed.warm = warm_id;
+    // A continue (a paused script waits): served hot or cold, for the metrics.
+    resumed.hot = rec.paused.is_some().then_some(hot);
     s.events.record(resumed, ctx).await;
     crate::failpoint!("resume:activated");
     state.phase = Phase::Ready;
@@ -300,13 +313,14 @@ async fn resume(
 
 /// Under the record lock: may this job resume the environment? If so, claims
 /// it (`suspended` → `resuming`) and returns its machine to start — `None`
-/// for a volume-mode environment, which gets a new machine.
+/// for a volume-mode environment, which gets a new machine — and whether it
+/// was hot (its machine runs: nothing to start).
 fn claim_resume(
     s: &Session,
     r: &mut EnvironmentRecord,
     key: &EnvironmentKey,
     holder: &Holder,
-) -> Result<Option<Machine>, NotClaimed> {
+) -> Result<(Option<Machine>, bool), NotClaimed> {
     let env_id = r.id;
     let refused = |cause, m: String| NotClaimed::Refused(refuse(cause, m));
     if r.project_id != s.input.project_id {
@@ -357,6 +371,7 @@ fn claim_resume(
             None
         }
     };
+    let hot = r.holder().is_none() && r.hot_until().is_some();
     match r.holder() {
         // An earlier attempt of this job claimed it (its cleanup did not run).
         Some(h) if same_holder(h, holder) => r
@@ -368,7 +383,7 @@ fn claim_resume(
             .map_err(|e| refused(RefuseCause::InUse, e.to_string()))?,
         None => return Err(NotClaimed::Held),
     }
-    Ok(machine)
+    Ok((machine, hot))
 }
 
 /// The environment is held by someone else: recover it if its holder is gone,

@@ -184,6 +184,10 @@ fn script_env(
     if let Some(lost) = crate::lifecycle::pause::lost_message(record) {
         env.push((crate::lifecycle::pause::LOST_VAR.to_string(), lost));
     }
+    // How long a paused script would be kept: `dormant-ask` says it.
+    if let Some(keep) = crate::lifecycle::pause::keep_message(&s.settings, record) {
+        env.push((crate::lifecycle::pause::KEEP_VAR.to_string(), keep));
+    }
     // Test builds: the crash points of the scripts on the machine.
     env.extend(crate::failpoint::script_env());
     env

@@ -172,6 +172,13 @@ pub struct EnvironmentRecord {
     /// cleanup of a later job that did not: what `list` and `inspect` show.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paused: Option<Paused>,
+    /// The hot window (docs/pause.md): the record is `suspended` but its
+    /// machine still runs, until this time (Unix seconds); then a sweep or
+    /// the detached waiter suspends it as its mode does. Written only by the
+    /// transitions (`suspended_hot` sets it; a resume's claim, a cooling's
+    /// claim and every `suspended` clear it). Older records have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) hot_until: Option<u64>,
 }
 
 /// What a new environment's record is made from.
@@ -217,11 +224,18 @@ impl EnvironmentRecord {
             volume,
             host_key_changes: Vec::new(),
             paused: None,
+            hot_until: None,
         }
     }
 
     pub fn status(&self) -> EnvStatus {
         self.status
+    }
+
+    /// Until when its machine is kept running for a paused script (the hot
+    /// window): `Some` only for a suspended record nobody holds.
+    pub fn hot_until(&self) -> Option<u64> {
+        self.hot_until
     }
 
     pub fn claim(&self) -> Option<&Claim> {

@@ -17,6 +17,11 @@
 //!                          └── begin_release (suspended: TTL, operator)
 //! ```
 //!
+//! The hot window (docs/pause.md) adds no status: `suspending ──
+//! suspended_hot ──▶ suspended` with `hot_until` set and the machine running;
+//! `claim_for_resume` takes it as it is, `begin_cool ──▶ suspending` ends the
+//! window (then the usual `suspended`).
+//!
 //! The pure rules — what cleanup does with a job's environment, what a stale
 //! claim is settled to — are functions at the end, unit-tested over every
 //! status × phase × outcome. `docs/architecture.md` has the table.
@@ -206,12 +211,43 @@ impl EnvironmentRecord {
         Ok(())
     }
 
-    /// A job (or a shell) claims a suspended environment to resume it.
+    /// A job (or a shell) claims a suspended environment to resume it. A
+    /// hot one's window ends with the claim: a resume that fails from here
+    /// puts it back suspended by stopping its machine, as any resume.
     pub fn claim_for_resume(&mut self, holder: &Holder) -> Result<(), NotAllowed> {
         if self.status != EnvStatus::Suspended || self.claim.is_some() {
             return Err(not_allowed(self, "be resumed"));
         }
+        self.hot_until = None;
         self.set(EnvStatus::Resuming, holder);
+        Ok(())
+    }
+
+    /// The hot window's result: suspended (GitLab's job is over, the key
+    /// resumes it) with its machine left running until `until` (Unix
+    /// seconds). From `suspending`, like [`Self::suspended`], so a cleanup
+    /// killed between the two is put back by a recovery that stops it.
+    pub fn suspended_hot(&mut self, holder: &Holder, until: u64) -> Result<(), NotAllowed> {
+        self.require(holder, &[EnvStatus::Suspending], "be kept hot")?;
+        self.status = EnvStatus::Suspended;
+        self.claim = None;
+        self.suspended_at = Some(super::now_unix());
+        self.last_error = None;
+        self.hot_until = Some(until);
+        Ok(())
+    }
+
+    /// Intent to end a hot window (it passed, or its slot is needed): the
+    /// cooler claims the record as `suspending`, then stops the machine
+    /// through `begin_suspend` and [`Self::suspended`]. Killed after this,
+    /// the claim is stale and its recovery (`on_stale`: `Resuspend`) stops
+    /// the machine: never lost, never hot for ever.
+    pub fn begin_cool(&mut self, holder: &Holder) -> Result<(), NotAllowed> {
+        if self.status != EnvStatus::Suspended || self.claim.is_some() || self.hot_until.is_none() {
+            return Err(not_allowed(self, "be cooled (it is not hot)"));
+        }
+        self.hot_until = None;
+        self.set(EnvStatus::Suspending, holder);
         Ok(())
     }
 
@@ -275,6 +311,7 @@ impl EnvironmentRecord {
         }
         self.status = EnvStatus::Suspended;
         self.claim = None;
+        self.hot_until = None;
         if fresh || self.suspended_at.is_none() {
             self.suspended_at = Some(super::now_unix());
         }
@@ -291,6 +328,7 @@ impl EnvironmentRecord {
         if !(self.held_by(holder) || unheld) {
             return Err(not_allowed(self, "be released"));
         }
+        self.hot_until = None;
         self.set(EnvStatus::Releasing, holder);
         Ok(())
     }

@@ -254,3 +254,47 @@ fn a_suspension_that_lost_the_memory_marks_the_paused_script_lost() {
         "the first reason stays"
     );
 }
+
+#[test]
+fn a_hot_window_is_taken_by_a_resume_or_ended_by_one_cooling() {
+    let j1 = job(1, Mode::New);
+    let j2 = job(2, Mode::Resume);
+    let sweep = Holder::Operator {
+        pid: 7,
+        what: "dormant sweep".into(),
+    };
+    let mut r = record();
+    r.machine_made(&j1, Machine::new("m"), "k".into()).unwrap();
+    r.activate(&j1).unwrap();
+    assert!(r.suspended_hot(&j1, 100).is_err(), "only from suspending");
+    r.begin_suspend(&j1).unwrap();
+    r.suspended_hot(&j1, 100).unwrap();
+    assert_eq!(r.status(), EnvStatus::Suspended);
+    assert_eq!(r.hot_until(), Some(100));
+    assert!(r.claim().is_none());
+    // An old record (no field) loads, not hot.
+    let text = serde_json::to_string(&r).unwrap();
+    assert!(text.contains("\"hot_until\":100"), "{text}");
+    let old: EnvironmentRecord =
+        serde_json::from_str(&text.replace(",\"hot_until\":100", "")).unwrap();
+    assert_eq!(old.hot_until(), None);
+
+    // A resume takes it as it is: the window is over.
+    let mut resumed = r.clone();
+    resumed.claim_for_resume(&j2).unwrap();
+    assert_eq!(resumed.hot_until(), None);
+    assert!(
+        resumed.begin_cool(&sweep).is_err(),
+        "held: not hot any more"
+    );
+
+    // A cooling claims it once, then suspends it as usual.
+    r.begin_cool(&sweep).unwrap();
+    assert_eq!(r.status(), EnvStatus::Suspending);
+    assert_eq!(r.hot_until(), None);
+    assert!(r.begin_cool(&sweep).is_err(), "cooled once");
+    r.begin_suspend(&sweep).unwrap();
+    r.suspended(&sweep, None, false, None).unwrap();
+    assert_eq!(r.hot_until(), None);
+    assert!(r.begin_cool(&sweep).is_err(), "a cold record is not cooled");
+}

@@ -31,6 +31,8 @@ mod ec2_calls;
 mod ec2_handover;
 #[cfg(feature = "ec2")]
 mod ec2_holds;
+#[cfg(all(feature = "testing", feature = "ec2"))]
+mod ec2_hot;
 #[cfg(feature = "ec2")]
 mod ec2_job;
 #[cfg(feature = "ec2")]

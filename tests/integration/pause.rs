@@ -312,3 +312,38 @@ fn a_resumed_job_that_does_not_continue_leaves_the_question_on_record() {
         "continued to its end: no longer paused: {rec}"
     );
 }
+
+/// The hot window (`suspend.hot_for`) is for machines a suspension stops
+/// (qemu, EC2): on `local` and `ssh` the script waits on a host that stays
+/// up, so a window keeps nothing running and costs nothing: the record is
+/// not hot, no `dormant cool` waiter is started, `dormant-ask` says the
+/// script is kept until it is continued, and the continue is as without it.
+#[test]
+fn a_hot_window_is_a_no_op_on_local_and_ssh() {
+    let sshd = Sshd::start();
+    let (ssh, _) = ssh_rig_with(&sshd, "[suspend]\nhot_for = \"10m\"");
+    let local = Rig::new("1", "s_66aa66aa66aa", "[suspend]\nhot_for = \"10m\"\n");
+    for (name, rig) in [("ssh", &ssh), ("local", &local)] {
+        let d = tempfile::tempdir().unwrap();
+        let r = rig.run(&job(86).script(&asking(d.path(), "Hot?")));
+        assert_result(&r, JobResult::Success);
+        let key = r.key.clone().unwrap();
+        let log = r.log();
+        assert!(
+            log.lines().any(|l| l
+                == "dormant-ask: the paused script is kept until it is continued, or the \
+                    environment is released (suspend.ttl = \"7d\")"),
+            "{name}: {log}"
+        );
+        let rec = rig.record(&key).unwrap();
+        assert_eq!(rec["status"], "suspended", "{name}: {rec}");
+        assert!(rec["hot_until"].is_null(), "{name}: not hot: {rec}");
+        assert!(
+            !rig.env_dir(&key).join("cool.log").exists(),
+            "{name}: no waiter was started"
+        );
+        let r2 = rig.run(&job(86).resume(&key).script("dormant-continue hi"));
+        assert_result(&r2, JobResult::BuildFailure(Some(7)));
+        assert!(r2.log().contains("answer=[hi]"), "{name}: {}", r2.log());
+    }
+}

@@ -77,6 +77,11 @@ enum Place {
     Ssh(#[allow(dead_code)] Sshd, Rig),
     #[cfg(feature = "ec2")]
     Ec2(Box<Ec2Env>, Rig),
+    /// The same with a hot window (`suspend.hot_for = "10m"`): the continue
+    /// takes the running instance (no StartInstances, so no hold; the
+    /// loopback sshd stays up as the running instance's would).
+    #[cfg(feature = "ec2")]
+    Ec2Hot(Box<Ec2Env>, Rig),
 }
 
 impl Place {
@@ -93,11 +98,21 @@ impl Place {
         Place::Ec2(Box::new(env), rig)
     }
 
+    #[cfg(feature = "ec2")]
+    fn ec2_hot() -> Place {
+        let env = Ec2Env::start();
+        let settings = crate::ec2_pause::hibernating(&env) + "[suspend]\nhot_for = \"10m\"\n";
+        let rig = env.rig("75", "s_75aa75aa75aa", &settings);
+        Place::Ec2Hot(Box::new(env), rig)
+    }
+
     fn name(&self) -> &'static str {
         match self {
             Place::Ssh(..) => "ssh (loopback sshd)",
             #[cfg(feature = "ec2")]
             Place::Ec2(..) => "ec2 `hibernate` (moto)",
+            #[cfg(feature = "ec2")]
+            Place::Ec2Hot(..) => "ec2 `hibernate`, hot window (moto)",
         }
     }
 
@@ -106,6 +121,8 @@ impl Place {
             Place::Ssh(_, rig) => rig,
             #[cfg(feature = "ec2")]
             Place::Ec2(_, rig) => rig,
+            #[cfg(feature = "ec2")]
+            Place::Ec2Hot(_, rig) => rig,
         }
     }
 
@@ -115,6 +132,8 @@ impl Place {
             Place::Ssh(..) => Duration::ZERO,
             #[cfg(feature = "ec2")]
             Place::Ec2(..) => pending,
+            #[cfg(feature = "ec2")]
+            Place::Ec2Hot(..) => Duration::ZERO,
         }
     }
 
@@ -127,6 +146,14 @@ impl Place {
             Place::Ec2(env, rig) => {
                 env.proxy.hold_transitions(pending, Duration::ZERO);
                 let r = crate::ec2_bench::run_booting(env, rig, job, pending, true, &mut |_| {});
+                env.proxy.hold_transitions(Duration::ZERO, Duration::ZERO);
+                r
+            }
+            // The same hold is set: a StartInstances (there is none) would sit it out.
+            #[cfg(feature = "ec2")]
+            Place::Ec2Hot(env, rig) => {
+                env.proxy.hold_transitions(pending, Duration::ZERO);
+                let r = crate::ec2_bench::run_booting(env, rig, job, pending, false, &mut |_| {});
                 env.proxy.hold_transitions(Duration::ZERO, Duration::ZERO);
                 r
             }
@@ -257,7 +284,8 @@ fn secs(d: Option<Duration>) -> String {
 
 /// The benchmark: `DORMANT_BENCH_RUNS` (default 3), `DORMANT_BENCH_PENDING`
 /// (seconds EC2's start is held; default 20), `DORMANT_BENCH_PROVIDERS`
-/// (`ssh`, `ec2`, comma-separated; default both). Prints a table.
+/// (`ssh`, `ec2`, `ec2-hot`, comma-separated; default ssh,ec2,ec2-hot).
+/// Prints a table.
 #[test]
 #[ignore = "a benchmark: scripts/bench-pause.sh runs it"]
 fn bench_pause() {
@@ -272,7 +300,8 @@ fn bench_pause() {
             .map(|v| v.parse().expect("DORMANT_BENCH_PENDING is seconds"))
             .unwrap_or(20.0),
     );
-    let providers = std::env::var("DORMANT_BENCH_PROVIDERS").unwrap_or_else(|_| "ssh,ec2".into());
+    let providers =
+        std::env::var("DORMANT_BENCH_PROVIDERS").unwrap_or_else(|_| "ssh,ec2,ec2-hot".into());
     let mut rows = Vec::new();
     for p in providers
         .split(',')
@@ -283,7 +312,9 @@ fn bench_pause() {
             "ssh" => Place::ssh(),
             #[cfg(feature = "ec2")]
             "ec2" => Place::ec2(),
-            other => panic!("no provider {other:?} here: ssh, ec2 (with the ec2 feature)"),
+            #[cfg(feature = "ec2")]
+            "ec2-hot" => Place::ec2_hot(),
+            other => panic!("no provider {other:?} here: ssh, ec2, ec2-hot (with the ec2 feature)"),
         };
         for by in [By::Ask, By::Host, By::NotPaused] {
             let mut measured = Vec::new();

@@ -11,8 +11,11 @@
 //! runs a counter that `dormant pause JOB_ID` freezes mid-run, the VM
 //! hibernates again with it frozen, and a fourth job's `dormant-continue`
 //! wakes it: every line exactly once across the two logs, its exit code
-//! carried; that job has no trigger, so the environment is released and
-//! nothing is left. The protocol's other cases are on the ssh provider
+//! carried; that job keeps it (suspends on failure), and a hot round
+//! follows on the same boot (`hot_round`): a continue within the hot window
+//! takes the running VM, the window's end hibernates it without a job, and
+//! a cold continue restores the same process; the last job has no trigger,
+//! so the environment is released and nothing is left. The protocol's other cases are on the ssh provider
 //! (`pause.rs`, `pause_host.rs`).
 
 use std::time::{Duration, Instant};
@@ -123,8 +126,10 @@ fn qemu_hibernate_keeps_a_paused_script_and_a_resumed_job_continues_it() {
         "hibernated with the script frozen"
     );
 
+    // Suspends on failure (exit 3): the hot round below runs on this boot.
     let fourth = job(98)
         .resume(&key)
+        .suspend_on(false, true)
         .script("touch /tmp/release; dormant-continue");
     let r4 = rig.run(&fourth);
     let log4 = r4.log();
@@ -137,8 +142,102 @@ fn qemu_hibernate_keeps_a_paused_script_and_a_resumed_job_continues_it() {
         n >= 1 && lines == (1..=n).collect::<Vec<_>>(),
         "every line exactly once across the two logs:\n{log3}\n---\n{log4}"
     );
+    assert!(qemu_pids(&env).is_empty(), "hibernated again");
+    hot_round(&rig, &key, &env);
+}
+
+/// The hot window on the same boot (docs/pause.md, "The hot window"): with
+/// `suspend.hot_for`, a job that asks leaves the VM running (no
+/// hibernation); the next job continues it hot (no restore) and asks again;
+/// with a short window, the detached `dormant cool` hibernates the VM
+/// without a job; a last job restores it and continues the same process
+/// cold, then the environment is released. Prints the resuming jobs' time
+/// to the first byte after the answer, hot and hibernated (one run).
+fn hot_round(rig: &Rig, key: &str, env: &dormant::model::EnvPaths) {
+    let set_hot_for = |hot_for: &str| {
+        let text = std::fs::read_to_string(&rig.settings_path).unwrap();
+        let base = text.split("[suspend]\n").next().unwrap().to_string();
+        std::fs::write(
+            &rig.settings_path,
+            format!("{base}[suspend]\nhot_for = \"{hot_for}\"\n"),
+        )
+        .unwrap();
+    };
+    set_hot_for("5m");
+    let fifth = job(98).resume(key).script(
+        "a=$(dormant-ask 'hot?'); echo \"hot-answer=[$a] pid=$BASHPID\"; \
+         b=$(dormant-ask 'cold?'); echo \"cold-answer=[$b] pid=$BASHPID\"; exit 5",
+    );
+    let r5 = rig.run(&fifth);
+    assert_result(&r5, JobResult::Success);
+    let log5 = r5.log();
+    assert!(
+        log5.contains("dormant-ask: the machine stays running 5m after this job"),
+        "{log5}"
+    );
+    assert!(
+        !r5.cleanup_output().contains("hibernated"),
+        "{}",
+        r5.cleanup_output()
+    );
+    assert!(!qemu_pids(env).is_empty(), "the VM runs in its hot window");
+    let rec = rig.record(key).unwrap();
+    assert_eq!(rec["status"], "suspended", "{rec}");
+    assert!(rec["hot_until"].is_u64(), "{rec}");
+
+    // The continue takes the running VM; its own ask gets a short window.
+    set_hot_for("5s");
+    let sixth = job(98).resume(key).script("dormant-continue yes");
+    let r6 = rig.run(&sixth);
+    assert_result(&r6, JobResult::Success);
+    let log6 = r6.log();
+    assert!(
+        log6.contains("is hot: taking its running machine"),
+        "{log6}"
+    );
+    assert!(!log6.contains("restored"), "no restore:\n{log6}");
+    assert!(log6.contains("hot-answer=[yes] pid="), "{log6}");
+    let pid = field(&log6.replace("hot-answer=[yes] pid=", "pid "), "pid");
+    let hot = crate::pause_bench::prepare_to_line(&r6, "build_script", "hot-answer=");
+
+    // The window passes with no job: the waiter hibernates the VM.
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while !(qemu_pids(env).is_empty()
+        && rig
+            .record(key)
+            .is_some_and(|r| r["hot_until"].is_null() && r["status"] == "suspended"))
+    {
+        assert!(Instant::now() < deadline, "the hot window never ended");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let events =
+        String::from_utf8_lossy(&rig.dormant(&["events", "--json", key]).stdout).into_owned();
+    assert!(
+        events
+            .lines()
+            .any(|l| l.contains("\"event\":\"suspended\"") && l.contains("\"cause\":\"cooled\"")),
+        "{events}"
+    );
+
+    // The cold continue: restored, the same process.
+    let seventh = job(98).resume(key).script("dormant-continue no");
+    let r7 = rig.run(&seventh);
+    let log7 = r7.log();
+    assert_result(&r7, JobResult::BuildFailure(Some(5)));
+    assert!(log7.contains("restored"), "{log7}");
+    assert!(
+        log7.contains(&format!("cold-answer=[no] pid={pid}\n")),
+        "{log7}"
+    );
+    let cold = crate::pause_bench::prepare_to_line(&r7, "build_script", "cold-answer=");
+    eprintln!(
+        "qemu (TCG) continue, resuming job's first call to the first byte after the answer: \
+         hot {} s, hibernated {} s",
+        hot.map(secs).unwrap_or_default(),
+        cold.map(secs).unwrap_or_default()
+    );
     // No trigger in the last job: released, nothing left running.
-    assert!(qemu_pids(&env).is_empty());
+    assert!(qemu_pids(env).is_empty());
     assert!(!env.dir.exists(), "release left {}", env.dir.display());
 }
 

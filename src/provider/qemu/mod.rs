@@ -239,6 +239,12 @@ impl Provider for QemuProvider {
         (self.settings.warm > 0 || self.store.root().join("warm").exists()).then_some(self)
     }
 
+    /// Every running VM holds a slot, a hot one too; a hibernated one none.
+    async fn running_slots_full(&self, _ctx: &Ctx) -> Result<bool> {
+        let max = self.settings.max_environments;
+        Ok(max > 0 && capacity::running(self.store.root()) >= max as usize)
+    }
+
     async fn create_or_reclaim(&self, spec: &MachineSpec, ctx: &Ctx) -> Result<Machine> {
         let result = self.create(spec, ctx).await;
         if result.is_err()

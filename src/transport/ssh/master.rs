@@ -150,51 +150,11 @@ impl Master {
     /// Closes the master (if one runs) and removes the control directory.
     /// Idempotent; a master that already died is not an error.
     pub async fn close(&self) -> Result<()> {
-        // Every live master, not just the first: two stage processes that
-        // overlapped (a cleanup beside a run the runner gave up on) may each
-        // have started one.
-        for dir in self.connection_dirs() {
-            let socket = dir.join("master");
-            if socket.exists() {
-                let session = Session::resume_mux(
-                    socket.into_boxed_path(),
-                    Some(dir.join("log").into_boxed_path()),
-                );
-                // Asks the master to stop taking sessions and exit once the
-                // last one is closed. A master that already died is gone anyway.
-                if let Err(e) = session.close().await {
-                    tracing::debug!("closing the SSH master of {}: {e}", self.paths.id);
-                }
-            }
-            let _ = std::fs::remove_dir_all(&dir);
-        }
-        match std::fs::remove_dir(&self.paths.control_dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(e).with_context(|| {
-                format!(
-                    "removing control directory {}",
-                    self.paths.control_dir.display()
-                )
-            }),
-        }
+        close_masters(&self.paths).await
     }
 
     fn connection_dirs(&self) -> Vec<PathBuf> {
-        let Ok(entries) = std::fs::read_dir(&self.paths.control_dir) else {
-            return Vec::new();
-        };
-        let mut dirs: Vec<PathBuf> = entries
-            .filter_map(Result::ok)
-            .filter(|e| {
-                e.file_name()
-                    .to_string_lossy()
-                    .starts_with(CONNECTION_DIR_PREFIX)
-            })
-            .map(|e| e.path())
-            .collect();
-        dirs.sort();
-        dirs
+        connection_dirs(&self.paths)
     }
 
     /// Starts a master once the host answers SSH: its banner is probed every
@@ -357,4 +317,53 @@ enum Attempt {
 
 fn has_content(path: &Path) -> bool {
     std::fs::metadata(path).is_ok_and(|m| m.len() > 0)
+}
+
+/// [`Master::close`] without a target: every master of the environment is
+/// asked to exit and the control directory removed. For the end of a hot
+/// window (`lifecycle::hot`), whose cooler has no transport: the master a
+/// hot machine's job left must not outlive the machine's stop, or the next
+/// resume would attach to a dead connection.
+pub async fn close_masters(paths: &EnvPaths) -> Result<()> {
+    // Every live master, not just the first: two stage processes that
+    // overlapped (a cleanup beside a run the runner gave up on) may each
+    // have started one.
+    for dir in connection_dirs(paths) {
+        let socket = dir.join("master");
+        if socket.exists() {
+            let session = Session::resume_mux(
+                socket.into_boxed_path(),
+                Some(dir.join("log").into_boxed_path()),
+            );
+            // Asks the master to stop taking sessions and exit once the
+            // last one is closed. A master that already died is gone anyway.
+            if let Err(e) = session.close().await {
+                tracing::debug!("closing the SSH master of {}: {e}", paths.id);
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    match std::fs::remove_dir(&paths.control_dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e)
+            .with_context(|| format!("removing control directory {}", paths.control_dir.display())),
+    }
+}
+
+fn connection_dirs(paths: &EnvPaths) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(&paths.control_dir) else {
+        return Vec::new();
+    };
+    let mut dirs: Vec<PathBuf> = entries
+        .filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(CONNECTION_DIR_PREFIX)
+        })
+        .map(|e| e.path())
+        .collect();
+    dirs.sort();
+    dirs
 }

@@ -17,6 +17,7 @@ pub(crate) mod kept;
 mod kept_control;
 pub(crate) mod kept_state;
 mod master;
+pub use master::close_masters;
 pub(crate) mod pause;
 pub mod ready;
 pub(crate) mod remote;
