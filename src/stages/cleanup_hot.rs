@@ -1,0 +1,75 @@
+//! Cleanup of a job that ends paused into the hot window (docs/pause.md,
+//! "The hot window"): whether its environment has one, and keeping it hot —
+//! the machine runs on, the record says suspended until `hot_until`, a
+//! detached `dormant cool` ends the window. A child of `cleanup.rs`.
+
+use anyhow::Result;
+
+use crate::lifecycle;
+use crate::notify::Event;
+use crate::transport::Transport;
+
+use super::{announce, suspend, Held, Why};
+
+/// The hot window of a job that ends paused, if this environment has one
+/// (`lifecycle::hot::window`): never for a machine lost under the job.
+pub(super) fn hot_window(held: Held<'_>, why: &Why) -> Option<std::time::Duration> {
+    if why.paused.is_none() || why.machine_lost.is_some() {
+        return None;
+    }
+    lifecycle::hot::window(&held.s.settings, held.rec)
+}
+
+/// Suspends into the hot window: the machine keeps running, the record says
+/// suspended until `hot_until`, a detached `dormant cool` ends the window
+/// (the sweep does, if it dies). `Ok(true)`: kept hot (the SSH master stays
+/// for the resume); a termination meanwhile releases it instead.
+pub(super) async fn keep_hot(
+    held: Held<'_>,
+    why: &Why,
+    window: std::time::Duration,
+    transport: Option<&dyn Transport>,
+) -> Result<bool> {
+    let Held {
+        s,
+        state,
+        paths,
+        holder,
+        ..
+    } = held;
+    let ctx = held.ctx;
+    let id = state.env_id;
+    if s.cancel.is_cancelled() {
+        return suspend(held, why, transport).await.map(|()| false);
+    }
+    let reason = why.suspend_reason();
+    let rec = lifecycle::hot::keep_hot(s.world(), paths, holder, window, &reason, ctx).await?;
+    let until = rec.hot_until().unwrap_or_default();
+    s.log.info(format!(
+        "job {} {}: paused; environment {id} stays hot (its machine runs) until {}, then it is \
+         suspended; key: {}",
+        state.job_id,
+        why.outcome.as_str(),
+        lifecycle::hot::until_text(until),
+        rec.key.as_deref().unwrap_or("(none recorded)")
+    ));
+    match lifecycle::hot::start_waiter(paths) {
+        Ok(pid) => tracing::debug!("dormant cool {id} started (pid {pid})"),
+        Err(e) => s.log.warn(format!(
+            "environment {id}: starting the hot window's waiter failed ({e:#}); the next sweep \
+             suspends it once the window has passed"
+        )),
+    }
+    announce(
+        s,
+        Event::Suspend,
+        &rec,
+        format!(
+            "{}; hot until {}",
+            reason.text,
+            lifecycle::hot::until_text(until)
+        ),
+    )
+    .await;
+    Ok(true)
+}
