@@ -18,11 +18,9 @@ pub const VAR: &str = "DORMANT_PAUSE";
 /// saying so instead of finding nothing or waiting.
 pub const LOST_VAR: &str = "DORMANT_PAUSE_LOST";
 
-/// The variable `dormant-ask` prints on stderr before it asks: how long the
-/// script will be kept (set where a pause is allowed).
-pub const KEEP_VAR: &str = "DORMANT_PAUSE_KEEP";
-
-/// What [`KEEP_VAR`] says: the hot window, and what follows it.
+/// How long a paused script will be kept: the hot window, and what follows
+/// it. `dormant run` prints it as a `dormant-ask:` line of its own right
+/// after the question's line (where a pause is allowed).
 pub fn keep_message(settings: &Settings, record: &EnvironmentRecord) -> Option<String> {
     if refusal(settings, record).is_some() {
         return None;

@@ -101,7 +101,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
     )
     .await;
     let lost = lost_under(s, &machine, &result, &ctx).await;
-    let paused = waits_on_question(&result, &record);
+    let paused = waits_on_question(&result, &record, &s.settings);
     let volume = record.storage == StorageMode::Volume;
     let (recorded, outcome) = classify(s, &state, stage, result, lost.as_ref(), volume)?;
     // Cleanup settles it by volume mode's rules (the volume kept as the
@@ -183,10 +183,6 @@ fn script_env(
     // says so at once (the record stops saying paused at this job's cleanup).
     if let Some(lost) = crate::lifecycle::pause::lost_message(record) {
         env.push((crate::lifecycle::pause::LOST_VAR.to_string(), lost));
-    }
-    // How long a paused script would be kept: `dormant-ask` says it.
-    if let Some(keep) = crate::lifecycle::pause::keep_message(&s.settings, record) {
-        env.push((crate::lifecycle::pause::KEEP_VAR.to_string(), keep));
     }
     // Test builds: the crash points of the scripts on the machine.
     env.extend(crate::failpoint::script_env());
@@ -303,7 +299,11 @@ async fn lost_under(
 
 /// The script asked and waits (docs/pause.md): the job log ends with the
 /// question, the stage succeeds, cleanup keeps the script.
-fn waits_on_question(result: &Result<Ran>, record: &EnvironmentRecord) -> Option<String> {
+fn waits_on_question(
+    result: &Result<Ran>,
+    record: &EnvironmentRecord,
+    settings: &crate::settings::Settings,
+) -> Option<String> {
     match result {
         Ok(Ran {
             paused: Some(question),
@@ -314,6 +314,13 @@ fn waits_on_question(result: &Result<Ran>, record: &EnvironmentRecord) -> Option
             use std::io::Write;
             let mut out = std::io::stdout().lock();
             let _ = out.write_all(crate::lifecycle::pause::log_line(&key, &question).as_bytes());
+            // How long the script is kept, on a line of its own after the
+            // question's: not from `dormant-ask` into the script's output,
+            // where it landed mid-line after a prompt and was no byte the
+            // script wrote.
+            if let Some(keep) = crate::lifecycle::pause::keep_message(settings, record) {
+                let _ = out.write_all(format!("dormant-ask: {keep}\n").as_bytes());
+            }
             let _ = out.flush();
             Some(question)
         }
