@@ -23,54 +23,12 @@ if [ ! -O "$t" ] || [ -L "$t" ]; then echo "dormant-error $t is not a directory 
 # before dormant heard of the start claims once it has the script, and
 # follows the stage if one did before.)
 f= c=
-# The script writes into a pipe, never into the file nor the connection:
-# it runs on whatever happens to the connection, and whatever it does with
-# its descriptors (`>/dev/stderr` reopens the pipe, which has no length to
-# truncate). The pump at the pipe's other end is the one writer of the file
-# (it shares fd 3's file description: the wrapper's fd 3 position is the
-# output's length) and keeps it within its bound: past it, it reads no more
-# and the script waits on a full pipe until dormant has taken its output
-# (`.kept`). It ends at the pipe's end of file: when the script's group,
-# background writers included, has let go of it.
-pump() {
-  local l z y k x n=
-  exec 2>/dev/null
-  while :; do
-    k=0; { read -r k < "$o.kept"; } 2>/dev/null
-    z=; while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$BASHPID/fdinfo/1"
-    x=$((K - z + ${k:-0}))
-    if [ "$x" -gt 0 ]; then
-      # (Reads of at most 64 KiB, as many as fit; less room: one read.)
-      if [ "$x" -ge 65536 ]; then LC_ALL=C dd bs=65536 count=$((x >> 16)) status=none; else LC_ALL=C dd bs="$x" count=1 status=none; fi || exit
-      y=$z; z=
-      while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$BASHPID/fdinfo/1"
-      # (dd stops short of its count only at the end of the pipe.)
-      [ "$z" = "$y" ] && exit
-    else
-      [ -n "$n" ] || { exec 8< <(:); exec 8<>/dev/fd/8; n=1; }
-      read -r -t 0.05 -u 8 _
-    fi
-  done
-}
-# (A coprocess: its stdout, which it keeps as fd 9 and never writes, is
-# how the wrapper hears it end — an end of file, no polling.)
-# It starts as soon as the stage is claimed, before the script is read: the
-# start of its `dd` (a fork and an exec) runs beside the rest of the
-# wrapper's start, and is over when a short script ends, whose end waits
-# for the pump's (docs/performance.md).
-pumped() {
-  coproc PUMP { pump 9>&1 >&3 3>&-; }
-  u=$PUMP_PID
-  exec 4>&"${PUMP[1]}" 5<&"${PUMP[0]}"
-  eval "exec ${PUMP[1]}>&- ${PUMP[0]}<&-"
-}
 claim() {
   set -C
   if { exec 3>"$o.out"; } 2>/dev/null; then
     c=1
   fi
   set +C
-  [ -z "$c" ] || pumped
 }
 [ "$6" = start ] && claim
 # Not run after all: the claim goes.
@@ -87,7 +45,7 @@ if [ "$6" != follow ] && [ -n "$2" ] && ! cd -- "$2" 2>/dev/null; then
 fi
 m= p=
 [ "$6" = retry ] && claim
-unset -f claim unclaim pumped
+unset -f claim unclaim
 if [ -z "$c" ] && [ "$6" = start ]; then echo "dormant-error could not create $o.out to keep the stage's output" >&2; exit 97; fi
 if [ -n "$c" ]; then
   m=$$ rep=
@@ -102,7 +60,7 @@ if [ -n "$c" ]; then
   # The follower ends within 0.2 s of its owner (--pid): an owner killed
   # before it could record the follower's pid leaves no `tail` behind.
   ( u=$BASHPID; LC_ALL=C tail --pid=$u -s 0.2 -c +1 -f -- "$o.out" </dev/null 2>/dev/null 3>&- & f=$!
-    disown "$f"; exec >/dev/null; eval "${10}"; own start ) <&0 4>&- 5<&- & w=$!
+    disown "$f"; exec >/dev/null; eval "${10}"; own start ) <&0 & w=$!
   exec 0</dev/null >/dev/null
   # `$$` in the script is this wrapper: what the script sends it is passed on
   # to the script, as in the direct wrapper (direct.sh says why).
@@ -111,6 +69,43 @@ if [ -n "$c" ]; then
     trap "x=1; if [ -n \"\$p\" ]; then kill -s $g \$p; else q=$g; fi 2>/dev/null" "$g"
   done
   trap "x=1; if [ -n \"\$p\" ]; then kill -s INT -- -\$p; else q=INT; fi 2>/dev/null" INT
+  # The script writes into a pipe, never into the file nor the connection:
+  # it runs on whatever happens to the connection, and whatever it does with
+  # its descriptors (`>/dev/stderr` reopens the pipe, which has no length to
+  # truncate). The pump at the pipe's other end is the one writer of the file
+  # (it shares fd 3's file description: the wrapper's fd 3 position is the
+  # output's length) and keeps it within its bound: past it, it reads no more
+  # and the script waits on a full pipe until dormant has taken its output
+  # (`.kept`). It ends at the pipe's end of file: when the script's group,
+  # background writers included, has let go of it.
+  pump() {
+    local l z y k x n=
+    exec 2>/dev/null
+    while :; do
+      k=0; { read -r k < "$o.kept"; } 2>/dev/null
+      z=; while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$BASHPID/fdinfo/1"
+      x=$((K - z + ${k:-0}))
+      if [ "$x" -gt 0 ]; then
+        # (Reads of at most 64 KiB, as many as fit; less room: one read. In
+        # the C locale, like the follower: loading the host's locale only
+        # slows its start, and it prints nothing a locale changes.)
+        if [ "$x" -ge 65536 ]; then LC_ALL=C dd bs=65536 count=$((x >> 16)) status=none; else LC_ALL=C dd bs="$x" count=1 status=none; fi || exit
+        y=$z; z=
+        while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$BASHPID/fdinfo/1"
+        # (dd stops short of its count only at the end of the pipe.)
+        [ "$z" = "$y" ] && exit
+      else
+        [ -n "$n" ] || { exec 8< <(:); exec 8<>/dev/fd/8; n=1; }
+        read -r -t 0.05 -u 8 _
+      fi
+    done
+  }
+  # (A coprocess: its stdout, which it keeps as fd 9 and never writes, is
+  # how the wrapper hears it end — an end of file, no polling.)
+  coproc PUMP { pump 9>&1 >&3 3>&-; }
+  u=$PUMP_PID
+  exec 4>&"${PUMP[1]}" 5<&"${PUMP[0]}"
+  eval "exec ${PUMP[1]}>&- ${PUMP[0]}<&-"
   { set -m; ( set +m; trap : QUIT; [ -z "${11}" ] || export DORMANT_STAGE=$o PATH=$t/${11}:$PATH; unset w p q g x r o f t m c K L rep u PUMP PUMP_PID; unset -f pump; set --; eval "$s" ) </dev/null >&4 2>&4 3>&- 4>&- 5<&- & p=$!; set +m; } 2>/dev/null
   exec 4>&-
   unset s
