@@ -86,8 +86,10 @@ if [ -n "$c" ]; then
       z=; while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$BASHPID/fdinfo/1"
       x=$((K - z + ${k:-0}))
       if [ "$x" -gt 0 ]; then
-        # (Reads of at most 64 KiB, as many as fit; less room: one read.)
-        if [ "$x" -ge 65536 ]; then dd bs=65536 count=$((x >> 16)) status=none; else dd bs="$x" count=1 status=none; fi || exit
+        # (Reads of at most 64 KiB, as many as fit; less room: one read. In
+        # the C locale, like the follower: loading the host's locale only
+        # slows its start, and it prints nothing a locale changes.)
+        if [ "$x" -ge 65536 ]; then LC_ALL=C dd bs=65536 count=$((x >> 16)) status=none; else LC_ALL=C dd bs="$x" count=1 status=none; fi || exit
         y=$z; z=
         while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$BASHPID/fdinfo/1"
         # (dd stops short of its count only at the end of the pipe.)
