@@ -252,12 +252,14 @@ where
             let _ = control.send(format!("TAKEN {}", st.stream.offset()));
             confirm = true;
             st.stream.end_line();
-        } else if !s.cancelled {
+        } else if !s.cancelled && s.relaying {
             // The job log has the stage's end: a paused script the stage
             // relayed to its end goes with the stage's files (`DONE`), and
-            // its owner records how far this job's log has it.
+            // its owner records how far this job's log has it. (Any other
+            // stage's owner takes the session's end over a live connection
+            // for dormant's: nothing to say, nothing to wait for.)
             let _ = control.send("DONE".into());
-            confirm = s.relaying;
+            confirm = true;
         }
         drop(control);
         if confirm {
