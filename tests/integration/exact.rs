@@ -32,9 +32,10 @@
 //!   right before such lines may be dormant's, ending the script's unfinished
 //!   line, and is then not the script's), equal the side files: the
 //!   foreground bytes exactly, each background writer's lines exactly once
-//!   in its order. The one exception: after a kill -9 of `dormant run`, the
-//!   next job's output may start with at most [`CHUNK_MAX`] bytes that the
-//!   killed job had shown already (the chunk in flight);
+//!   in its order. The one exception: after a kill -9 of `dormant run` or
+//!   of `dormant-continue`, the next job's output may start with at most
+//!   [`CHUNK_MAX`] bytes that the killed job had shown already (the read or
+//!   the copy in flight; docs/pause.md, "Exactness and bounds");
 //! - the last job carries the script's exit code;
 //! - every job, `dormant pause` and wait ends within its bound
 //!   ([`JOB_BOUND`], [`PAUSE_BOUND`], [`GONE_BOUND`]): a hang fails the case
@@ -49,9 +50,9 @@
 //! `DORMANT_EXACT_SEED=<seed> cargo test --all-features --test integration
 //! exact::exact_generated` runs that one case again (on both providers),
 //! `DORMANT_EXACT_CASES=<n>` runs n cases per provider instead of the
-//! suite's fixed ones, and `scripts/soak-exact.sh N` runs many. The
-//! suite's fixed cases run without their kill -9 events (`run_seeds` says
-//! why); a replayed seed and the soak run them as generated.
+//! suite's fixed ones, and `scripts/soak-exact.sh N` runs many. The suite
+//! also runs the seeds the soak found failing before their fix
+//! ([`REGRESSION_LOCAL`], [`REGRESSION_SSH`]), each with its events.
 //!
 //! The named tests at the bottom pin each defect of issue 37 with a small
 //! script through the same driver and checker.
@@ -88,6 +89,32 @@ const FIXED_CASES_LOCAL: u64 = 8;
 const FIXED_CASES_SSH: u64 = 8;
 /// The first seed of the suite's fixed cases (`DORMANT_EXACT_SEED` replays one).
 const FIXED_BASE: u64 = 3700;
+/// Seeds the soak found failing, run by the suite after the fixed ones,
+/// each as generated (kills too), with what it found:
+/// - local 3693788959123266103: a killed `dormant run` after its script
+///   asked again lost the round's output (the continue started at the
+///   round's offset, not at `.kept`);
+/// - local 7653915311622478464: the cleanup after a killed `dormant run`
+///   stopped the owner before it took the acknowledgements waiting in its
+///   input (256 KiB shown twice).
+const REGRESSION_LOCAL: &[u64] = &[3693788959123266103, 7653915311622478464];
+/// The same on `ssh`:
+/// - ssh 685293378804353026 (no kill): a question withdrawn (`timeout 1
+///   dormant-ask` on a slow machine) while the owner took its offset put
+///   `tail: cannot open` into the job log;
+/// - ssh 685293378804353013: acknowledgements waited behind a fast stream
+///   in dormant's select, 1.4 MB shown twice after a killed `dormant run`;
+/// - ssh 3049041551198465596: a continue killed as it rewrote `.base`
+///   left it empty, and lines still in the connection at a relaying
+///   stage's end were lost (about 1 MB shown twice);
+/// - ssh 5905181072057727590: the job's cleanup found the relayed script's
+///   files before the owner removed them and kept its question.
+const REGRESSION_SSH: &[u64] = &[
+    685293378804353026,
+    685293378804353013,
+    3049041551198465596,
+    5905181072057727590,
+];
 
 // ---------------------------------------------------------------- generator
 
@@ -1447,8 +1474,9 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 /// The seeds to run: `DORMANT_EXACT_SEED` alone, else `DORMANT_EXACT_CASES`
-/// from a random base (printed), else the suite's fixed ones.
-fn seeds(fixed: u64) -> Vec<u64> {
+/// from a random base (printed), else the suite's fixed ones and the
+/// provider's regression seeds.
+fn seeds(fixed: u64, regression: &[u64]) -> Vec<u64> {
     if let Some(s) = env_u64("DORMANT_EXACT_SEED") {
         return vec![s];
     }
@@ -1458,29 +1486,21 @@ fn seeds(fixed: u64) -> Vec<u64> {
             eprintln!("exact: {n} cases from seed {base}");
             (base..base + n).collect()
         }
-        None => (FIXED_BASE..FIXED_BASE + fixed).collect(),
+        None => (FIXED_BASE..FIXED_BASE + fixed)
+            .chain(regression.iter().copied())
+            .collect(),
     }
 }
 
 fn run_seeds(provider: Provider, fixed: u64) {
     let mut failed = Vec::new();
     let t = Instant::now();
-    // The suite's fixed cases leave out kill -9 events: combined with a
-    // relay and a loaded machine they still find defects (issue 37 stays
-    // open on them: a killed `dormant run` of a continuing job can leave the
-    // next job without the paused script, or show a long tail twice). The
-    // soak (`DORMANT_EXACT_CASES`, `scripts/soak-exact.sh`) and a replayed
-    // seed run them; the named kill test below runs in the suite.
-    let suite = env_u64("DORMANT_EXACT_SEED").is_none() && env_u64("DORMANT_EXACT_CASES").is_none();
-    if suite {
-        eprintln!("exact: the suite's fixed cases run without kill -9 events (scripts/soak-exact.sh runs them)");
-    }
-    for seed in seeds(fixed) {
-        let mut case = Case::generate(seed, provider);
-        if suite {
-            case.events
-                .retain(|e| !matches!(e.kind, EventKind::KillRun | EventKind::KillContinue));
-        }
+    let regression = match provider {
+        Provider::Local => REGRESSION_LOCAL,
+        Provider::Ssh => REGRESSION_SSH,
+    };
+    for seed in seeds(fixed, regression) {
+        let case = Case::generate(seed, provider);
         let started = Instant::now();
         let r = run_case(&case, provider);
         eprintln!(

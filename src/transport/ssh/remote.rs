@@ -371,8 +371,9 @@ pub enum Report {
     /// Kept: the script asked (`dormant-ask`); this round's output ends at
     /// this offset; the question (docs/pause.md).
     Paused(u64, Vec<u8>),
-    /// Kept: the stage's script relays a paused script (`dormant-continue`):
-    /// what this job's log has of it is recorded from dormant's `ACK`s.
+    /// Kept: the stage's script relayed a paused script (`dormant-continue`
+    /// wrote `.relay`), said right before its end: dormant says `DONE` and
+    /// waits for the owner's `dormant-took`.
     Relaying,
     /// Kept: the owner has taken dormant's `TAKEN` or `DONE`, and every
     /// acknowledgement before it.

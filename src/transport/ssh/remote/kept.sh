@@ -109,13 +109,18 @@ if [ -n "$c" ]; then
   { set -m; ( set +m; trap : QUIT; [ -z "${11}" ] || export DORMANT_STAGE=$o PATH=$t/${11}:$PATH; unset w p q g x r o f t m c K L rep u PUMP PUMP_PID; unset -f pump; set --; eval "$s" ) </dev/null >&4 2>&4 3>&- 4>&- 5<&- & p=$!; set +m; } 2>/dev/null
   exec 4>&-
   unset s
+  # The session's stderr carries the reports only, on fd 6 from here: what
+  # bash itself says about its jobs (`line N: <pid> Killed ( set +m; ...`,
+  # when the script's group was killed while the wrapper was not in `wait`)
+  # would reach the job log through dormant.
+  exec 6>&2 2>/dev/null
   # A signal that came before the script's pid was known (the script may run
   # first after the fork): passed on now as its trap would have, INT too.
   case $q in "") ;; INT) kill -s INT -- "-$p";; *) kill -s "$q" "$p";; esac 2>/dev/null
   trap '' PIPE
   echo "$m $p" > "$o.pid"
   # (Claimed and started: one report, one write.)
-  printf 'dormant-kept\ndormant-pgid %s\n' "$p" >&2
+  printf 'dormant-kept\ndormant-pgid %s\n' "$p" >&6
   # A trapped signal (its trap sets x) ends `wait` early with 128+n, the
   # script's end still to be collected, even when the script has already
   # ended by then: wait again. A wait with nothing left to collect (127)
@@ -132,11 +137,13 @@ if [ -n "$c" ]; then
   # defined here; this wrapper's own fd cannot go away under the read).
   z=; while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$$/fdinfo/3"
   if [ -n "$3" ]; then
-    if [ -e "$3" ] || [ -L "$3" ]; then echo "dormant-watched present" >&2; else echo "dormant-watched absent" >&2; fi
+    if [ -e "$3" ] || [ -L "$3" ]; then echo "dormant-watched present" >&6; else echo "dormant-watched absent" >&6; fi
   fi
   # The end and the output's length: dormant is done once it has both.
   echo "$rc $z" > "$o.exit"
-  echo "dormant-exit $rc $z" >&2
+  # (A script that relayed a paused one, `dormant-continue`: said before
+  # the end, so that dormant says `DONE` and waits for the owner.)
+  { [ -e "$o.relay" ] && echo "dormant-relay"; echo "dormant-exit $rc $z"; } >&6
   # fd 3 open in this wrapper means "the script's group may live".
   exec 3>&-
   # sshd stops passing the session's input on once this process exits, and

@@ -159,9 +159,6 @@ taking() {
 relayed() {
   local ts ps pe x c
   { read -r ts ps pe < "$o.base" && read -r x < "$o.relay"; } 2>/dev/null || return
-  # (Said once: dormant then waits at the stage's end until this owner has
-  # its last acknowledgement, `dormant-took`, before it closes the session.)
-  [ -n "$rl" ] || { rl=1; echo "dormant-relay" >&2; }
   [ "$tk" -gt "$ts" ] 2>/dev/null || return
   c=$((ps + tk - ts))
   [ -n "$pe" ] && [ "$c" -gt "$pe" ] && c=$pe
@@ -229,7 +226,7 @@ up() {
 # connection, the script runs on and the stage is kept $L s for dormant to
 # come back. A newer owner (a re-attach) takes over.
 own() {
-  local me=$BASHPID c x y k=0 tk=0 rc= e= keep= dl pend= pz= wk= rl= g
+  local me=$BASHPID c x y k=0 tk=0 rc= e= keep= dl pend= pz= wk= g
   [ "$1" = start ] && echo "$me $f" > "$o.own"
   # A lost connection must not end the owner when it says something.
   trap '' PIPE
@@ -298,7 +295,7 @@ own() {
     read -r x y < "$o.own" 2>/dev/null
     [ "$x" = "$me" ] || { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
     z=; [ -e "$o.exit" ] && read -r x z < "$o.exit"
-    if [ -n "$z" ] && [ -n "$rep" ]; then echo "dormant-exit $x $z" >&2; rep=; fi
+    if [ -n "$z" ] && [ -n "$rep" ]; then { [ -e "$o.relay" ] && echo "dormant-relay"; echo "dormant-exit $x $z"; } >&2; rep=; fi
     if [ -z "$z" ]; then
       pos "$m" 3
       # The wrapper that ran the script is gone without recording its end.
