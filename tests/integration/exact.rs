@@ -108,12 +108,16 @@ const REGRESSION_LOCAL: &[u64] = &[3693788959123266103, 7653915311622478464];
 ///   left it empty, and lines still in the connection at a relaying
 ///   stage's end were lost (about 1 MB shown twice);
 /// - ssh 5905181072057727590: the job's cleanup found the relayed script's
-///   files before the owner removed them and kept its question.
+///   files before the owner removed them and kept its question;
+/// - ssh 9219574273027428238: without `DONE`, a connection cut while an
+///   ended stage's owner looked whether it lived kept its files for the
+///   whole reconnect timeout.
 const REGRESSION_SSH: &[u64] = &[
     685293378804353026,
     685293378804353013,
     3049041551198465596,
     5905181072057727590,
+    9219574273027428238,
 ];
 
 // ---------------------------------------------------------------- generator

@@ -252,14 +252,18 @@ where
             let _ = control.send(format!("TAKEN {}", st.stream.offset()));
             confirm = true;
             st.stream.end_line();
-        } else if !s.cancelled && s.relaying {
-            // The job log has the stage's end: a paused script the stage
-            // relayed to its end goes with the stage's files (`DONE`), and
-            // its owner records how far this job's log has it. (Any other
-            // stage's owner takes the session's end over a live connection
-            // for dormant's: nothing to say, nothing to wait for.)
+        } else if !s.cancelled {
+            // The job log has the stage's end (`DONE`): the owner drops the
+            // stage's files at once. (Without it the owner tells dormant's
+            // close from a lost connection by looking for 100 ms whether
+            // the connection lives, and a connection cut meanwhile left the
+            // files kept for the whole reconnect timeout: soak seed
+            // 9219574273027428238 on ssh.) A paused script the stage
+            // relayed to its end goes with them, and its owner records how
+            // far this job's log has it: then dormant waits for its
+            // `dormant-took`.
             let _ = control.send("DONE".into());
-            confirm = true;
+            confirm = s.relaying;
         }
         drop(control);
         if confirm {

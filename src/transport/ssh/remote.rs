@@ -33,9 +33,9 @@
 //! to byte `n` in its job log, sent after every read: the machine may drop
 //! it), `TAKEN <n>` (a
 //! paused round's job log ended at byte `n`: the next round starts there),
-//! `PAUSE <question>` (`dormant pause`), `DONE` (sent only by a stage that
-//! relayed a paused script, `dormant-relay`: dormant has the stage's end,
-//! the paused script relayed to its end goes with it), `KEEP`
+//! `PAUSE <question>` (`dormant pause`), `DONE` (dormant has the stage's
+//! end: its files go, and a paused script the stage relayed to its end,
+//! `dormant-relay`, goes with them), `KEEP`
 //! (below). Direct: end of file — dormant died or the
 //! connection was lost — terminates the group (SIGTERM, SIGKILL 5 s later),
 //! so a script never runs on with nobody to report to. Kept: end of file over
