@@ -68,6 +68,23 @@ fn events(rig: &Rig, key: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Kills the paused script whose pid `asking` wrote when the test ends,
+/// however it ends: one that fails an assertion must not leave the script
+/// waiting on this host for ever (its instance is moto's, its processes
+/// are real).
+struct KillsScript(std::path::PathBuf);
+
+impl Drop for KillsScript {
+    fn drop(&mut self) {
+        let pid = std::fs::read_to_string(&self.0)
+            .ok()
+            .and_then(|t| t.trim().parse::<u32>().ok());
+        if let Some(pid) = pid {
+            kill(pid);
+        }
+    }
+}
+
 fn kill(pid: u32) {
     // The script may have ended (continued): then there is nothing to kill.
     let _ = std::process::Command::new("kill")
@@ -81,6 +98,7 @@ fn ec2_a_continue_within_the_hot_window_takes_the_running_instance() {
     let env = Ec2Env::start();
     let rig = env.rig("81", "s_81aa81aa81aa", &hot(&env, "hibernate", "10m"));
     let d = tempfile::tempdir().unwrap();
+    let _script = KillsScript(d.path().join("pid"));
     let r = rig.run(&job(81).script(&asking(d.path(), "Ship it?")));
     assert_result(&r, JobResult::Success);
     let key = r.key.clone().expect("the ask suspends the environment");
@@ -165,6 +183,7 @@ fn ec2_a_hot_window_that_passes_hibernates_the_instance_once_without_a_job() {
     let env = Ec2Env::start();
     let rig = env.rig("82", "s_82aa82aa82aa", &hot(&env, "hibernate", "2s"));
     let d = tempfile::tempdir().unwrap();
+    let _script = KillsScript(d.path().join("pid"));
     let r = rig.run(&job(82).script(&asking(d.path(), "Merge?")));
     assert_result(&r, JobResult::Success);
     let key = r.key.clone().unwrap();
@@ -219,6 +238,7 @@ fn ec2_stop_mode_pauses_for_the_window_only_and_then_says_the_script_is_lost() {
         ),
     );
     let d = tempfile::tempdir().unwrap();
+    let _script = KillsScript(d.path().join("pid"));
     let r = rig.run(&job(83).script(&asking(d.path(), "Go?")));
     assert_result(&r, JobResult::Success);
     let key = r.key.clone().unwrap();
@@ -265,6 +285,7 @@ fn ec2_a_hot_windows_end_killed_at_each_step_is_finished_by_the_next_sweep() {
         let env = Ec2Env::start();
         let mut rig = env.rig("84", "s_84aa84aa84aa", &hot(&env, "hibernate", "2s"));
         let d = tempfile::tempdir().unwrap();
+        let _script = KillsScript(d.path().join("pid"));
         arm(&mut rig, Some(point), false);
         let r = rig.run(&job(84).script(&asking(d.path(), "Now?")));
         let key = r.key.clone().expect("a key");
@@ -315,6 +336,7 @@ fn ec2_a_hot_window_whose_waiter_died_is_ended_by_the_sweep() {
     let env = Ec2Env::start();
     let mut rig = env.rig("85", "s_85aa85aa85aa", &hot(&env, "hibernate", "2s"));
     let d = tempfile::tempdir().unwrap();
+    let _script = KillsScript(d.path().join("pid"));
     arm(&mut rig, Some("hot:waiting"), false);
     let r = rig.run(&job(85).script(&asking(d.path(), "Later?")));
     assert_result(&r, JobResult::Success);

@@ -114,10 +114,13 @@ fn kept_owner(sshd: &Sshd) -> String {
     let t = Instant::now();
     let dir = sshd.kept_dir();
     loop {
+        // The job's own stage, by its name: what the job log has of its
+        // output is punched out of the file (its start is zeros then).
         let own = sshd.kept_files().into_iter().find_map(|n| {
             let stage = n.strip_suffix(".out")?;
-            let out = std::fs::read(dir.join(&n)).ok()?;
-            out.starts_with(b"line 1\n").then(|| format!("{stage}.own"))
+            stage
+                .contains(".build_script.")
+                .then(|| format!("{stage}.own"))
         });
         if let Some(line) = own
             .and_then(|n| std::fs::read_to_string(dir.join(n)).ok())
@@ -152,6 +155,15 @@ fn wait_reattached(sshd: &Sshd, cut_owner: &str) {
     }
 }
 
+/// Makes the gate file when dropped.
+struct OpenGate<'a>(&'a Path);
+
+impl Drop for OpenGate<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.0, "");
+    }
+}
+
 fn cut_mid_stage(cuts: usize) {
     let sshd = Sshd::start();
     let (rig, _) = ssh_rig_with(&sshd, "");
@@ -163,6 +175,9 @@ fn cut_mid_stage(cuts: usize) {
     let before = sshd.connections();
     let r = std::thread::scope(|s| {
         let run = s.spawn(|| rig.run(&j));
+        // A failed wait below still lets the script end (the scope waits for
+        // the job before the failure is told): the gate opens as it unwinds.
+        let _opens = OpenGate(&gate);
         for k in 0..cuts {
             wait_lines(&marker, 8 + 8 * k as u32);
             let owner = kept_owner(&sshd);
