@@ -213,8 +213,7 @@ pub async fn wait_and_cool(w: World<'_>, paths: &EnvPaths, ctx: &Ctx) -> Result<
 /// `dormant warm` (its own session, no stdin or stdout, which would hold the
 /// runner's stage open); its errors go to `environments/<id>/cool.log`.
 pub fn start_waiter(paths: &EnvPaths) -> Result<u32> {
-    use std::os::unix::process::CommandExt;
-    use std::process::{Command, Stdio};
+    use std::process::Command;
     let exe = std::env::current_exe().context("finding dormant's own executable")?;
     let mut cmd = Command::new(exe);
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
@@ -235,16 +234,5 @@ pub fn start_waiter(paths: &EnvPaths) -> Result<u32> {
         .append(true)
         .open(paths.dir.join("cool.log"))
         .context("opening the hot window waiter's log")?;
-    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
-    // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setsid() < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let child = cmd.spawn().context("starting `dormant cool`")?;
-    Ok(child.id())
+    super::spawn_detached(cmd, log, "dormant cool")
 }

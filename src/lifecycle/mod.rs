@@ -72,6 +72,30 @@ impl<C> Reason<C> {
     }
 }
 
+/// Starts `cmd` detached (a session of its own, no terminal, stdin and
+/// stdout closed, stderr into `log`): a process that outlives the dormant
+/// that started it (`dormant warm`, `dormant cool`). Returns its pid.
+pub(crate) fn spawn_detached(
+    mut cmd: std::process::Command,
+    log: std::fs::File,
+    what: &str,
+) -> Result<u32> {
+    use std::os::unix::process::CommandExt;
+    use std::process::Stdio;
+    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
+    // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().with_context(|| format!("starting `{what}`"))?;
+    Ok(child.id())
+}
+
 /// Turns a refused transition or a missing record into an error for a log.
 pub fn update_error<E: std::fmt::Display>(e: UpdateError<E>) -> anyhow::Error {
     match e {

@@ -367,8 +367,7 @@ async fn pin_host_key(
 /// stage open), its errors in `warm/refill.log`. Returns its pid. The same
 /// `--config` as this process's is passed on; the environment is inherited.
 pub fn start_refill(store: &crate::state::StateStore) -> Result<u32> {
-    use std::os::unix::process::CommandExt;
-    use std::process::{Command, Stdio};
+    use std::process::Command;
     let exe = std::env::current_exe().context("finding dormant's own executable")?;
     let mut cmd = Command::new(exe);
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
@@ -396,18 +395,7 @@ pub fn start_refill(store: &crate::state::StateStore) -> Result<u32> {
             .as_bytes(),
         );
     }
-    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
-    // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setsid() < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let child = cmd.spawn().context("starting `dormant warm`")?;
-    Ok(child.id())
+    super::spawn_detached(cmd, log, "dormant warm")
 }
 
 /// `refill.log` rotates to `refill.log.1` once it is this big.
