@@ -123,7 +123,10 @@ macro_rules! failpoint {
 /// [`script_env`] for how it gets there), says the same last words as
 /// [`hit`] and SIGKILLs the shell that runs it ($BASHPID; or the pids the
 /// words after NAME give, e.g. `$$ $BASHPID` for a pipeline's subshell and
-/// its script), once per `DORMANT_FAILPOINT_ONCE` file as here.
+/// its script), once per `DORMANT_FAILPOINT_ONCE` file as here. With
+/// `DORMANT_FAILPOINT_NAP=<seconds>` it sleeps that long instead (saying
+/// `nap`): a race window widened to a certainty, e.g. a script that ends
+/// while the owner halts it.
 pub fn in_script(text: &str) -> std::borrow::Cow<'_, str> {
     #[cfg(feature = "testing")]
     {
@@ -138,7 +141,9 @@ pub fn in_script(text: &str) -> std::borrow::Cow<'_, str> {
                             format!(
                             "{indent}case ,${{DORMANT_FAILPOINT-}}, in *,{name},*) if [ -z \"${{DORMANT_FAILPOINT_ONCE-}}\" ] \
                              || ( set -C; : > \"$DORMANT_FAILPOINT_ONCE\" ) 2>/dev/null; then \
-                             echo \"dormant: failpoint {name}: SIGKILL\" >&2; kill -s KILL {pids}; fi;; esac\n",
+                             if [ -n \"${{DORMANT_FAILPOINT_NAP-}}\" ]; then \
+                             echo \"dormant: failpoint {name}: nap\" >&2; sleep \"$DORMANT_FAILPOINT_NAP\"; else \
+                             echo \"dormant: failpoint {name}: SIGKILL\" >&2; kill -s KILL {pids}; fi; fi;; esac\n",
                             indent = &l[..l.len() - t.len()],
                         )
                         }
@@ -159,10 +164,14 @@ pub fn in_script(text: &str) -> std::borrow::Cow<'_, str> {
 pub fn script_env() -> Vec<(String, String)> {
     #[cfg(feature = "testing")]
     {
-        ["DORMANT_FAILPOINT", "DORMANT_FAILPOINT_ONCE"]
-            .into_iter()
-            .filter_map(|k| Some((k.to_string(), std::env::var(k).ok()?)))
-            .collect()
+        [
+            "DORMANT_FAILPOINT",
+            "DORMANT_FAILPOINT_ONCE",
+            "DORMANT_FAILPOINT_NAP",
+        ]
+        .into_iter()
+        .filter_map(|k| Some((k.to_string(), std::env::var(k).ok()?)))
+        .collect()
     }
     #[cfg(not(feature = "testing"))]
     Vec::new()

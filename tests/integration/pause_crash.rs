@@ -1,7 +1,9 @@
 //! Kill tests of the pause steps that run on the machine, in shell
 //! (docs/pause.md, "Crash points and what a kill leaves"): the scripts'
 //! `: failpoint NAME` lines, armed in `testing` builds
-//! (`dormant::failpoint::in_script`), SIGKILL the shell that reaches them.
+//! (`dormant::failpoint::in_script`), SIGKILL the shell that reaches them
+//! (or, with `DORMANT_FAILPOINT_NAP`, hold it there: a race window held
+//! open).
 //! Each test proves the kill happened there (the last words in the job log,
 //! the once-marker made), then that nothing is lost, delivered twice or stuck:
 //! on the `ssh` provider against the test sshd. Also the cleanup of a paused
@@ -112,6 +114,65 @@ fn an_owner_killed_between_freezing_and_asking_still_pauses_the_job() {
     let all: Vec<u64> = numbers(&log).into_iter().chain(numbers(&log2)).collect();
     let want: Vec<u64> = (1..=all.len() as u64).collect();
     assert_eq!(all, want, "every line once:\n{log}\n---\n{log2}");
+    crate::reattach::assert_nothing_kept(&sshd);
+}
+
+/// A `dormant pause` that reaches the owner after the script ended but
+/// before the wrapper recorded its end (`.exit`): `halt`'s first look finds
+/// no end, so only its look after the freeze (the script's shell is gone)
+/// keeps it from recording a question for a script that no longer runs.
+/// The wrapper is held there (`wrapper:ended`, `DORMANT_FAILPOINT_NAP`)
+/// while the test sends the pause: the job ends with the script's own code
+/// and its last line, `dormant pause` says the stage ended before it could
+/// be paused, and nothing is kept. (Without that look the job ended as a
+/// successful pause: the exit code lost, issue 37's defect 4b.)
+#[test]
+fn a_pause_arriving_as_the_script_ends_keeps_its_exit_code() {
+    let sshd = Sshd::start();
+    let (mut rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    arm(&mut rig, Some("wrapper:ended"), true);
+    rig.runner
+        .env
+        .insert("DORMANT_FAILPOINT_NAP".into(), "4".into());
+    // Every kept stage passes the point: the once-marker, made here, spares
+    // the stages before; the script removes it just before its end, so the
+    // point fires (and remakes it) at the end of this script's stage only.
+    let marker = std::path::PathBuf::from(rig.runner.env["DORMANT_FAILPOINT_ONCE"].clone());
+    std::fs::write(&marker, "").unwrap();
+    let j = job(91);
+    let job_id = j.id;
+    let unarmed = d.path().join("unarmed");
+    let sim = j.script(&crate::pause_host::counter(d.path()).replace(
+        "echo end;",
+        &format!(
+            "rm -f '{}'; : > '{}'; echo end;",
+            marker.display(),
+            unarmed.display()
+        ),
+    ));
+    let (r, paused) = std::thread::scope(|s| {
+        let running = s.spawn(|| rig.run(&sim));
+        crate::pause_host::wait_for(&d.path().join("started"));
+        std::fs::write(d.path().join("release"), "").unwrap();
+        // The script ended; its wrapper is held before `.exit`.
+        crate::pause_host::wait_for(&unarmed);
+        crate::pause_host::wait_for(&marker);
+        let paused = pause_cmd(&rig, &[&job_id.to_string()], &[]);
+        (running.join().unwrap(), paused)
+    });
+    let log = r.log();
+    assert_result(&r, JobResult::BuildFailure(Some(3)));
+    assert!(log.contains("end\n"), "{log}");
+    let got = numbers(&log);
+    let want: Vec<u64> = (1..=got.len() as u64).collect();
+    assert_eq!(got, want, "every line once:\n{log}");
+    assert!(!paused.status.success(), "{}", text(&paused));
+    assert!(
+        text(&paused).contains("ended before it could be paused"),
+        "{}",
+        text(&paused)
+    );
     crate::reattach::assert_nothing_kept(&sshd);
 }
 

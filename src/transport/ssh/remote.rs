@@ -219,10 +219,10 @@ fn sent(which: Text) -> &'static str {
         Text::KeptOwner => KEPT_OWNER,
     };
     SENT[which as usize].get_or_init(|| {
-        // The owner's crash points are armed by variables defined with its
-        // functions (`testing` builds: crate::failpoint).
+        // The wrapper's and the owner's crash points are armed by variables
+        // defined with their code (`testing` builds: crate::failpoint).
         let mut out: String = match which {
-            Text::KeptOwner => crate::failpoint::script_env()
+            Text::Kept | Text::KeptOwner => crate::failpoint::script_env()
                 .into_iter()
                 .map(|(k, v)| format!("{k}={}\n", shell_quote(&v)))
                 .collect(),

@@ -139,6 +139,10 @@ if [ -n "$c" ]; then
   if [ -n "$3" ]; then
     if [ -e "$3" ] || [ -L "$3" ]; then echo "dormant-watched present" >&6; else echo "dormant-watched absent" >&6; fi
   fi
+  # (Test point, a no-op here: src/failpoint.rs `in_script`. Held there by
+  # DORMANT_FAILPOINT_NAP, the script has ended and `.exit` is not written
+  # yet: a `dormant pause` now must find nothing to pause, `halt`.)
+  : failpoint wrapper:ended
   # The end and the output's length: dormant is done once it has both.
   echo "$rc $z" > "$o.exit"
   # (A script that relayed a paused one, `dormant-continue`: said before
