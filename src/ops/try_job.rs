@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::job::Job;
 use crate::runner_sim::{JobReport, JobResult, Runner, SimJob};
-use crate::settings::Settings;
+use crate::settings::{ProviderKind, Settings};
 use crate::state::lock::FileLock;
 use crate::state::pool::Pool;
 use crate::state::{now_unix, EnvStatus, StateStore};
@@ -164,12 +164,18 @@ pub fn try_job(
             })
             .and_then(|rec| rec.hot_until())
             .is_some();
+        // On local and ssh a paused script waits on a host that never stops:
+        // every continue there is a hot one, with no window to keep.
+        let host_stays_up = matches!(settings.provider, ProviderKind::Local | ProviderKind::Ssh);
         let r2 = runner.run_job(&second)?;
         print_job(
             out,
             if hot {
                 "job 2: resume with the key in the payload, hot (job 1's machine still ran: no \
                  start, no restore), no trigger (releases at the end)"
+            } else if asked && host_stays_up {
+                "job 2: resume with the key in the payload, hot (job 1's script waits on a host \
+                 that never stops: nothing to start or restore), no trigger (releases at the end)"
             } else {
                 "job 2: resume with the key in the payload, no trigger (releases at the end)"
             },
@@ -197,6 +203,18 @@ pub fn try_job(
                     "  job 2 answered it (dormant-continue blue): job 1's script went on in the \
                      same process, its output in job 2's log"
                 )?;
+                if let Some(t) = first_byte_after_answer(&r2) {
+                    writeln!(
+                        out,
+                        "  the script's first byte after the answer came {t:.2} s after job 2's \
+                         first call ({})",
+                        if hot || host_stays_up {
+                            "a hot continue"
+                        } else {
+                            "a cold continue: the machine was started"
+                        }
+                    )?;
+                }
             }
             checks.push((
                 answered,
@@ -272,6 +290,25 @@ fn wait_for_refill(state_dir: &Path, bound: Duration, out: &mut dyn Write) -> Re
         Pool::at(state_dir).dir().join("refill.log").display()
     )?;
     Ok(())
+}
+
+/// From the resuming job's first call to the line the continued script
+/// printed after its answer (the measure of docs/pause.md's hot window):
+/// the calls before the stage that continued it, then the line's arrival
+/// in that stage.
+fn first_byte_after_answer(r: &JobReport) -> Option<f64> {
+    let mut before = 0.0;
+    for c in &r.calls {
+        if let Some((at, _)) = c
+            .arrivals
+            .iter()
+            .find(|(_, l)| l.contains("got the answer: blue"))
+        {
+            return Some(before + at.as_secs_f64());
+        }
+        before += c.elapsed.as_secs_f64();
+    }
+    None
 }
 
 fn print_job(out: &mut dyn Write, title: &str, r: &JobReport) -> Result<()> {

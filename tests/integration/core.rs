@@ -710,6 +710,16 @@ fn dormant_try_passes_on_the_local_provider() {
         text.contains("ok    job 2 continued job 1's paused script with an answer"),
         "{text}"
     );
+    // The continue is a hot one (the script waits on this host), timed from
+    // job 2's first call to the script's first byte after the answer.
+    assert!(
+        text.contains("job 2: resume with the key in the payload, hot (job 1's script waits on a host that never stops"),
+        "{text}"
+    );
+    assert!(
+        text.contains("after job 2's first call (a hot continue)"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -403,5 +403,9 @@ fn ec2_try_shows_a_hot_continue() {
         text.contains("ok    job 2 took job 1's running machine"),
         "{text}"
     );
+    assert!(
+        text.contains("after job 2's first call (a hot continue)"),
+        "{text}"
+    );
     assert_eq!(starts(&env), 0, "{text}");
 }
