@@ -347,3 +347,27 @@ fn a_hot_window_is_a_no_op_on_local_and_ssh() {
         assert!(r2.log().contains("answer=[hi]"), "{name}: {}", r2.log());
     }
 }
+
+/// Test hygiene: a test server dropped while a script waits paused on it
+/// (a test that failed before it continued the script) kills the script,
+/// rather than leaving it waiting on this host.
+#[test]
+fn a_test_server_dropped_with_a_paused_script_kills_the_script() {
+    let sshd = Sshd::start();
+    let (rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    let r = rig.run(&job(81).script(&asking(d.path(), "left?")));
+    assert_result(&r, JobResult::Success);
+    let pid = pid_in(&d.path().join("pid"));
+    assert!(alive(pid), "paused: the script waits");
+    drop(rig);
+    drop(sshd);
+    let t = std::time::Instant::now();
+    while alive(pid) {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "the paused script {pid} outlived its test server"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

@@ -242,7 +242,48 @@ impl Sshd {
 
 impl Drop for Sshd {
     fn drop(&mut self) {
+        self.kill_kept_scripts();
         self.stop();
+    }
+}
+
+impl Sshd {
+    /// Kills the script groups of the stages still kept on this server (a
+    /// paused script waiting in `dormant-ask`, a stage left running): a test
+    /// that fails before it continues its paused script must not leave it
+    /// waiting on this host. A group is killed only while its wrapper holds
+    /// the stage's output (fd 3), as the machine's own scripts check: then
+    /// the group id is the stage's, not a number reused since.
+    fn kill_kept_scripts(&self) {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(dir) = std::fs::read_dir(self.kept_dir()) else {
+            return;
+        };
+        for entry in dir.flatten() {
+            let path = entry.path();
+            if path.extension().is_none_or(|e| e != "pid") {
+                continue;
+            }
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            let mut it = text.split_whitespace().map(|w| w.parse::<i32>());
+            let (Some(Ok(wrapper)), Some(Ok(group))) = (it.next(), it.next()) else {
+                continue;
+            };
+            let (Ok(out), Ok(fd3)) = (
+                std::fs::metadata(path.with_extension("out")),
+                std::fs::metadata(format!("/proc/{wrapper}/fd/3")),
+            ) else {
+                continue;
+            };
+            if (out.dev(), out.ino()) == (fd3.dev(), fd3.ino()) && group > 1 {
+                // SAFETY: kill has no memory-safety preconditions.
+                unsafe {
+                    libc::kill(-group, libc::SIGKILL);
+                }
+            }
+        }
     }
 }
 
