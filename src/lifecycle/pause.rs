@@ -18,6 +18,12 @@ pub const VAR: &str = "DORMANT_PAUSE";
 /// saying so instead of finding nothing or waiting.
 pub const LOST_VAR: &str = "DORMANT_PAUSE_LOST";
 
+/// The variable `dormant-continue` reads when it finds no paused script:
+/// set to the exit code of a continued script whose end a job's log has but
+/// whose code that job never gave (its `dormant run` was killed:
+/// `crate::state::relayed_end`), so the next continue gives it.
+pub const ENDED_VAR: &str = "DORMANT_PAUSE_ENDED";
+
 /// How long a paused script will be kept: the hot window, and what follows
 /// it. `dormant run` prints it as a `dormant-ask:` line of its own right
 /// after the question's line (where a pause is allowed).

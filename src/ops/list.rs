@@ -63,6 +63,15 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
                             )
                         ),
                     ),
+                    // Its script ended; the job that continued it was
+                    // killed before it gave the code: the next continue does.
+                    Some(p) if rec.status() == EnvStatus::Suspended && p.ended.is_some() => (
+                        "paused",
+                        format!(
+                            "  ended with exit code {}: the next dormant-continue gives it",
+                            p.ended.unwrap_or_default()
+                        ),
+                    ),
                     Some(p) if rec.status() == EnvStatus::Suspended => (
                         "paused",
                         format!(

@@ -266,6 +266,7 @@ mod tests {
             job_id: 9,
             at: now_unix() - age,
             lost: None,
+            ended: None,
         };
         let lost = crate::state::Paused {
             lost: Some("the hibernation fell back to a power-off".into()),

@@ -85,8 +85,22 @@ async fn cleanup_job(s: &Session, ctx: &Ctx) -> Result<()> {
         let request = honoured_request(s, &state, outcome);
         // A job's own request suspends on any outcome but a cancel or timeout.
         // So does a script that asked (`dormant-ask`): it waits for its answer.
+        // A relayed script's exit code that only this host has: its stage's
+        // `dormant run` was killed after the machine let the script go
+        // (`crate::state::relayed_end`). Kept, as a script that asked is.
+        let relayed = match crate::state::relayed_end::read(&paths) {
+            Ok(r) => r.filter(|_| state.paused.is_none()),
+            Err(e) => {
+                s.log.warn(format!(
+                    "environment {}: the exit code a continued script gave could not be read                      ({e:#}): the next dormant-continue cannot give it",
+                    state.env_id
+                ));
+                None
+            }
+        };
         let suspends = outcome.suspends(state.suspend_on_success, state.suspend_on_failure)
-            || ((request.is_some() || state.paused.is_some()) && outcome.suspends(true, true));
+            || ((request.is_some() || state.paused.is_some() || relayed.is_some())
+                && outcome.suspends(true, true));
         let settle = at_cleanup(
             rec.status(),
             state.mode,
@@ -102,6 +116,7 @@ async fn cleanup_job(s: &Session, ctx: &Ctx) -> Result<()> {
             request,
             machine_lost: state.machine_lost.clone(),
             paused: state.paused.clone(),
+            relayed,
             suspends,
         };
         let held = Held {
@@ -140,6 +155,8 @@ struct Why {
     machine_lost: Option<String>,
     /// The question of a script that asked and waits (docs/pause.md).
     paused: Option<String>,
+    /// A continued script's end whose exit code the runner never had.
+    relayed: Option<crate::state::relayed_end::RelayedEnd>,
     /// Whether the outcome matched a trigger or the request.
     suspends: bool,
 }
@@ -150,6 +167,16 @@ impl Why {
             return Reason::new(
                 SuspendCause::Paused,
                 format!("paused: {}", crate::lifecycle::pause::summary(q)),
+            );
+        }
+        if let (None, Some(end)) = (&self.machine_lost, &self.relayed) {
+            return Reason::new(
+                SuspendCause::Paused,
+                format!(
+                    "paused: the continued script ended with exit code {}, which this job did \
+                     not give (its dormant run was killed): the next dormant-continue gives it",
+                    end.code
+                ),
             );
         }
         match (&self.machine_lost, &self.request) {
@@ -277,7 +304,7 @@ async fn settle_environment(held: Held<'_>, why: Why, settle: Settle) -> Result<
             done.map(drop)
         }
         Settle::Suspend => {
-            keep_question(state, paths, rec, transport, ctx).await;
+            keep_question(state, why.relayed.as_ref(), paths, rec, transport, ctx).await;
             match hot_window(held, &why) {
                 Some(window) => {
                     let done = keep_hot(held, &why, window, transport).await;

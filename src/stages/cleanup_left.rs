@@ -67,19 +67,52 @@ pub(super) async fn stop_leftovers(
 /// script waiting for the next one: the machine is asked
 /// ([`Transport::paused_left`]); if it cannot say, the question is kept
 /// (`dormant-continue` is what finds out).
+///
+/// A continued script whose end only this host has (`relayed`: the job's
+/// `dormant run` was killed after the machine let the script go) stays on
+/// record as paused with that end (`Paused::ended`), under the question it
+/// was asked: the next `dormant-continue` gives its exit code.
 pub(super) async fn keep_question(
     state: &JobState,
+    relayed: Option<&crate::state::relayed_end::RelayedEnd>,
     paths: &EnvPaths,
     rec: &EnvironmentRecord,
     transport: Option<&dyn Transport>,
     ctx: &Ctx,
 ) {
-    let paused = state.paused.as_ref().map(|question| crate::state::Paused {
+    let mut paused = state.paused.as_ref().map(|question| crate::state::Paused {
         question: question.clone(),
         job_id: state.job_id,
         at: crate::state::now_unix(),
         lost: None,
+        ended: None,
     });
+    if let (None, Some(end)) = (&paused, relayed) {
+        let asked = rec.paused.as_ref();
+        paused = Some(crate::state::Paused {
+            question: asked.map(|p| p.question.clone()).unwrap_or_default(),
+            job_id: asked.map_or(state.job_id, |p| p.job_id),
+            at: crate::state::now_unix(),
+            lost: None,
+            ended: Some(end.code),
+        });
+        let kept = registry::update(paths, &ctx.uncancellable(), |r| {
+            r.paused = paused;
+            Ok::<_, std::convert::Infallible>(())
+        })
+        .await;
+        match kept {
+            Ok(_) => {
+                let _ = crate::state::relayed_end::clear(&crate::state::relayed_end::path(paths));
+            }
+            Err(e) => tracing::warn!(
+                "environment {}: recording the continued script's exit code {}: {e}",
+                paths.id,
+                end.code
+            ),
+        }
+        return;
+    }
     let ran = !state.stages.is_empty();
     if paused.is_none() && (rec.paused.is_none() || !ran) {
         return;

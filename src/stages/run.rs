@@ -68,6 +68,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
     // stage (its `dormant pause` came too late) goes now, before this
     // stage is announced below (where `dormant pause` learns its id).
     let pause_file = crate::state::pause_request::path(&paths);
+    let relayed_file = crate::state::relayed_end::path(&paths);
     let _ = crate::state::pause_request::clear(&paths);
     let (now, copy) = begin_copy(s, &paths, stage, &id);
     let started = Instant::now();
@@ -82,6 +83,7 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
                 machine: Some(&check),
                 copy: copy.as_ref(),
                 pause: Some(&pause_file),
+                relayed: Some(&relayed_file),
             },
             &ctx,
         )
@@ -112,6 +114,11 @@ pub async fn run(s: &Session, script_path: &Path, stage: &str) -> Result<(), Fai
     record_stage(s, stage, recorded, request, lost, paused, &ctx).await?;
     if let Some(question) = question {
         record_paused(s, &state, &question, &ctx).await;
+    }
+    // The stage's code is the runner's once this process exits: a relayed
+    // script's code noted for a kill before then is not needed now.
+    if let Err(e) = crate::state::relayed_end::clear_for(&relayed_file, &id) {
+        tracing::warn!("{e:#}");
     }
     outcome
 }
@@ -183,6 +190,14 @@ fn script_env(
     // says so at once (the record stops saying paused at this job's cleanup).
     if let Some(lost) = crate::lifecycle::pause::lost_message(record) {
         env.push((crate::lifecycle::pause::LOST_VAR.to_string(), lost));
+    }
+    // A continued script ended and its code was never given (the job that
+    // continued it was killed): `dormant-continue` gives it.
+    if let Some(code) = record.paused.as_ref().and_then(|p| p.ended) {
+        env.push((
+            crate::lifecycle::pause::ENDED_VAR.to_string(),
+            code.to_string(),
+        ));
     }
     // Test builds: the crash points of the scripts on the machine.
     env.extend(crate::failpoint::script_env());

@@ -15,6 +15,9 @@
 //! - `warm/<id>/`: a warm machine booted ahead of any job ([`pool`]).
 //! - `environments/<id>/pause-request.json`: a `dormant pause` waiting for its
 //!   stage ([`pause_request`]).
+//! - `environments/<id>/relayed-end.json`: a relayed paused script's exit code,
+//!   between a relaying stage's end on the machine and its `dormant run`'s exit
+//!   ([`relayed_end`]).
 //! - `trash/`: directories being deleted (renamed here first).
 
 pub mod job;
@@ -23,6 +26,7 @@ pub mod pause_request;
 pub mod pool;
 pub mod record;
 pub mod registry;
+pub mod relayed_end;
 pub mod stage_output;
 pub mod store;
 #[cfg(any(test, feature = "testing"))]

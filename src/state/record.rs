@@ -338,4 +338,10 @@ pub struct Paused {
     /// machine's memory (a hibernation that fell back to a power-off).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lost: Option<String>,
+    /// The paused script ended, its output is in a job's log, and its
+    /// continue gave this exit code, but that job's `dormant run` was
+    /// killed before the runner had it (`super::relayed_end`): the next
+    /// `dormant-continue` gives it, with nothing more to show.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended: Option<i32>,
 }

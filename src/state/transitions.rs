@@ -177,6 +177,7 @@ impl EnvironmentRecord {
                     job_id,
                     at: super::now_unix(),
                     lost: None,
+                    ended: None,
                 });
                 true
             }

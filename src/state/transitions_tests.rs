@@ -235,6 +235,7 @@ fn a_suspension_that_lost_the_memory_marks_the_paused_script_lost() {
         job_id: 2,
         at: 0,
         lost: None,
+        ended: None,
     });
     r.begin_suspend(&j2).unwrap();
     r.suspended(&j2, None, true, None).unwrap();

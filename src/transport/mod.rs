@@ -108,6 +108,10 @@ pub struct Script<'a> {
     /// from the host. Read while the stage runs by the transports that can
     /// keep a paused script (kept stages: over SSH, and local ones).
     pub pause: Option<&'a std::path::Path>,
+    /// Where a stage that relayed a paused script to its end notes the exit
+    /// code its continue gave, before the machine lets the script go
+    /// (`crate::state::relayed_end`); `None`: not noted.
+    pub relayed: Option<&'a std::path::Path>,
 }
 
 /// How one of dormant's own commands in the environment ended ([`Transport::exec`]).

@@ -176,6 +176,57 @@ fn a_pause_arriving_as_the_script_ends_keeps_its_exit_code() {
     crate::reattach::assert_nothing_kept(&sshd);
 }
 
+/// `dormant run` SIGKILLed after the stage that continued a paused script to
+/// its end said `DONE` and the owner confirmed (`run:relayed`): the machine
+/// has let the script's files go, and the runner never had the stage's exit
+/// code (the job is a system failure, its log has the script's whole
+/// output). The code was noted on the runner host before `DONE`
+/// (`relayed_end`): the job's cleanup keeps the environment paused with it,
+/// and the next job's `dormant-continue` gives the script's own code (7),
+/// showing nothing twice; its cleanup then drops the pause. (Before the
+/// note, that continue said "nothing is paused": the code was lost.)
+#[test]
+fn a_run_killed_after_its_continue_ended_leaves_the_exit_code_to_the_next_continue() {
+    let sshd = Sshd::start();
+    let (mut rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    let r = rig.run(&job(95).script(&crate::pause::asking(d.path(), "which?")));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    arm(&mut rig, Some("run:relayed"), true);
+    let r2 = rig.run(&job(95).resume(&key).script("dormant-continue first"));
+    crate::crash::assert_killed_at(&rig, &r2.calls, "run:relayed", 1);
+    assert_result(&r2, JobResult::SystemFailure);
+    let log2 = r2.log();
+    assert!(log2.contains("answer=[first]"), "{log2}");
+    arm(&mut rig, None, false);
+    let rec = rig
+        .record(&key)
+        .unwrap_or_else(|| panic!("released:\n{log2}\n{}", r2.cleanup_output()));
+    assert_eq!(rec["status"], "suspended", "{rec}");
+    assert_eq!(rec["paused"]["ended"], 7, "{rec}");
+    assert_eq!(rec["paused"]["question"], "which?", "{rec}");
+    let list = text(&rig.dormant(&["list"]));
+    assert!(
+        list.contains("ended with exit code 7: the next dormant-continue gives it"),
+        "{list}"
+    );
+
+    let r3 = rig.run(
+        &job(95)
+            .resume(&key)
+            .suspend_on(true, true)
+            .script("dormant-continue || echo \"rc=$?\""),
+    );
+    assert_result(&r3, JobResult::Success);
+    let log3 = r3.log();
+    assert!(log3.contains("rc=7\n"), "{log3}");
+    assert!(!log3.contains("answer="), "nothing shown twice:\n{log3}");
+    let rec = rig.record(&key).unwrap();
+    assert!(rec["paused"].is_null(), "{rec}");
+    crate::reattach::assert_nothing_kept(&sshd);
+}
+
 /// `dormant-continue` SIGKILLed mid-frame (`continue:mid-frame`: the
 /// frame's header is in the FIFO, the answer is not): `dormant-ask` drops
 /// the short frame and waits on, so no partial answer is delivered, the

@@ -599,6 +599,7 @@ async fn the_environments_own_key_and_a_changed_address_keep_the_pin() {
                     machine: None,
                     copy: None,
                     pause: None,
+                    relayed: None,
                 },
                 &ctx,
             )

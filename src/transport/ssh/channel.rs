@@ -249,8 +249,11 @@ impl Reports {
             Report::Watched(present) => self.watched = Some(present),
             Report::Error(e) => self.error = Some(e),
             // The kept wrapper's reports; the direct one never says them.
-            Report::Kept | Report::At(_) | Report::Paused(..) | Report::Relaying | Report::Took => {
-            }
+            Report::Kept
+            | Report::At(_)
+            | Report::Paused(..)
+            | Report::Relaying(_)
+            | Report::Took => {}
             Report::Warn(text) => eprintln!("dormant: warning: {text}"),
             Report::Other(l) => {
                 // The remote shell. Before the script starts it is held back

@@ -262,6 +262,16 @@ where
             // relayed to its end goes with them, and its owner records how
             // far this job's log has it: then dormant waits for its
             // `dormant-took`.
+            //
+            // The relayed script's exit code, given by its continue, is
+            // noted on this host first: from `DONE` on it is on the machine
+            // no more, and until this process exits the runner has not got
+            // it (`crate::state::relayed_end`).
+            if let (Some(code), Some(file)) = (s.relayed_exit, script.relayed) {
+                if let Err(e) = crate::state::relayed_end::note(file, script.id, code) {
+                    tracing::warn!("noting the relayed script's exit code {code}: {e:#}");
+                }
+            }
             let _ = control.send("DONE".into());
             confirm = s.relaying;
         }
@@ -291,6 +301,11 @@ where
                     place.dest,
                     OWNER_TOOK.as_secs()
                 );
+            }
+            // (Crash point: the machine let the relayed script go, the
+            // runner has not got the stage's code.)
+            if s.relaying {
+                crate::failpoint!("run:relayed");
             }
         }
         if writing {

@@ -104,6 +104,8 @@ pub(super) struct Heard {
     /// The script relays a paused script ([`Report::Relaying`]): the stage's
     /// end waits until the owner took the last acknowledgement.
     pub(super) relaying: bool,
+    /// The exit code the relayed script's continue gave, when it ended.
+    pub(super) relayed_exit: Option<i32>,
 }
 
 impl Heard {
@@ -167,7 +169,10 @@ impl Heard {
                 st.stream.note(format!("warning: {text}"));
             }
             Report::Error(e) => self.error = Some(e),
-            Report::Relaying => self.relaying = true,
+            Report::Relaying(code) => {
+                self.relaying = true;
+                self.relayed_exit = code;
+            }
             // (Waited for at the stage's end only: `kept::drive`.)
             Report::Took => {}
             Report::Other(l) => {

@@ -35,7 +35,8 @@
 //! paused round's job log ended at byte `n`: the next round starts there),
 //! `PAUSE <question>` (`dormant pause`), `DONE` (dormant has the stage's
 //! end: its files go, and a paused script the stage relayed to its end,
-//! `dormant-relay`, goes with them), `KEEP`
+//! `dormant-relay <code>`, goes with them; dormant notes that code on the
+//! runner host first, `crate::state::relayed_end`), `KEEP`
 //! (below). Direct: end of file — dormant died or the
 //! connection was lost — terminates the group (SIGTERM, SIGKILL 5 s later),
 //! so a script never runs on with nobody to report to. Kept: end of file over
@@ -373,8 +374,9 @@ pub enum Report {
     Paused(u64, Vec<u8>),
     /// Kept: the stage's script relayed a paused script (`dormant-continue`
     /// wrote `.relay`), said right before its end: dormant says `DONE` and
-    /// waits for the owner's `dormant-took`.
-    Relaying,
+    /// waits for the owner's `dormant-took`. With the exit code the
+    /// continue gave when the paused script ended (`.gave`).
+    Relaying(Option<i32>),
     /// Kept: the owner has taken dormant's `TAKEN` or `DONE`, and every
     /// acknowledgement before it.
     Took,
@@ -391,9 +393,19 @@ pub fn parse_report(line: &str) -> Report {
     }
     match line {
         "dormant-kept" => return Report::Kept,
-        "dormant-relay" => return Report::Relaying,
+        "dormant-relay" => return Report::Relaying(None),
         "dormant-took" => return Report::Took,
         _ => {}
+    }
+    if let Some(rest) = line.strip_prefix("dormant-relay ") {
+        match rest.trim() {
+            "" => return Report::Relaying(None),
+            code => {
+                if let Ok(c) = code.parse() {
+                    return Report::Relaying(Some(c));
+                }
+            }
+        }
     }
     if let Some(rest) = line.strip_prefix("dormant-at ") {
         if let Ok(at) = rest.trim().parse() {

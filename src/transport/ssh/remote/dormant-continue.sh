@@ -43,6 +43,10 @@ for x in "$d/$e".*.paused; do
   gone=1
 done
 if [ -z "$P" ]; then
+  # The script ended, a job's log has all its output, and that job was
+  # killed before it gave the exit code (DORMANT_PAUSE_ENDED, set by
+  # `dormant run` from the record): given now, with nothing more to show.
+  case ${DORMANT_PAUSE_ENDED-} in ''|*[!0-9]*) ;; *) exit "$DORMANT_PAUSE_ENDED";; esac
   if [ -n "$gone" ]; then echo "dormant-continue: the paused script is gone (it was stopped, or the machine restarted or lost its memory): nothing to continue; run its work again from the start" >&2
   else echo "dormant-continue: nothing is paused in this environment (no dormant-ask waits here: was this job resumed with the key the paused job printed?)" >&2; fi
   exit 125

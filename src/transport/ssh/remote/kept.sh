@@ -146,8 +146,13 @@ if [ -n "$c" ]; then
   # The end and the output's length: dormant is done once it has both.
   echo "$rc $z" > "$o.exit"
   # (A script that relayed a paused one, `dormant-continue`: said before
-  # the end, so that dormant says `DONE` and waits for the owner.)
-  { [ -e "$o.relay" ] && echo "dormant-relay"; echo "dormant-exit $rc $z"; } >&6
+  # the end, so that dormant says `DONE` and waits for the owner; with the
+  # exit code the continue gave (`.gave`), which dormant notes on the runner
+  # host before its `DONE` lets the paused script's files go.)
+  { if [ -e "$o.relay" ]; then
+      rv=; [ -e "$o.gave" ] && { read -r rl < "$o.relay" && read -r rv _ < "$rl.exit"; } 2>/dev/null
+      echo "dormant-relay $rv"
+    fi; echo "dormant-exit $rc $z"; } >&6
   # fd 3 open in this wrapper means "the script's group may live".
   exec 3>&-
   # sshd stops passing the session's input on once this process exits, and

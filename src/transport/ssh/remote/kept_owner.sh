@@ -295,7 +295,14 @@ own() {
     read -r x y < "$o.own" 2>/dev/null
     [ "$x" = "$me" ] || { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
     z=; [ -e "$o.exit" ] && read -r x z < "$o.exit"
-    if [ -n "$z" ] && [ -n "$rep" ]; then { [ -e "$o.relay" ] && echo "dormant-relay"; echo "dormant-exit $x $z"; } >&2; rep=; fi
+    if [ -n "$z" ] && [ -n "$rep" ]; then
+      # (As the wrapper says it: kept.sh.)
+      { if [ -e "$o.relay" ]; then
+          y=; [ -e "$o.gave" ] && { read -r c < "$o.relay" && read -r y _ < "$c.exit"; } 2>/dev/null
+          echo "dormant-relay $y"
+        fi; echo "dormant-exit $x $z"; } >&2
+      rep=
+    fi
     if [ -z "$z" ]; then
       pos "$m" 3
       # The wrapper that ran the script is gone without recording its end.

@@ -12,6 +12,10 @@ use super::*;
 fn reports_are_parsed_and_anything_else_passes_through() {
     assert_eq!(parse_report("dormant-pgid 4242\n"), Report::Pgid(4242));
     assert_eq!(parse_report("dormant-exit 255"), Report::Exit(255, None));
+    // A relay with the code its continue gave, or none (asked again).
+    assert_eq!(parse_report("dormant-relay 7\n"), Report::Relaying(Some(7)));
+    assert_eq!(parse_report("dormant-relay \n"), Report::Relaying(None));
+    assert_eq!(parse_report("dormant-relay"), Report::Relaying(None));
     assert_eq!(
         parse_report("dormant-error no dir"),
         Report::Error("no dir".into())
