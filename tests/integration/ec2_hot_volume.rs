@@ -10,7 +10,8 @@
 //! terminated), and marks the paused script lost: the next continue fails
 //! at once (125). Killed at each step of that end, the next sweep finishes
 //! it: suspended once, the volume kept with the job's files, no instance
-//! left running.
+//! left running. A `dormant shell` and a retried prepare (killed after its
+//! claim) take the hot instance too, as in machine mode (`ec2_hot_claims.rs`).
 
 use crate::crash::{arm, GRACE, PAST_GRACE};
 use crate::ec2_hot::{events, kill, wait_until, KillsScript};
@@ -246,4 +247,52 @@ fn ec2_volume_modes_window_end_killed_at_each_step_is_finished_by_the_next_sweep
         assert!(again.is_empty(), "{point}: {again:?}");
         kill(pid_in(&d.path().join("pid")));
     }
+}
+
+/// The other two claims of a hot volume-mode environment: `dormant shell`
+/// takes the running instance (no launch, no detach) and leaves it hot; a
+/// continue whose prepare is killed right after its claim is put back hot
+/// by the runner's cleanup, and the retry takes the same instance.
+#[test]
+fn ec2_volume_mode_a_shell_and_a_retried_prepare_take_the_hot_instance() {
+    let env = Ec2Env::start();
+    let mut rig = rig(&env, "96", "10m");
+    let d = tempfile::tempdir().unwrap();
+    let _script = KillsScript(d.path().join("pid"));
+    let key = paused_job(&rig, d.path(), 96);
+    let pid = pid_in(&d.path().join("pid"));
+    let until = rig.record(&key).unwrap()["hot_until"].as_u64().unwrap();
+
+    let out = rig.dormant(&["shell", &key, "--", "cat on-the-volume.txt"]);
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(
+        said.contains("kept") && said.contains("is hot again"),
+        "{said}"
+    );
+    let rec = rig.record(&key).unwrap();
+    assert_eq!(rec["hot_until"].as_u64(), Some(until), "{rec}");
+    assert_eq!(rec["volume"]["step"], "attached", "{rec}");
+    for a in ["DetachVolume", "TerminateInstances", "StartInstances"] {
+        assert_eq!(count(&env, a), 0, "{a}: {:?}", actions(&env));
+    }
+    assert_eq!(count(&env, "RunInstances"), 1, "{:?}", actions(&env));
+
+    arm(&mut rig, Some("resume:claimed"), true);
+    let r2 = rig.run(&job(96).resume(&key).script("dormant-continue yes"));
+    arm(&mut rig, None, false);
+    assert_eq!(r2.prepare_attempts, 2, "killed once, retried once");
+    assert_result(&r2, JobResult::BuildFailure(Some(7)));
+    let log2 = r2.log();
+    assert!(log2.contains("answer=[yes] v="), "{log2}");
+    assert!(
+        log2.contains(&format!("pid={pid}")),
+        "the same process: {log2}"
+    );
+    assert_eq!(count(&env, "RunInstances"), 1, "{:?}", actions(&env));
+    kill(pid);
 }
