@@ -148,11 +148,17 @@ fn ec2_volume_modes_window_ends_with_the_volume_unmounted_and_the_script_marked_
     let _script = KillsScript(d.path().join("pid"));
     let key = paused_job(&rig, d.path(), 92);
     let pid = pid_in(&d.path().join("pid"));
+    let logins = env.sshd.connections();
     wait_until("the window's end", || {
         rig.record(&key)
             .is_some_and(|r| r["status"] == "suspended" && r["hot_until"].is_null())
     });
     assert_cold(&env, &rig, &key, "the waiter");
+    assert_eq!(
+        env.sshd.connections(),
+        logins,
+        "the waiter's unmount went over the paused job's SSH master: no new login"
+    );
     // Over dormant's own connection: the guest unmounted the volume, so it
     // was detached from the running instance before its termination (the
     // way without a guest terminates first and sends no DetachVolume).
