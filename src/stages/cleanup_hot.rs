@@ -63,12 +63,28 @@ pub(super) async fn keep_hot(
 /// the rest of the window, its machine untouched — a stop would end the
 /// paused script in the modes that cannot keep one, and the runner's retried
 /// prepare takes the running machine. `None`: not hot (no window recorded,
-/// or it has passed): put back to suspended as any resume.
+/// or it has passed), or its machine is not running any more (the provider
+/// says so: a spot interruption, someone stopped it): put back to suspended
+/// as any resume, and the retry starts it or is told it is gone (a retry
+/// taking it hot would only wait for a machine that is not there).
 pub(super) async fn back_hot(held: Held<'_>, words: &str) -> Option<Result<bool>> {
     let until = held
         .rec
         .hot_until()
         .filter(|t| *t > crate::state::now_unix())?;
+    if let Some(machine) = &held.rec.machine {
+        // An answer we cannot get keeps the window: its end cools it anyway.
+        match held.s.provider.describe(machine, held.ctx).await {
+            Ok(crate::model::MachineState::Running) | Err(_) => {}
+            Ok(state) => {
+                held.s.log.info(format!(
+                    "environment {}: its hot machine {} is {state} now: not kept hot",
+                    held.paths.id, machine.id
+                ));
+                return None;
+            }
+        }
+    }
     let Held {
         s, paths, holder, ..
     } = held;

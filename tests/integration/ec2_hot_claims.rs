@@ -6,7 +6,9 @@
 //! and a continue afterwards answers the paused script; and a prepare killed
 //! right after its hot claim (`resume:claimed`) is cleaned up by the runner
 //! back to hot, without a stop, so its retried prepare takes the running
-//! instance and the paused script answers.
+//! instance and the paused script answers — unless the instance was
+//! stopped meanwhile: then it is put back to suspended and the retry
+//! starts it.
 
 use crate::crash::{arm, GRACE};
 use crate::ec2_hot::{events, kill, starts, stops, KillsScript};
@@ -107,5 +109,52 @@ fn ec2_a_prepare_killed_after_its_hot_claim_is_retried_on_the_running_instance()
             && e["hot_until"].is_string()),
         "the failed attempt's cleanup put it back hot: {ev:?}"
     );
+    kill(pid);
+}
+
+/// A hot instance stopped behind dormant's back (a spot interruption, a
+/// person) is not kept hot by the cleanup of a prepare killed after its
+/// claim: the environment goes back to suspended as any resume, and the
+/// retry starts the instance. (On EC2 the paused script is gone with the
+/// stop; the emulator stops nothing on the loopback host.)
+#[test]
+fn ec2_a_hot_instance_stopped_meanwhile_is_not_kept_hot_after_a_killed_prepare() {
+    let env = Ec2Env::start();
+    let mut rig = env.rig("97", "s_97aa97aa97aa", &stop_mode(&env));
+    let d = tempfile::tempdir().unwrap();
+    let _script = KillsScript(d.path().join("pid"));
+    let r = rig.run(&job(97).script(&asking(d.path(), "Still there?")));
+    assert_result(&r, JobResult::Success);
+    let key = r.key.clone().unwrap();
+    let pid = pid_in(&d.path().join("pid"));
+    let instance = rig.record(&key).unwrap()["machine"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    crate::ec2_rig::block_on(async {
+        let c = crate::moto::direct_client(&env.moto.url());
+        c.stop_instances()
+            .instance_ids(&instance)
+            .send()
+            .await
+            .unwrap();
+    });
+
+    arm(&mut rig, Some("resume:claimed"), true);
+    let r2 = rig.run(
+        &job(97)
+            .resume(&key)
+            .script("dormant-continue yes || echo \"rc=$?\""),
+    );
+    arm(&mut rig, None, false);
+    assert_eq!(r2.prepare_attempts, 2, "killed once, retried once");
+    let ev = events(&rig, &key);
+    assert!(
+        !ev.iter().any(|e| e["event"] == "suspended"
+            && e["cause"] == "unused"
+            && e["hot_until"].is_string()),
+        "not back hot: {ev:?}"
+    );
+    assert_eq!(starts(&env), 1, "the retry started the stopped instance");
     kill(pid);
 }
