@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
+use super::warm_refill::OpenTransport;
 use super::{update_error, Reason, World};
 use crate::context::Ctx;
 use crate::events::{Event, Kind, SuspendCause};
@@ -31,16 +32,13 @@ use crate::state::{now_unix, EnvStatus, EnvironmentRecord, Holder};
 /// `None` where there is no window: off (`hot_for = "0s"`), a provider
 /// without a machine to keep (`local`, `ssh`: the script waits on a host
 /// that stays up anyway, so a window would cost nothing and save nothing),
-/// volume mode (its suspension must unmount the volume through the job's
-/// connection), or no machine recorded.
+/// or no machine recorded. Volume mode has one too: its machine runs on
+/// with the volume attached and mounted, and the window's end detaches the
+/// volume and deletes the machine ([`cool`]).
 pub fn window(settings: &Settings, rec: &EnvironmentRecord) -> Option<Duration> {
     let hot_for = settings.suspend.hot_for;
     let keeps_a_machine = matches!(settings.provider, ProviderKind::Qemu | ProviderKind::Ec2);
-    (!hot_for.is_zero()
-        && keeps_a_machine
-        && rec.storage == StorageMode::Machine
-        && rec.machine.is_some())
-    .then(|| hot_for.get())
+    (!hot_for.is_zero() && keeps_a_machine && rec.machine.is_some()).then(|| hot_for.get())
 }
 
 /// Whether a suspended record's hot window has passed (at `now`).
@@ -51,15 +49,17 @@ pub fn expired(rec: &EnvironmentRecord, now: u64) -> bool {
 }
 
 /// The suspension of a paused job's environment into its hot window:
-/// `begin_suspend` (intent), no stop, `suspended_hot` (result), then its
-/// `suspended` event (cause as `why`, `hot_until` set). Killed between the
-/// two, the record is `suspending` under a dead job: its recovery stops the
-/// machine (the window is lost, the paused script is not).
+/// `begin_suspend` (intent), no stop, `suspended_hot` (result: hot until
+/// `until`, Unix seconds), then its `suspended` event (cause as `why`,
+/// `hot_until` set). Killed between the two, the record is `suspending`
+/// under a dead job: its recovery stops the machine (the window is lost;
+/// in `hibernate` mode the paused script is not). Also a failed resume of a
+/// hot environment going back hot for the rest of its window.
 pub async fn keep_hot(
     w: World<'_>,
     paths: &EnvPaths,
     holder: &Holder,
-    window: Duration,
+    until: u64,
     why: &Reason<SuspendCause>,
     ctx: &Ctx,
 ) -> Result<EnvironmentRecord> {
@@ -68,7 +68,6 @@ pub async fn keep_hot(
         .await
         .map_err(update_error)?;
     crate::failpoint!("hot:intent");
-    let until = now_unix() + window.as_secs();
     let (rec, ()) = registry::update(paths, &ctx, |r| r.suspended_hot(holder, until))
         .await
         .map_err(update_error)?;
@@ -88,40 +87,74 @@ pub fn until_text(until: u64) -> String {
     format!("{} (in {} s)", crate::state::rfc3339(until), left)
 }
 
-/// Ends a hot window now: claims the record (`begin_cool`, intent), closes
-/// the SSH masters the paused job left, and suspends it as its mode does
-/// (`super::suspend`: the stop, its result, a `suspended` event with cause
-/// `cooled`; in a mode that loses memory the paused script is marked lost).
+/// Ends a hot window now: claims the record (`begin_cool`, intent), and
+/// suspends it as its mode does (`super::suspend`: the stop, its result, a
+/// `suspended` event with cause `cooled`; in a mode that loses memory the
+/// paused script is marked lost). The SSH masters the paused job left are
+/// closed, before the stop in machine mode; in volume mode after it, for
+/// the guest to sync and unmount the volume over them first (through
+/// `guests`, dormant's own connection: the paused job's master while it
+/// lives, else a new login). Without `guests`, or when the guest cannot be
+/// reached, the volume is detached the way that needs no guest (the
+/// machine's own shutdown unmounts it: `Volumes::detach`).
 /// `Ok(None)`: it was not hot any more (a resume or another cooler took it).
 pub async fn cool(
     w: World<'_>,
     paths: &EnvPaths,
     me: &Holder,
     why: &str,
+    guests: Option<&dyn OpenTransport>,
     ctx: &Ctx,
 ) -> Result<Option<EnvironmentRecord>> {
     let ctx = ctx.uncancellable();
     // Proof we live, taken before the claim is ours (as a recovery's): a
     // sweep meanwhile sees a live holder, not a stale claim to take over.
     let _alive = crate::state::lock::LiveLock::hold(&paths.holder_live)?;
-    match registry::update(paths, &ctx, |r| r.begin_cool(me)).await {
-        Ok(_) => {}
+    let rec = match registry::update(paths, &ctx, |r| r.begin_cool(me)).await {
+        Ok((rec, ())) => rec,
         Err(UpdateError::Refused(_)) | Err(UpdateError::Gone(_)) => return Ok(None),
         Err(e) => return Err(update_error(e)),
-    }
+    };
     crate::failpoint!("hot:claimed");
     ctx.log.info(format!(
         "environment {}: its hot window ends ({why}): suspending its machine",
         paths.id
     ));
+    let guest = match (&rec.storage, &rec.machine, guests) {
+        (StorageMode::Volume, Some(m), Some(open)) => {
+            match w.provider.target(m).and_then(|t| open.open(&t, paths)) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    ctx.log.warn(format!(
+                        "environment {}: no connection to its machine to unmount the data \
+                         volume ({e:#}): its shutdown unmounts it",
+                        paths.id
+                    ));
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    if rec.storage == StorageMode::Machine {
+        close_masters(paths).await;
+    }
+    let reason = Reason::new(SuspendCause::Cooled, why);
+    let done = super::suspend(w, paths, me, false, guest.as_deref(), &reason, &ctx).await;
+    if rec.storage == StorageMode::Volume {
+        super::close(guest.as_deref(), paths.id, &ctx).await;
+        close_masters(paths).await;
+    }
+    let rec = done.with_context(|| format!("ending the hot window of environment {}", paths.id))?;
+    Ok(Some(rec))
+}
+
+/// Closes every SSH master of the environment: none may outlive its
+/// machine's stop (a resume would attach to a dead connection).
+async fn close_masters(paths: &EnvPaths) {
     if let Err(e) = crate::transport::ssh::close_masters(paths).await {
         tracing::debug!("closing the SSH masters of {}: {e:#}", paths.id);
     }
-    let reason = Reason::new(SuspendCause::Cooled, why);
-    let rec = super::suspend(w, paths, me, false, None, &reason, &ctx)
-        .await
-        .with_context(|| format!("ending the hot window of environment {}", paths.id))?;
-    Ok(Some(rec))
 }
 
 /// Why a hot window ended early for a job (the `cooled` event's reason).
@@ -132,7 +165,12 @@ pub const GAVE_WAY: &str = "a job needed its slot (max_environments)";
 /// machine would wait (`running_slots_full`), the hot environment whose
 /// window ends first is cooled now. Best effort: whatever fails is logged,
 /// and the job waits for a slot as usual. Returns the environment cooled.
-pub async fn give_way(w: World<'_>, ctx: &Ctx) -> Option<uuid::Uuid> {
+/// `guests`: how to reach a volume-mode machine to unmount its volume.
+pub async fn give_way(
+    w: World<'_>,
+    guests: Option<&dyn OpenTransport>,
+    ctx: &Ctx,
+) -> Option<uuid::Uuid> {
     let result: Result<Option<uuid::Uuid>> = async {
         if !w.provider.running_slots_full(ctx).await? {
             return Ok(None);
@@ -151,7 +189,7 @@ pub async fn give_way(w: World<'_>, ctx: &Ctx) -> Option<uuid::Uuid> {
         let me = super::recover::operator("a job's prepare");
         for (_, id) in hot {
             let paths = w.store.env_paths(id);
-            if cool(w, &paths, &me, GAVE_WAY, ctx).await?.is_some() {
+            if cool(w, &paths, &me, GAVE_WAY, guests, ctx).await?.is_some() {
                 return Ok(Some(id));
             }
         }
@@ -180,7 +218,12 @@ const WAIT_STEP: Duration = Duration::from_secs(60);
 
 /// `dormant cool ID`: waits until the environment's hot window has passed,
 /// then cools it. Returns when it is cooled, not hot any more, or gone.
-pub async fn wait_and_cool(w: World<'_>, paths: &EnvPaths, ctx: &Ctx) -> Result<()> {
+pub async fn wait_and_cool(
+    w: World<'_>,
+    paths: &EnvPaths,
+    guests: &dyn OpenTransport,
+    ctx: &Ctx,
+) -> Result<()> {
     let me = super::recover::operator("dormant cool");
     // A waiter that dies here (or never started) leaves the record hot: the
     // first sweep after the window cools it.
@@ -198,7 +241,7 @@ pub async fn wait_and_cool(w: World<'_>, paths: &EnvPaths, ctx: &Ctx) -> Result<
         let now = now_unix();
         if until <= now {
             let why = format!("its window passed at {}", crate::state::rfc3339(until));
-            cool(w, paths, &me, &why, ctx).await?;
+            cool(w, paths, &me, &why, Some(guests), ctx).await?;
             return Ok(());
         }
         let wait = Duration::from_secs(until - now).min(WAIT_STEP);

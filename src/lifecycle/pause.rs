@@ -39,7 +39,7 @@ pub fn keep_message(settings: &Settings, record: &EnvironmentRecord) -> Option<S
         ));
     };
     let window = crate::settings::HumanDuration::from_secs(window.as_secs());
-    Some(if keeps_memory(settings) {
+    Some(if keeps_memory(settings, record) {
         format!(
             "the machine stays running {window} after this job (suspend.hot_for), then it \
              hibernates with the paused script; kept until continued or released \
@@ -54,9 +54,13 @@ pub fn keep_message(settings: &Settings, record: &EnvironmentRecord) -> Option<S
     })
 }
 
-/// Whether this provider's suspension keeps the machine's memory (and so a
-/// paused script) beyond a hot window.
-fn keeps_memory(settings: &Settings) -> bool {
+/// Whether this environment's suspension keeps the machine's memory (and so
+/// a paused script) beyond a hot window: never in volume mode (the machine
+/// is deleted).
+fn keeps_memory(settings: &Settings, record: &EnvironmentRecord) -> bool {
+    if record.storage == StorageMode::Volume {
+        return false;
+    }
     match settings.provider {
         ProviderKind::Ssh | ProviderKind::Local => true,
         ProviderKind::Qemu => settings.qemu.suspend_mode == QemuSuspendMode::Hibernate,
@@ -91,9 +95,12 @@ pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String
     if !settings.suspend.enabled {
         return Some("suspend.enabled = false: the environment is released, not kept".into());
     }
-    if record.storage == StorageMode::Volume {
+    // Volume mode keeps a paused script for the hot window only (qemu, ec2).
+    if record.storage == StorageMode::Volume && super::hot::window(settings, record).is_none() {
         return Some(
-            "storage = \"volume\": a suspension gives the machine up, with its processes".into(),
+            "storage = \"volume\": a suspension gives the machine up, with its processes \
+             (suspend.hot_for keeps it running for a while after the job, on qemu and ec2)"
+                .into(),
         );
     }
     // Every provider below runs its stages through the ssh transport's kept
@@ -108,7 +115,8 @@ pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String
                 .into(),
         );
     }
-    // Volume mode was refused above: its window is not kept (hot::window).
+    // Volume mode without a window was refused above; with one it is kept
+    // for the window only (keep_message says so).
     let hot = !settings.suspend.hot_for.is_zero();
     match settings.provider {
         // The script waits on the host, which stays up.
@@ -126,7 +134,7 @@ pub fn refusal(settings: &Settings, record: &EnvironmentRecord) -> Option<String
                 .into(),
         ),
         // As qemu's: the hibernated instance's memory holds the script.
-        // (Volume mode, which never hibernates, was refused above.)
+        // (Volume mode never hibernates: it has a window, or was refused.)
         ProviderKind::Ec2 if settings.ec2.suspend_mode == SuspendMode::Hibernate => None,
         ProviderKind::Ec2 if hot => None,
         ProviderKind::Ec2 => Some(
@@ -288,8 +296,22 @@ mod tests {
                 keep.contains("kept for 10m") && keep.contains("lost"),
                 "{keep}"
             );
-            // Volume mode keeps no window: still refused.
-            assert!(refusal(&s, &record(StorageMode::Volume)).is_some());
+            // Volume mode: a window (a machine recorded) allows a pause for
+            // the window only, in either suspend mode; without a machine
+            // recorded (no window), still refused.
+            let mut volume = record(StorageMode::Volume);
+            assert!(refusal(&s, &volume).is_some());
+            volume.machine = Some(crate::model::Machine::new("i-2"));
+            assert_eq!(refusal(&s, &volume), None, "{provider:?} volume");
+            s.ec2.suspend_mode = SuspendMode::Hibernate;
+            s.qemu.suspend_mode = QemuSuspendMode::Hibernate;
+            let keep = keep_message(&s, &volume).unwrap();
+            assert!(
+                keep.contains("kept for 10m") && keep.contains("lost"),
+                "volume mode never keeps it past the window: {keep}"
+            );
+            s.ec2.suspend_mode = SuspendMode::Stop;
+            s.qemu.suspend_mode = QemuSuspendMode::Shutdown;
             s.ec2.suspend_mode = SuspendMode::Hibernate;
             s.qemu.suspend_mode = QemuSuspendMode::Hibernate;
             let keep = keep_message(&s, &machine).unwrap();

@@ -141,7 +141,9 @@ pub async fn sweep(
         if !expired && super::hot::expired(&rec, now_unix()) {
             let until = rec.hot_until().unwrap_or_default();
             let why = format!("its window passed at {}", crate::state::rfc3339(until));
-            match super::hot::cool(w, &paths, &me, &why, ctx).await {
+            // No connection here: a volume-mode machine's shutdown unmounts its
+            // volume (`hot::cool`).
+            match super::hot::cool(w, &paths, &me, &why, None, ctx).await {
                 Ok(Some(_)) => report.cooled.push(*id),
                 Ok(None) => report.kept += 1,
                 Err(e) => report.errors.push(e),

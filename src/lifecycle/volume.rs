@@ -374,9 +374,11 @@ pub async fn connect(
 }
 
 /// Whether a suspended volume-mode environment still has a machine (a
-/// detach or delete that failed): the sweep finishes it.
+/// detach or delete that failed): the sweep finishes it. Not a hot one: its
+/// machine runs with the volume on purpose until its window ends.
 pub fn has_leftovers(rec: &EnvironmentRecord) -> bool {
     rec.status() == EnvStatus::Suspended
+        && rec.hot_until().is_none()
         && rec.volume.is_some()
         && (rec.machine.is_some()
             || rec

@@ -33,5 +33,7 @@ pub async fn cool(
     // The window, then a stop, each bounded as an operator command's.
     let budget = settings.suspend.hot_for.get() + OPERATOR_BUDGET;
     let ctx = Ctx::new(log, cancel, budget);
-    hot::wait_and_cool(w, &paths, &ctx).await
+    // Dormant's own connection, for a volume-mode machine's unmount.
+    let guests = crate::lifecycle::warm_refill::OverSsh(settings.ssh.clone());
+    hot::wait_and_cool(w, &paths, &guests, &ctx).await
 }

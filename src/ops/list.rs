@@ -87,7 +87,8 @@ pub fn list(settings: &Settings, job: &Job, json: bool, out: &mut dyn Write) -> 
                     _ => (rec.status().as_str(), String::new()),
                 };
                 // The hot window: its machine still runs (docs/pause.md).
-                let asks = match rec.hot_until() {
+                // (A resume's claim keeps it until it is done: not hot then.)
+                let asks = match rec.hot_until().filter(|_| rec.claim().is_none()) {
                     Some(t) => format!("  hot until {}{asks}", crate::state::rfc3339(t)),
                     None => asks,
                 };

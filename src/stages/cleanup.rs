@@ -296,12 +296,18 @@ async fn settle_environment(held: Held<'_>, why: Why, settle: Settle) -> Result<
                 state.job_id
             ));
             let reason = format!("resume by job {} did not reach a stage", state.job_id);
-            let unused = Reason::new(SuspendCause::Unused, &reason);
-            let done = lifecycle::suspend(w, paths, holder, false, transport, &unused, ctx).await;
-            if done.is_ok() {
-                announce(s, Event::Suspend, rec, reason).await;
+            if let Some(done) = back_hot(held, &reason).await {
+                keep_master = matches!(done, Ok(true));
+                done.map(drop)
+            } else {
+                let unused = Reason::new(SuspendCause::Unused, &reason);
+                let done =
+                    lifecycle::suspend(w, paths, holder, false, transport, &unused, ctx).await;
+                if done.is_ok() {
+                    announce(s, Event::Suspend, rec, reason).await;
+                }
+                done.map(drop)
             }
-            done.map(drop)
         }
         Settle::Suspend => {
             keep_question(state, why.relayed.as_ref(), paths, rec, transport, ctx).await;
@@ -416,7 +422,7 @@ async fn suspend(held: Held<'_>, why: &Why, transport: Option<&dyn Transport>) -
 // (A child module: it shares this file's `Held`, `Why`, `suspend`.)
 #[path = "cleanup_hot.rs"]
 mod hot;
-use hot::{hot_window, keep_hot};
+use hot::{back_hot, hot_window, keep_hot};
 
 #[cfg(test)]
 #[path = "cleanup_tests.rs"]

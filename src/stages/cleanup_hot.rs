@@ -5,7 +5,8 @@
 
 use anyhow::Result;
 
-use crate::lifecycle;
+use crate::events::SuspendCause;
+use crate::lifecycle::{self, Reason};
 use crate::notify::Event;
 use crate::transport::Transport;
 
@@ -43,8 +44,8 @@ pub(super) async fn keep_hot(
         return suspend(held, why, transport).await.map(|()| false);
     }
     let reason = why.suspend_reason();
-    let rec = lifecycle::hot::keep_hot(s.world(), paths, holder, window, &reason, ctx).await?;
-    let until = rec.hot_until().unwrap_or_default();
+    let until = crate::state::now_unix() + window.as_secs();
+    let rec = lifecycle::hot::keep_hot(s.world(), paths, holder, until, &reason, ctx).await?;
     s.log.info(format!(
         "job {} {}: paused; environment {id} stays hot (its machine runs) until {}, then it is \
          suspended; key: {}",
@@ -53,6 +54,64 @@ pub(super) async fn keep_hot(
         lifecycle::hot::until_text(until),
         rec.key.as_deref().unwrap_or("(none recorded)")
     ));
+    waiter_and_announce(held, &rec, &reason.text, until).await;
+    Ok(true)
+}
+
+/// A resume that claimed a hot environment and did not reach a stage (its
+/// prepare killed or failed, the runner's cleanup after it): back hot for
+/// the rest of the window, its machine untouched — a stop would end the
+/// paused script in the modes that cannot keep one, and the runner's retried
+/// prepare takes the running machine. `None`: not hot (no window recorded,
+/// or it has passed), or its machine is not running any more (the provider
+/// says so: a spot interruption, someone stopped it): put back to suspended
+/// as any resume, and the retry starts it or is told it is gone (a retry
+/// taking it hot would only wait for a machine that is not there).
+pub(super) async fn back_hot(held: Held<'_>, words: &str) -> Option<Result<bool>> {
+    let until = held
+        .rec
+        .hot_until()
+        .filter(|t| *t > crate::state::now_unix())?;
+    if let Some(machine) = &held.rec.machine {
+        // An answer we cannot get keeps the window: its end cools it anyway.
+        match held.s.provider.describe(machine, held.ctx).await {
+            Ok(crate::model::MachineState::Running) | Err(_) => {}
+            Ok(state) => {
+                held.s.log.info(format!(
+                    "environment {}: its hot machine {} is {state} now: not kept hot",
+                    held.paths.id, machine.id
+                ));
+                return None;
+            }
+        }
+    }
+    let Held {
+        s, paths, holder, ..
+    } = held;
+    let reason = Reason::new(SuspendCause::Unused, words);
+    let rec =
+        match lifecycle::hot::keep_hot(s.world(), paths, holder, until, &reason, held.ctx).await {
+            Ok(rec) => rec,
+            Err(e) => return Some(Err(e)),
+        };
+    s.log.info(format!(
+        "environment {}: {words}: back hot (its machine runs on) until {}",
+        paths.id,
+        lifecycle::hot::until_text(until)
+    ));
+    waiter_and_announce(held, &rec, words, until).await;
+    Some(Ok(true))
+}
+
+/// Starts the window's waiter (`dormant cool`) and tells the notify hook.
+async fn waiter_and_announce(
+    held: Held<'_>,
+    rec: &crate::state::EnvironmentRecord,
+    text: &str,
+    until: u64,
+) {
+    let (s, paths) = (held.s, held.paths);
+    let id = paths.id;
     match lifecycle::hot::start_waiter(paths) {
         Ok(pid) => tracing::debug!("dormant cool {id} started (pid {pid})"),
         Err(e) => s.log.warn(format!(
@@ -63,13 +122,8 @@ pub(super) async fn keep_hot(
     announce(
         s,
         Event::Suspend,
-        &rec,
-        format!(
-            "{}; hot until {}",
-            reason.text,
-            lifecycle::hot::until_text(until)
-        ),
+        rec,
+        format!("{text}; hot until {}", lifecycle::hot::until_text(until)),
     )
     .await;
-    Ok(true)
 }

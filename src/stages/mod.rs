@@ -37,6 +37,14 @@ pub struct RealTransports {
     pub job: Job,
 }
 
+/// How the lifecycle reaches a machine outside a stage's own connection
+/// (a hot volume-mode machine's unmount when a job needs its slot).
+impl crate::lifecycle::warm_refill::OpenTransport for Session {
+    fn open(&self, target: &Target, paths: &EnvPaths) -> Result<Box<dyn Transport>> {
+        self.transports.open(target, paths)
+    }
+}
+
 impl Transports for RealTransports {
     fn open(&self, target: &Target, paths: &EnvPaths) -> Result<Box<dyn Transport>> {
         crate::transport::open(target, paths, &self.settings, &self.job)

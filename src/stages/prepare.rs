@@ -161,7 +161,7 @@ async fn prepare_new(
     let warm_id = taken.as_ref().map(|t| t.warm_id);
     if taken.is_none() {
         // No waiting behind a machine kept hot for a paused script.
-        crate::lifecycle::hot::give_way(s.world(), ctx).await;
+        crate::lifecycle::hot::give_way(s.world(), Some(s), ctx).await;
     }
     let made = match taken {
         Some(t) => Ok(t.machine),

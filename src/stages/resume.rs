@@ -232,7 +232,7 @@ async fn resume(
         }
         Some(machine) => {
             // No waiting behind a machine kept hot for a paused script.
-            crate::lifecycle::hot::give_way(s.world(), ctx).await;
+            crate::lifecycle::hot::give_way(s.world(), Some(s), ctx).await;
             let started_machine = s.provider.start(&machine, ctx).await;
             if let Err(e) = &started_machine {
                 record_failure(s, &paths, Step::Start, e, ctx).await;
@@ -312,8 +312,8 @@ async fn resume(
 
 /// Under the record lock: may this job resume the environment? If so, claims
 /// it (`suspended` → `resuming`) and returns its machine to start — `None`
-/// for a volume-mode environment, which gets a new machine — and whether it
-/// was hot (its machine runs: nothing to start).
+/// for a volume-mode environment, which gets a new machine, unless it is
+/// hot — and whether it was hot (its machine runs: nothing to start).
 fn claim_resume(
     s: &Session,
     r: &mut EnvironmentRecord,
@@ -367,10 +367,13 @@ fn claim_resume(
                      forgets it"
                 ))));
             }
-            None
+            // Hot: its machine runs with the volume attached and mounted.
+            r.machine.clone().filter(|_| r.hot_until().is_some())
         }
     };
-    let hot = r.holder().is_none() && r.hot_until().is_some();
+    // Hot: its window is recorded. Still so under this job's own earlier
+    // claim (a retried prepare): the claim keeps it until `activate`.
+    let hot = r.hot_until().is_some();
     match r.holder() {
         // An earlier attempt of this job claimed it (its cleanup did not run).
         Some(h) if same_holder(h, holder) => r

@@ -175,8 +175,10 @@ pub struct EnvironmentRecord {
     /// The hot window (docs/pause.md): the record is `suspended` but its
     /// machine still runs, until this time (Unix seconds); then a sweep or
     /// the detached waiter suspends it as its mode does. Written only by the
-    /// transitions (`suspended_hot` sets it; a resume's claim, a cooling's
-    /// claim and every `suspended` clear it). Older records have none.
+    /// transitions (`suspended_hot` sets it; a resume's `activate`, a
+    /// cooling's claim, a release and every `suspended` clear it; a resume's
+    /// claim keeps it until `activate`, for a failed resume to go back hot).
+    /// Older records have none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) hot_until: Option<u64>,
 }

@@ -213,13 +213,15 @@ impl EnvironmentRecord {
     }
 
     /// A job (or a shell) claims a suspended environment to resume it. A
-    /// hot one's window ends with the claim: a resume that fails from here
-    /// puts it back suspended by stopping its machine, as any resume.
+    /// hot one keeps its `hot_until` until the resume is done (`activate`):
+    /// a retried prepare of the same job sees its machine still runs, and
+    /// the cleanup of a resume that failed puts it back hot for the rest of
+    /// its window (docs/pause.md, "The hot window"), rather than stopping a
+    /// machine whose paused script a stop would lose.
     pub fn claim_for_resume(&mut self, holder: &Holder) -> Result<(), NotAllowed> {
         if self.status != EnvStatus::Suspended || self.claim.is_some() {
             return Err(not_allowed(self, "be resumed"));
         }
-        self.hot_until = None;
         self.set(EnvStatus::Resuming, holder);
         Ok(())
     }
@@ -243,6 +245,8 @@ impl EnvironmentRecord {
             self.resumed_at = Some(super::now_unix());
             self.job_count += 1;
         }
+        // A hot window ends with the resume it served.
+        self.hot_until = None;
         self.last_error = None;
         self.set(EnvStatus::Active, holder);
         Ok(())

@@ -280,14 +280,21 @@ fn a_hot_window_is_taken_by_a_resume_or_ended_by_one_cooling() {
         serde_json::from_str(&text.replace(",\"hot_until\":100", "")).unwrap();
     assert_eq!(old.hot_until(), None);
 
-    // A resume takes it as it is: the window is over.
+    // A resume takes it as it is: held, it is not cooled; the window is
+    // remembered until the resume is done (a failed one goes back hot).
     let mut resumed = r.clone();
     resumed.claim_for_resume(&j2).unwrap();
-    assert_eq!(resumed.hot_until(), None);
+    assert_eq!(resumed.hot_until(), Some(100));
     assert!(
         resumed.begin_cool(&sweep).is_err(),
-        "held: not hot any more"
+        "held: not cooled under its holder"
     );
+    let mut back = resumed.clone();
+    back.begin_suspend(&j2).unwrap();
+    back.suspended_hot(&j2, 100).unwrap();
+    assert_eq!(back.hot_until(), Some(100), "a failed resume goes back hot");
+    resumed.activate(&j2).unwrap();
+    assert_eq!(resumed.hot_until(), None, "the window ends with the resume");
 
     // A cooling claims it once, then suspends it as usual.
     r.begin_cool(&sweep).unwrap();

@@ -18,7 +18,7 @@ use crate::harness::*;
 use crate::pause::{asking, assert_paused_line, pid_in};
 
 /// `hibernate` mode with a hot window of `hot_for`, a claim grace of 1 s.
-fn hot(env: &Ec2Env, mode: &str, hot_for: &str) -> String {
+pub(crate) fn hot(env: &Ec2Env, mode: &str, hot_for: &str) -> String {
     env.settings(
         &format!(
             "{}suspend_mode = \"{mode}\"\nroot_volume_encrypted = true\nroot_volume_size_gb = 30\n",
@@ -29,7 +29,7 @@ fn hot(env: &Ec2Env, mode: &str, hot_for: &str) -> String {
 }
 
 /// The StopInstances calls so far (their bodies).
-fn stops(env: &Ec2Env) -> Vec<String> {
+pub(crate) fn stops(env: &Ec2Env) -> Vec<String> {
     env.proxy
         .calls()
         .into_iter()
@@ -38,7 +38,7 @@ fn stops(env: &Ec2Env) -> Vec<String> {
         .collect()
 }
 
-fn starts(env: &Ec2Env) -> usize {
+pub(crate) fn starts(env: &Ec2Env) -> usize {
     env.proxy
         .calls()
         .iter()
@@ -48,7 +48,7 @@ fn starts(env: &Ec2Env) -> usize {
 
 /// Waits (bounded: 90 s, far past any window here) until `done` holds.
 #[track_caller]
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+pub(crate) fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     let start = Instant::now();
     while !done() {
         assert!(
@@ -59,7 +59,7 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-fn events(rig: &Rig, key: &str) -> Vec<serde_json::Value> {
+pub(crate) fn events(rig: &Rig, key: &str) -> Vec<serde_json::Value> {
     let out = rig.dormant(&["events", "--json", key]);
     assert!(out.status.success(), "{out:?}");
     String::from_utf8_lossy(&out.stdout)
@@ -72,7 +72,7 @@ fn events(rig: &Rig, key: &str) -> Vec<serde_json::Value> {
 /// however it ends: one that fails an assertion must not leave the script
 /// waiting on this host for ever (its instance is moto's, its processes
 /// are real).
-struct KillsScript(std::path::PathBuf);
+pub(crate) struct KillsScript(pub(crate) std::path::PathBuf);
 
 impl Drop for KillsScript {
     fn drop(&mut self) {
@@ -85,7 +85,7 @@ impl Drop for KillsScript {
     }
 }
 
-fn kill(pid: u32) {
+pub(crate) fn kill(pid: u32) {
     // The script may have ended (continued): then there is nothing to kill.
     let _ = std::process::Command::new("kill")
         .args(["-KILL", &pid.to_string()])

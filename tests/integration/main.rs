@@ -33,6 +33,8 @@ mod ec2_handover;
 mod ec2_holds;
 #[cfg(all(feature = "testing", feature = "ec2"))]
 mod ec2_hot;
+mod ec2_hot_claims;
+mod ec2_hot_volume;
 #[cfg(feature = "ec2")]
 mod ec2_job;
 #[cfg(feature = "ec2")]

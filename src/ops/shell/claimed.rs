@@ -64,7 +64,7 @@ pub(super) async fn shell(
             store.environments_dir().display()
         )
     })?;
-    let machine = claim(w, &paths, &me, settings, &ctx).await?;
+    let (machine, hot_until) = claim(w, &paths, &me, settings, &ctx).await?;
     // From here on the environment is ours: every way out settles it.
     let s = Session {
         w,
@@ -74,6 +74,7 @@ pub(super) async fn shell(
         me: &me,
         signals: &Signals::new()?,
         ctx: &ctx,
+        hot_until,
     };
     let entered = s.enter(machine, req).await;
     let release = req.release && matches!(entered, Ok((_, false)));
@@ -95,14 +96,17 @@ pub(super) async fn shell(
 
 /// Claims the environment as a shell: a suspended one becomes `resuming`
 /// (its machine returned, to be started); one whose holder is gone is
-/// recovered first; one a job or another shell holds is refused.
+/// recovered first; one a job or another shell holds is refused. Also
+/// returns its hot window's end, if it was hot (its machine runs: the
+/// provider's start finds it running and starts nothing; in volume mode it
+/// is taken as it is, its volume attached, rather than replaced).
 async fn claim(
     w: World<'_>,
     paths: &EnvPaths,
     me: &Holder,
     settings: &Settings,
     ctx: &Ctx,
-) -> Result<Option<Machine>> {
+) -> Result<(Option<Machine>, Option<u64>)> {
     let id = paths.id;
     for attempt in 0..2 {
         let claimed = registry::update(paths, ctx, |r| {
@@ -111,9 +115,14 @@ async fn claim(
         })
         .await;
         match claimed {
-            // Volume mode: a new machine is made for it.
-            Ok((rec, _)) if rec.storage == StorageMode::Volume => return Ok(None),
-            Ok((_, Some(machine))) => return Ok(Some(machine)),
+            // Volume mode: a new machine is made for it, unless it is hot.
+            Ok((rec, machine)) if rec.storage == StorageMode::Volume => {
+                return Ok(match rec.hot_until() {
+                    Some(until) => (machine, Some(until)),
+                    None => (None, None),
+                })
+            }
+            Ok((rec, Some(machine))) => return Ok((Some(machine), rec.hot_until())),
             Ok((_, None)) => bail!("environment {id} has no machine to open a shell in"),
             Err(UpdateError::Gone(_)) => bail!(
                 "environment {id} is not in this runner's registry: it was released or expired; \
@@ -149,6 +158,10 @@ struct Session<'a> {
     me: &'a Holder,
     signals: &'a Signals,
     ctx: &'a Ctx,
+    /// The hot window it was claimed in (docs/pause.md): the shell puts it
+    /// back hot until then, rather than ending the window of a paused
+    /// script someone may still answer.
+    hot_until: Option<u64>,
 }
 
 impl Session<'_> {
@@ -305,6 +318,21 @@ impl Session<'_> {
             let why = Reason::new(ReleaseCause::Operator, "dormant shell --release");
             lifecycle::release(w, paths, self.me, None, &why, ctx).await?;
             "dormant shell --release"
+        } else if let Some(until) = self.hot_until.filter(|t| *t > crate::state::now_unix()) {
+            let why = Reason::new(SuspendCause::Shell, "dormant shell ended");
+            lifecycle::hot::keep_hot(w, paths, self.me, until, &why, ctx).await?;
+            log.info(format!(
+                "environment {id} is hot again (its machine runs on) until {}",
+                lifecycle::hot::until_text(until)
+            ));
+            // The window's waiter left when the shell claimed it.
+            if let Err(e) = lifecycle::hot::start_waiter(paths) {
+                log.warn(format!(
+                    "starting the hot window's waiter failed ({e:#}); the next sweep suspends it \
+                     once the window has passed"
+                ));
+            }
+            "dormant shell ended"
         } else {
             log.info(format!("suspending environment {id}"));
             let why = Reason::new(SuspendCause::Shell, "dormant shell ended");
