@@ -109,6 +109,7 @@ async fn a_volume_mode_window_ends_unmounted_over_a_connection_or_the_safe_way_w
                 job_id: 1,
                 at: now_unix(),
                 lost: None,
+                ended: None,
             });
             r.begin_suspend(&job)?;
             r.suspended_hot(&job, now_unix() + 600)
