@@ -283,7 +283,12 @@ impl EnvironmentRecord {
         memory_lost: Option<String>,
     ) -> Result<(), NotAllowed> {
         self.require(holder, &[EnvStatus::Suspending], "be marked suspended")?;
-        if let (Some(paused), Some(why)) = (self.paused.as_mut(), memory_lost) {
+        // (A script that ended, whose code the record holds (`ended`), lost
+        // nothing with the memory.)
+        if let (Some(paused), Some(why)) = (
+            self.paused.as_mut().filter(|p| p.ended.is_none()),
+            memory_lost,
+        ) {
             paused.lost.get_or_insert(why);
         }
         self.status = EnvStatus::Suspended;

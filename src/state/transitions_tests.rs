@@ -250,10 +250,25 @@ fn a_suspension_that_lost_the_memory_marks_the_paused_script_lost() {
     r.begin_suspend(&j4).unwrap();
     r.suspended(&j4, None, false, Some("later".into())).unwrap();
     assert_eq!(
-        r.paused.unwrap().lost.as_deref(),
+        r.paused.as_ref().unwrap().lost.as_deref(),
         Some("hibernation fell back"),
         "the first reason stays"
     );
+    // A script that ended, its code on the record (`ended`), loses nothing.
+    r.paused = Some(crate::state::Paused {
+        question: "q".into(),
+        job_id: 4,
+        at: 0,
+        lost: None,
+        ended: Some(7),
+    });
+    let j5 = job(5, Mode::Resume);
+    r.claim_for_resume(&j5).unwrap();
+    r.begin_suspend(&j5).unwrap();
+    r.suspended(&j5, None, false, Some("powered off".into()))
+        .unwrap();
+    assert_eq!(r.paused.as_ref().unwrap().lost, None, "an end is not lost");
+    assert_eq!(r.paused.unwrap().ended, Some(7));
 }
 
 #[test]
