@@ -30,12 +30,16 @@
 #  2. dormant on a real VM (the test image, TCG, 1 GiB), through the built
 #     binary driven like GitLab Runner (the ignored test
 #     `qemu_pause::bench_pause_and_continue`): one boot, then RUNS rounds of
-#     a resumed job answering a paused script with `dormant-continue`, the
-#     script asking again at once. Per round: from the resuming job's first
-#     prepare call to the continued script's first output byte after the
-#     answer (goal: 3 s), the machine restore dormant logs, the resume's
-#     prepare, the suspend of the paused job (its cleanup: a hibernation)
-#     and the hibernation dormant logs. It takes the machine-wide VM lock.
+#     a resumed job answering a paused script with `dormant-continue` from
+#     the hibernated VM, the script asking again at once, then RUNS rounds
+#     answering it hot (suspend.hot_for = "10m": the VM kept running): the
+#     hot and hibernated rows of one run. Per round: from the resuming job's
+#     first prepare call to the continued script's first output byte after
+#     the answer (goals: hibernated 3 s, hot 1.0 s), the machine restore
+#     dormant logs, the resume's prepare, the suspend of the paused job (its
+#     cleanup: a hibernation, or none when hot) and the hibernation dormant
+#     logs; the first round of each kind also prints where its time went.
+#     It takes the machine-wide VM lock.
 #
 # Usage: scripts/bench-pause.sh [--providers ssh,ec2,ec2-hot,qemu] [--pending S] [--runs N]
 #        (default: ssh,ec2,ec2-hot, 20 s, 3 runs; debug build)

@@ -261,6 +261,11 @@ pub struct FakeTransports {
     pub fail_unmount: bool,
     /// dormant's own commands (`Transport::exec`), first line of each.
     pub execs: Arc<Mutex<Vec<String>>>,
+    /// A connection left by the job before answers (`Transport::take_live`).
+    pub live: bool,
+    /// Prepare's connections: `connect` (a login and the probe) or `take`
+    /// (a live one taken), in order.
+    pub connects: Arc<Mutex<Vec<&'static str>>>,
 }
 
 struct FakeTransport(FakeTransports);
@@ -274,10 +279,17 @@ impl Transports for FakeTransports {
 #[async_trait]
 impl Transport for FakeTransport {
     async fn connect(&self, _ctx: &Ctx) -> Result<()> {
+        self.0.connects.lock().unwrap().push("connect");
         if self.0.fail_connect {
             bail!("fake connection failure");
         }
         Ok(())
+    }
+    async fn take_live(&self, _ctx: &Ctx) -> Result<bool> {
+        if self.0.live {
+            self.0.connects.lock().unwrap().push("take");
+        }
+        Ok(self.0.live)
     }
     async fn run_script(&self, _s: &Script<'_>, _ctx: &Ctx) -> Result<Ran> {
         if self.0.fail_run {

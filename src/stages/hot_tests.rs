@@ -1,12 +1,18 @@
-//! The hot window's give-way (`lifecycle::hot::give_way`): a job that needs
-//! a slot cools the hot environment whose window ends first, and nothing
-//! when a slot is free; and a volume-mode window's end, with and without a
-//! connection to the guest (against the fake provider and transports).
+//! The hot window against the fake provider: the give-way
+//! (`lifecycle::hot::give_way`: a job that needs a slot cools the hot
+//! environment whose window ends first, and nothing when a slot is free),
+//! a volume-mode window's end, with and without a connection to the guest,
+//! and a hot resume's connection (`prep::connect_hot`: the live one taken
+//! without a probe; a probe when stages were left; a machine that stopped
+//! said at once).
 
 use crate::context::{Ctx, JobLog};
+use crate::job::SuspendRequest;
 use crate::lifecycle::{hot, World};
-use crate::model::Machine;
-use crate::stages::fakes::FakeProvider;
+use crate::model::{EnvPaths, Machine, MachineState};
+use crate::stages::cleanup::cleanup;
+use crate::stages::fakes::{session, FakeProvider, FakeTransports};
+use crate::stages::prepare::prepare;
 use crate::state::registry;
 use crate::state::testing::{place, rewrite};
 use crate::state::{now_unix, EnvStatus, Holder, Mode, StateStore};
@@ -154,4 +160,130 @@ async fn a_volume_mode_window_ends_unmounted_over_a_connection_or_the_safe_way_w
         let unmounted = t.execs.lock().unwrap().iter().any(|e| e == "unmount");
         assert_eq!(unmounted, with_guest, "{:?}", t.execs.lock().unwrap());
     }
+}
+
+/// A suspended environment of job 1 (fake provider), then hot with its
+/// machine running, as a paused job's cleanup leaves it (job 2 resumed it
+/// and paused); its key, paths and machine.
+async fn hot_by_cleanup(store: &StateStore, p: &FakeProvider) -> (String, EnvPaths, String) {
+    let trigger = SuspendRequest {
+        on_success: true,
+        source: "test".into(),
+        ..Default::default()
+    };
+    let (s, _) = session(store, p, FakeTransports::default(), 1, trigger, "success");
+    prepare(&s).await.unwrap();
+    cleanup(&s).await.unwrap();
+    let paths = store.env_paths(crate::identity::new_env_id("1", 1));
+    let rec = registry::peek(&paths).unwrap().unwrap();
+    let machine = rec.machine.clone().unwrap().id;
+    let paused = Holder::Job {
+        runner_id: "1".into(),
+        job_id: 2,
+        mode: Mode::Resume,
+        suspend_on_failure: false,
+    };
+    let until = now_unix() + 600;
+    registry::update(&paths, &ctx(), |r| {
+        r.claim_for_resume(&paused)?;
+        r.activate(&paused)?;
+        r.begin_suspend(&paused)?;
+        r.suspended_hot(&paused, until)
+    })
+    .await
+    .unwrap();
+    p.cloud
+        .lock()
+        .unwrap()
+        .machines
+        .insert(machine.clone(), MachineState::Running);
+    (rec.key.unwrap(), paths, machine)
+}
+
+/// A job resuming `key` (no trigger) with `transports`: its prepare.
+async fn resume_with(
+    store: &StateStore,
+    p: &FakeProvider,
+    transports: FakeTransports,
+    key: &str,
+) -> (Result<(), crate::exit::Failure>, String) {
+    let request = SuspendRequest {
+        resume_key: Some(key.into()),
+        source: "test".into(),
+        ..Default::default()
+    };
+    let (s, log) = session(store, p, transports, 3, request, "running");
+    let done = prepare(&s).await;
+    let log = String::from_utf8_lossy(&log.lock().unwrap()).into_owned();
+    (done, log)
+}
+
+#[tokio::test]
+async fn a_hot_resume_takes_the_live_connection_without_a_login_or_a_probe() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = StateStore::open(dir.path()).unwrap();
+    let p = FakeProvider::default();
+    let (key, paths, _) = hot_by_cleanup(&store, &p).await;
+    let before = p.calls().len();
+    let t = FakeTransports {
+        live: true,
+        ..Default::default()
+    };
+    let (done, log) = resume_with(&store, &p, t.clone(), &key).await;
+    done.unwrap();
+    assert!(log.contains("is hot"), "{log}");
+    assert_eq!(*t.connects.lock().unwrap(), ["take"]);
+    assert_eq!(p.calls().len(), before, "no start: {:?}", p.calls());
+    let rec = registry::peek(&paths).unwrap().unwrap();
+    assert_eq!(rec.status(), EnvStatus::Active);
+}
+
+#[tokio::test]
+async fn a_hot_resume_whose_job_left_stages_running_probes_the_machine() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = StateStore::open(dir.path()).unwrap();
+    let p = FakeProvider::default();
+    let (key, paths, _) = hot_by_cleanup(&store, &p).await;
+    // The paused job's cleanup could not stop what its stages left: the
+    // probe (its leftovers command) must.
+    std::fs::write(&paths.stages_left, "").unwrap();
+    let t = FakeTransports {
+        live: true,
+        ..Default::default()
+    };
+    let (done, _) = resume_with(&store, &p, t.clone(), &key).await;
+    done.unwrap();
+    assert_eq!(*t.connects.lock().unwrap(), ["connect"]);
+}
+
+#[tokio::test]
+async fn a_hot_machine_that_stopped_in_its_window_is_said_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = StateStore::open(dir.path()).unwrap();
+    let p = FakeProvider::default();
+    let (key, paths, machine) = hot_by_cleanup(&store, &p).await;
+    // Killed (QEMU gone) during the window: its SSH master went with it.
+    p.cloud
+        .lock()
+        .unwrap()
+        .machines
+        .insert(machine.clone(), MachineState::Stopped);
+    let t = FakeTransports::default();
+    let (done, _) = resume_with(&store, &p, t.clone(), &key).await;
+    let crate::exit::Failure::System(err) = done.unwrap_err() else {
+        panic!("a system failure (the environment stays suspended)");
+    };
+    let err = format!("{err:#}");
+    assert!(
+        err.contains(&format!(
+            "was hot, but its machine is not running any more: machine lost: machine {machine} is stopped"
+        )),
+        "{err}"
+    );
+    assert!(
+        t.connects.lock().unwrap().is_empty(),
+        "no wait for SSH on a machine that is not running"
+    );
+    let rec = registry::peek(&paths).unwrap().unwrap();
+    assert_eq!(rec.status(), EnvStatus::Resuming, "cleanup settles it");
 }

@@ -9,6 +9,7 @@ use crate::events::{Event, Kind, Step};
 use crate::provider::Machine;
 use crate::state::job::{LockedJob, RunnerProcess};
 use crate::state::{registry, EnvPaths, Holder, JobState, Mode, Phase};
+use crate::transport::MachineLost;
 
 use super::Session;
 
@@ -47,6 +48,38 @@ pub(super) async fn connect(
 ) -> Result<()> {
     let target = s.provider.target(machine)?;
     let transport = s.transports.open(&target, paths)?;
+    crate::lifecycle::volume::connect(paths, holder, transport.as_ref(), s.provider.volumes(), ctx)
+        .await
+}
+
+/// [`connect`] for a hot environment (docs/pause.md, "The hot window"): its
+/// machine never stopped, so the connection the paused job left is taken
+/// as it is (`Transport::take_live`: no login, no probe) when that job's
+/// cleanup finished with its stages (no `stages_left`: nothing of them runs
+/// on). Otherwise the provider is asked first whether the machine still
+/// runs: one that stopped or was killed during the window is said at once
+/// (a [`MachineLost`] error), not after a wait for SSH; one that runs gets
+/// the full [`connect`].
+pub(super) async fn connect_hot(
+    s: &Session,
+    paths: &EnvPaths,
+    holder: &Holder,
+    machine: &Machine,
+    ctx: &Ctx,
+) -> Result<()> {
+    let target = s.provider.target(machine)?;
+    let transport = s.transports.open(&target, paths)?;
+    if !paths.stages_left.exists() && transport.take_live(ctx).await? {
+        return Ok(());
+    }
+    if let Some(words) =
+        crate::lifecycle::lost::machine_lost(s.provider.as_ref(), machine, ctx).await
+    {
+        return Err(anyhow::Error::new(MachineLost(words)).context(format!(
+            "environment {} was hot, but its machine is not running any more",
+            paths.id
+        )));
+    }
     crate::lifecycle::volume::connect(paths, holder, transport.as_ref(), s.provider.volumes(), ctx)
         .await
 }

@@ -21,7 +21,7 @@ use crate::state::registry::{self, UpdateError};
 use crate::state::transitions::same_holder;
 use crate::state::{now_unix, EnvStatus, EnvironmentRecord, Holder, Mode, Phase};
 
-use super::prep::{announce, connect, job_state, record_failure};
+use super::prep::{announce, connect, connect_hot, job_state, record_failure};
 use super::Session;
 
 /// A refused resume, with the cause its `refused` event says.
@@ -222,7 +222,7 @@ async fn resume(
     let mut warm_id = None;
     let machine = match machine {
         // The hot window (docs/pause.md): the machine never stopped. Its SSH
-        // master, kept by the paused job's cleanup, is taken by `connect`.
+        // master, kept by the paused job's cleanup, is taken by `connect_hot`.
         Some(machine) if hot => {
             s.log.info(format!(
                 "environment {env_id} is hot: taking its running machine {} (no start, no restore)",
@@ -259,7 +259,12 @@ async fn resume(
         }
     };
 
-    if let Err(e) = connect(s, &paths, &holder, &machine, ctx).await {
+    let connected = if hot {
+        connect_hot(s, &paths, &holder, &machine, ctx).await
+    } else {
+        connect(s, &paths, &holder, &machine, ctx).await
+    };
+    if let Err(e) = connected {
         record_failure(s, &paths, Step::Connect, &e, ctx).await;
         return Err(Failure::System(
             e.context(format!("environment {env_id} stays suspended")),

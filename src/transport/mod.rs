@@ -130,6 +130,15 @@ pub trait Transport: Send + Sync {
     /// reuse (an SSH ControlMaster), and probes for bash, git and gitlab-runner.
     async fn connect(&self, ctx: &Ctx) -> Result<()>;
 
+    /// Prepare of a machine that kept running since the prepare of the job
+    /// before, which probed it (a hot window, docs/pause.md): takes the
+    /// connection that job left, if it still answers, with no new login and
+    /// no probe. `Ok(false)`: nothing to take (then [`Self::connect`]).
+    async fn take_live(&self, ctx: &Ctx) -> Result<bool> {
+        let _ = ctx;
+        Ok(false)
+    }
+
     /// Runs one stage script, streaming its stdout and stderr live to ours.
     /// `Err` means the transport broke (a system failure), never the script.
     async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<Ran>;

@@ -14,8 +14,12 @@
 //! carried; that job keeps it (suspends on failure), and a hot round
 //! follows on the same boot (`hot_round`): a continue within the hot window
 //! takes the running VM, the window's end hibernates it without a job, and
-//! a cold continue restores the same process; the last job has no trigger,
-//! so the environment is released and nothing is left. The protocol's other cases are on the ssh provider
+//! a cold continue restores the same process, which asks again and stays
+//! hot; then a new job that needs the one slot (`max_environments = 1`)
+//! hibernates it rather than waiting (`give_way_round`: refused for its
+//! image right after, it boots nothing), and a last continue restores the
+//! same process; that job has no trigger, so the environment is released
+//! and nothing is left. The protocol's other cases are on the ssh provider
 //! (`pause.rs`, `pause_host.rs`).
 
 use std::time::{Duration, Instant};
@@ -150,23 +154,16 @@ fn qemu_hibernate_keeps_a_paused_script_and_a_resumed_job_continues_it() {
 /// `suspend.hot_for`, a job that asks leaves the VM running (no
 /// hibernation); the next job continues it hot (no restore) and asks again;
 /// with a short window, the detached `dormant cool` hibernates the VM
-/// without a job; a last job restores it and continues the same process
-/// cold, then the environment is released. Prints the resuming jobs' time
-/// to the first byte after the answer, hot and hibernated (one run).
+/// without a job; a job restores it and continues the same process cold,
+/// which asks again and stays hot for `give_way_round`. Prints the resuming
+/// jobs' time to the first byte after the answer, hot and hibernated (one
+/// run).
 fn hot_round(rig: &Rig, key: &str, env: &dormant::model::EnvPaths) {
-    let set_hot_for = |hot_for: &str| {
-        let text = std::fs::read_to_string(&rig.settings_path).unwrap();
-        let base = text.split("[suspend]\n").next().unwrap().to_string();
-        std::fs::write(
-            &rig.settings_path,
-            format!("{base}[suspend]\nhot_for = \"{hot_for}\"\n"),
-        )
-        .unwrap();
-    };
-    set_hot_for("5m");
+    set_hot_for(rig, "5m");
     let fifth = job(98).resume(key).script(
         "a=$(dormant-ask 'hot?'); echo \"hot-answer=[$a] pid=$BASHPID\"; \
-         b=$(dormant-ask 'cold?'); echo \"cold-answer=[$b] pid=$BASHPID\"; exit 5",
+         b=$(dormant-ask 'cold?'); echo \"cold-answer=[$b] pid=$BASHPID\"; \
+         c=$(dormant-ask 'give way?'); echo \"give-answer=[$c] pid=$BASHPID\"; exit 5",
     );
     let r5 = rig.run(&fifth);
     assert_result(&r5, JobResult::Success);
@@ -186,7 +183,7 @@ fn hot_round(rig: &Rig, key: &str, env: &dormant::model::EnvPaths) {
     assert!(rec["hot_until"].is_u64(), "{rec}");
 
     // The continue takes the running VM; its own ask gets a short window.
-    set_hot_for("5s");
+    set_hot_for(rig, "5s");
     let sixth = job(98).resume(key).script("dormant-continue yes");
     let r6 = rig.run(&sixth);
     assert_result(&r6, JobResult::Success);
@@ -199,6 +196,8 @@ fn hot_round(rig: &Rig, key: &str, env: &dormant::model::EnvPaths) {
     assert!(log6.contains("hot-answer=[yes] pid="), "{log6}");
     let pid = field(&log6.replace("hot-answer=[yes] pid=", "pid "), "pid");
     let hot = crate::pause_bench::prepare_to_line(&r6, "build_script", "hot-answer=");
+    eprintln!("where the hot continue's time went:");
+    breakdown(&r6, "hot-answer=");
 
     // The window passes with no job: the waiter hibernates the VM.
     let deadline = Instant::now() + Duration::from_secs(600);
@@ -219,11 +218,13 @@ fn hot_round(rig: &Rig, key: &str, env: &dormant::model::EnvPaths) {
         "{events}"
     );
 
-    // The cold continue: restored, the same process.
+    // The cold continue: restored, the same process; it asks again and,
+    // with a long window, stays hot.
+    set_hot_for(rig, "5m");
     let seventh = job(98).resume(key).script("dormant-continue no");
     let r7 = rig.run(&seventh);
     let log7 = r7.log();
-    assert_result(&r7, JobResult::BuildFailure(Some(5)));
+    assert_result(&r7, JobResult::Success);
     assert!(log7.contains("restored"), "{log7}");
     assert!(
         log7.contains(&format!("cold-answer=[no] pid={pid}\n")),
@@ -236,9 +237,102 @@ fn hot_round(rig: &Rig, key: &str, env: &dormant::model::EnvPaths) {
         hot.map(secs).unwrap_or_default(),
         cold.map(secs).unwrap_or_default()
     );
+    assert!(!qemu_pids(env).is_empty(), "hot again");
+    give_way_round(rig, key, env, pid);
+}
+
+/// The capacity give-way on the same boot (`lifecycle::hot::give_way`):
+/// at `max_environments = 1` a new job finds the one slot taken by the hot
+/// VM and hibernates it rather than waiting. That job asks for an image the
+/// runner does not offer, so its prepare is refused right after the
+/// give-way, before a boot of its own (no second VM in this test). A last
+/// job restores the hibernated VM and continues the same process; having no
+/// trigger, it releases the environment.
+fn give_way_round(rig: &Rig, key: &str, env: &dormant::model::EnvPaths, pid: u64) {
+    let started = Instant::now();
+    let mut new = job(99).script("echo never-runs");
+    new.image = Some("not-offered".into());
+    let other = env_paths(rig, &new);
+    let r = rig.run(&new);
+    let log = r.log();
+    assert_result(&r, JobResult::BuildFailure(None));
+    let id = env.id;
+    assert!(
+        log.contains(&format!(
+            "no free slot: hot environment {id} (its window ending first) was suspended for this job"
+        )),
+        "{log}"
+    );
+    assert!(
+        log.contains("\"not-offered\""),
+        "refused for its image:\n{log}"
+    );
+    assert!(!log.contains("never-runs"), "{log}");
+    assert!(qemu_pids(env).is_empty(), "the hot VM was hibernated");
+    assert!(qemu_pids(&other).is_empty(), "no VM of its own");
+    let rec = rig.record(key).unwrap();
+    assert_eq!(rec["status"], "suspended", "{rec}");
+    assert!(rec["hot_until"].is_null(), "{rec}");
+    let events =
+        String::from_utf8_lossy(&rig.dormant(&["events", "--json", key]).stdout).into_owned();
+    assert!(
+        events
+            .lines()
+            .any(|l| l.contains("\"cause\":\"cooled\"")
+                && l.contains(dormant::lifecycle::hot::GAVE_WAY)),
+        "{events}"
+    );
+
+    // The script paused in the hibernated VM is continued.
+    let last = job(98).resume(key).script("dormant-continue given");
+    let r = rig.run(&last);
+    let log = r.log();
+    assert_result(&r, JobResult::BuildFailure(Some(5)));
+    assert!(log.contains("restored"), "{log}");
+    assert!(
+        log.contains(&format!("give-answer=[given] pid={pid}\n")),
+        "{log}"
+    );
+    eprintln!(
+        "the give-way round (its job, the hibernation, the cold continue) took {} s",
+        secs(started.elapsed())
+    );
     // No trigger in the last job: released, nothing left running.
     assert!(qemu_pids(env).is_empty());
     assert!(!env.dir.exists(), "release left {}", env.dir.display());
+}
+
+/// Sets `suspend.hot_for` in the rig's settings (the next dormant call
+/// reads it).
+fn set_hot_for(rig: &Rig, hot_for: &str) {
+    let text = std::fs::read_to_string(&rig.settings_path).unwrap();
+    let base = text.split("[suspend]\n").next().unwrap().to_string();
+    std::fs::write(
+        &rig.settings_path,
+        format!("{base}[suspend]\nhot_for = \"{hot_for}\"\n"),
+    )
+    .unwrap();
+}
+
+/// Where a continue's time went: each call from the first prepare until
+/// the stage that printed `marker`, prepare's lines and that stage's first
+/// lines with their arrival times (from each call's start).
+fn breakdown(r: &dormant::runner_sim::JobReport, marker: &str) {
+    let Some(first) = r.calls.iter().position(|c| c.name.starts_with("prepare#")) else {
+        return;
+    };
+    for c in &r.calls[first..] {
+        eprintln!("  {} {:.3} s", c.name, c.elapsed.as_secs_f64());
+        let last = c.is_stage() && c.arrived(marker).is_some();
+        if c.name.starts_with("prepare#") || last {
+            for (at, line) in c.arrivals.iter().take(if last { 8 } else { 40 }) {
+                eprintln!("    +{:.3} s: {line}", at.as_secs_f64());
+            }
+        }
+        if last {
+            break;
+        }
+    }
 }
 
 /// Seconds, two decimals.
@@ -280,13 +374,17 @@ fn logged_secs(r: &dormant::runner_sim::JobReport, call: &str, text: &str) -> St
         .unwrap_or_else(|| "-".into())
 }
 
-/// The pause benchmark (`scripts/bench-pause.sh`): one boot, then
-/// `DORMANT_BENCH_RUNS` rounds (default 3) of a resumed job answering a
-/// paused script, which asks again at once. Prints per round: the resuming
-/// job's first prepare call to the continued script's first output byte
-/// after the answer; the machine's restore as dormant logs it; the
-/// resume's prepare; the paused job's suspend (its cleanup, a hibernation)
-/// and the hibernation as dormant logs it.
+/// The pause benchmark (`scripts/bench-pause.sh`): one boot, a script that
+/// asks in a loop, then `DORMANT_BENCH_RUNS` rounds (default 3) of a resumed
+/// job answering it from the hibernated VM, then (with `suspend.hot_for`
+/// set, the VM kept running) as many rounds answering it hot; the same
+/// script on the same boot, so the hot and hibernated rows are one run.
+/// Prints per round: the resuming job's first prepare call to the continued
+/// script's first output byte after the answer; the machine's restore as
+/// dormant logs it; the resume's prepare; the paused job's suspend (its
+/// cleanup: a hibernation, or the hot window's bookkeeping) and the
+/// hibernation as dormant logs it. The first round of each kind also prints
+/// where its time went.
 #[test]
 #[ignore = "a benchmark: scripts/bench-pause.sh runs it"]
 fn bench_pause_and_continue() {
@@ -311,50 +409,53 @@ fn bench_pause_and_continue() {
             .sum::<Duration>()
     };
     let mut rows = vec![(
+        "0 (the job that first asked)".to_string(),
         "-".to_string(),
         "-".to_string(),
         "-".to_string(),
         secs(suspend_of(&r)),
         logged_secs(&r, "cleanup#", "hibernated in "),
     )];
-    for round in 1..=runs {
-        let next = job(97).resume(&key).script("dormant-continue yes");
-        let r = rig.run(&next);
-        assert_result(&r, JobResult::Success);
-        if round == 1 {
-            // Where the time goes: every call until the stage that
-            // continues, and prepare's lines with their arrival times.
-            for c in &r.calls {
-                eprintln!("  {} {:.3} s", c.name, c.elapsed.as_secs_f64());
-                if c.name.starts_with("prepare#") {
-                    for (at, line) in &c.arrivals {
-                        eprintln!("    prepare +{:.3} s: {line}", at.as_secs_f64());
-                    }
-                }
-                if c.name == "build_script" {
-                    for (at, line) in c.arrivals.iter().take(5) {
-                        eprintln!("    build_script +{:.3} s: {line}", at.as_secs_f64());
-                    }
-                    break;
-                }
+    // Rounds 1..=runs from the hibernated VM; the last of them leaves the
+    // VM hot (hot_for set before it), and the next `runs` rounds are hot.
+    let mut round = 0;
+    for hot in [false, true] {
+        for i in 1..=runs {
+            round += 1;
+            if !hot && i == runs {
+                set_hot_for(&rig, "10m");
             }
+            let next = job(97).resume(&key).script("dormant-continue yes");
+            let r = rig.run(&next);
+            assert_result(&r, JobResult::Success);
+            let answered = format!("answer=[yes] round={round}");
+            if i == 1 {
+                eprintln!("where round {round}'s time went (hot: {hot}):");
+                breakdown(&r, &answered);
+            }
+            assert_eq!(
+                r.log().contains("is hot: taking its running machine"),
+                hot,
+                "{}",
+                r.log()
+            );
+            let first_byte = until_line(&r, &answered)
+                .unwrap_or_else(|| panic!("no {answered:?} in the resumed job:\n{}", r.log()));
+            let prepare: Duration = r
+                .calls
+                .iter()
+                .filter(|c| c.name.starts_with("prepare#"))
+                .map(|c| c.elapsed)
+                .sum();
+            rows.push((
+                format!("{round} ({})", if hot { "hot" } else { "hibernated" }),
+                secs(first_byte),
+                logged_secs(&r, "prepare#", "restored in "),
+                secs(prepare),
+                secs(suspend_of(&r)),
+                logged_secs(&r, "cleanup#", "hibernated in "),
+            ));
         }
-        let answered = format!("answer=[yes] round={round}");
-        let first_byte = until_line(&r, &answered)
-            .unwrap_or_else(|| panic!("no {answered:?} in the resumed job:\n{}", r.log()));
-        let prepare: Duration = r
-            .calls
-            .iter()
-            .filter(|c| c.name.starts_with("prepare#"))
-            .map(|c| c.elapsed)
-            .sum();
-        rows.push((
-            secs(first_byte),
-            logged_secs(&r, "prepare#", "restored in "),
-            secs(prepare),
-            secs(suspend_of(&r)),
-            logged_secs(&r, "cleanup#", "hibernated in "),
-        ));
     }
     // Released: no trigger, no continue.
     let last = rig.run(&job(97).resume(&key).script("true"));
@@ -363,14 +464,14 @@ fn bench_pause_and_continue() {
 
     println!(
         "\nqemu, TCG, hibernate, 2 vCPUs, 1 GiB guest: a paused script answered by a resumed job, \
-         {runs} round(s) on one boot (round 0 is the job that first asked)"
+         {runs} round(s) from the hibernated VM, then {runs} hot (suspend.hot_for = \"10m\"), on one boot"
     );
     println!(
         "| round | prepare call → first byte after the answer s | machine restore s (dormant's log) \
          | resume prepare s | suspend of the paused job s | hibernation s (dormant's log) |"
     );
-    println!("|---|---|---|---|---|---|");
-    for (i, (byte, restore, prepare, suspend, hib)) in rows.iter().enumerate() {
-        println!("| {i} | {byte} | {restore} | {prepare} | {suspend} | {hib} |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (round, byte, restore, prepare, suspend, hib) in &rows {
+        println!("| {round} | {byte} | {restore} | {prepare} | {suspend} | {hib} |");
     }
 }

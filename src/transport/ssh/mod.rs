@@ -156,6 +156,16 @@ impl Transport for SshTransport {
         Ok(())
     }
 
+    /// The kept master answers (`ssh -O check`, a local question): it is
+    /// the connection stages use, and the probe's answers still hold on a
+    /// machine that never stopped (its tools, the work directory, whether
+    /// output can be kept: `NO_KEEP_FILE` stays from that probe; its clock
+    /// never lagged). What its stages left was stopped by that job's cleanup
+    /// (the caller checks it finished: `stages_left`).
+    async fn take_live(&self, _ctx: &Ctx) -> Result<bool> {
+        Ok(self.master.attach().await.is_some())
+    }
+
     async fn run_script(&self, script: &Script<'_>, ctx: &Ctx) -> Result<Ran> {
         let body = remote::script_with_env(script.body, script.env)?;
         stage::run(&self.master, &self.settings, &body, script, ctx).await
