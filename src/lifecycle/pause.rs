@@ -24,6 +24,26 @@ pub const LOST_VAR: &str = "DORMANT_PAUSE_LOST";
 /// `crate::state::relayed_end`), so the next continue gives it.
 pub const ENDED_VAR: &str = "DORMANT_PAUSE_ENDED";
 
+/// The variables of pausing a stage's script gets (docs/pause.md): whether
+/// `dormant-ask` may pause ([`VAR`]: `ok` or why not), and for
+/// `dormant-continue` a paused script lost with the machine's memory
+/// ([`LOST_VAR`]: it says so at once; the record stops saying paused at this
+/// job's cleanup) or one that ended whose code a killed job never gave
+/// ([`ENDED_VAR`]: it gives it).
+pub fn script_vars(settings: &Settings, record: &EnvironmentRecord) -> Vec<(String, String)> {
+    let mut vars = vec![(
+        VAR.to_string(),
+        refusal(settings, record).unwrap_or_else(|| "ok".into()),
+    )];
+    if let Some(lost) = lost_message(record) {
+        vars.push((LOST_VAR.to_string(), lost));
+    }
+    if let Some(code) = record.paused.as_ref().and_then(|p| p.ended) {
+        vars.push((ENDED_VAR.to_string(), code.to_string()));
+    }
+    vars
+}
+
 /// How long a paused script will be kept: the hot window, and what follows
 /// it. `dormant run` prints it as a `dormant-ask:` line of its own right
 /// after the question's line (where a pause is allowed).

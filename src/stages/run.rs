@@ -181,24 +181,8 @@ fn script_env(
             crate::job_request::VAR.to_string(),
             request_file.to_string(),
         ),
-        (
-            crate::lifecycle::pause::VAR.to_string(),
-            crate::lifecycle::pause::refusal(&s.settings, record).unwrap_or_else(|| "ok".into()),
-        ),
     ];
-    // The paused script went with the machine's memory: `dormant-continue`
-    // says so at once (the record stops saying paused at this job's cleanup).
-    if let Some(lost) = crate::lifecycle::pause::lost_message(record) {
-        env.push((crate::lifecycle::pause::LOST_VAR.to_string(), lost));
-    }
-    // A continued script ended and its code was never given (the job that
-    // continued it was killed): `dormant-continue` gives it.
-    if let Some(code) = record.paused.as_ref().and_then(|p| p.ended) {
-        env.push((
-            crate::lifecycle::pause::ENDED_VAR.to_string(),
-            code.to_string(),
-        ));
-    }
+    env.extend(crate::lifecycle::pause::script_vars(&s.settings, record));
     // Test builds: the crash points of the scripts on the machine.
     env.extend(crate::failpoint::script_env());
     env
