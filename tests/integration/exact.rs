@@ -96,8 +96,19 @@ const FIXED_BASE: u64 = 3700;
 ///   round's offset, not at `.kept`);
 /// - local 7653915311622478464: the cleanup after a killed `dormant run`
 ///   stopped the owner before it took the acknowledgements waiting in its
-///   input (256 KiB shown twice).
-const REGRESSION_LOCAL: &[u64] = &[3693788959123266103, 7653915311622478464];
+///   input (256 KiB shown twice);
+/// - local 8276378529131131814: a killed continue's copy shown again two
+///   jobs later, after a job killed before it showed a byte (the checker
+///   looked for the allowed re-shown copy in the job just before only);
+/// - local 8276378529131131809: a question withdrawn (`timeout`) as the
+///   relaying continue read it ended the job paused on an empty question
+///   (also `exact_a_question_withdrawn_as_the_continue_reads_it_on_*`).
+const REGRESSION_LOCAL: &[u64] = &[
+    3693788959123266103,
+    7653915311622478464,
+    8276378529131131814,
+    8276378529131131809,
+];
 /// The same on `ssh`:
 /// - ssh 685293378804353026 (no kill): a question withdrawn (`timeout 1
 ///   dormant-ask` on a slow machine) while the owner took its offset put
@@ -111,13 +122,16 @@ const REGRESSION_LOCAL: &[u64] = &[3693788959123266103, 7653915311622478464];
 ///   files before the owner removed them and kept its question;
 /// - ssh 9219574273027428238: without `DONE`, a connection cut while an
 ///   ended stage's owner looked whether it lived kept its files for the
-///   whole reconnect timeout.
+///   whole reconnect timeout;
+/// - ssh 3741125384218328068: the relaying continue's side of
+///   685293378804353026 (a question withdrawn as it was read).
 const REGRESSION_SSH: &[u64] = &[
     685293378804353026,
     685293378804353013,
     3049041551198465596,
     5905181072057727590,
     9219574273027428238,
+    3741125384218328068,
 ];
 
 // ---------------------------------------------------------------- generator
@@ -233,6 +247,9 @@ struct Case {
     /// `mkfifo` and `mv` sleep first on the script's PATH ([`Case::slow_secs`]).
     slow: bool,
     slow_secs: &'static str,
+    /// With `slow`: `tail -n` (how `dormant-continue` reads a question
+    /// asked again) sleeps this long first.
+    slow_tail: Option<&'static str>,
     /// `ssh.kept_output_mib`.
     kept_mib: u32,
 }
@@ -378,6 +395,7 @@ impl Case {
             events,
             slow: rng.chance(25),
             slow_secs: "0.3",
+            slow_tail: None,
             kept_mib: 4,
         }
     }
@@ -466,6 +484,21 @@ impl Case {
                     "#!/bin/sh\n: > '{}/in-{tool}'\nsleep {}\nexec {real} \"$@\"\n",
                     d.display(),
                     self.slow_secs
+                ),
+            )
+            .unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        if let Some(secs) = self.slow_tail {
+            let f = d.join("slow").join("tail");
+            std::fs::write(
+                &f,
+                format!(
+                    "#!/bin/sh
+case $1 in -n) : > '{}/in-tail'; sleep {secs};; esac
+exec /usr/bin/tail \"$@\"\n",
+                    d.display()
                 ),
             )
             .unwrap();
@@ -1333,10 +1366,14 @@ fn check(
     let mut choices: Vec<Vec<usize>> = Vec::new();
     for j in 0..streams.len() {
         let mut c = vec![0];
-        if j > 0 && runs[j - 1].killed_run {
+        // The job before that showed something: a killed job may be followed
+        // by one killed before it showed a byte (seed 8276378529131131814:
+        // a killed continue's copy shown again two jobs later).
+        let before = (0..j).rev().find(|&i| !streams[i].bytes.is_empty());
+        if let Some(i) = before.filter(|&i| runs[i..j].iter().any(|r| r.killed_run)) {
             // The longest few: a repetitive output overlaps itself often.
             c.extend(
-                overlaps(&streams[j - 1].bytes, &streams[j].bytes)
+                overlaps(&streams[i].bytes, &streams[j].bytes)
                     .into_iter()
                     .take(16),
             );
@@ -1551,6 +1588,7 @@ fn hand(name: &str, payloads: Vec<Vec<u8>>, pieces: Vec<Piece>, exit: u8) -> Cas
         events: Vec::new(),
         slow: false,
         slow_secs: "0.3",
+        slow_tail: None,
         kept_mib: 4,
     }
 }
@@ -1954,6 +1992,48 @@ fn pause_while_asking(tool: &str) -> Case {
         delay_ms: 0,
     });
     c
+}
+
+/// A script asks again while relayed, under `timeout`, and the question is
+/// withdrawn (its `dormant-ask` killed by the timeout) just as the relaying
+/// `dormant-continue` reads it (a slow `tail -n` widens the window): no
+/// round, the output streams on, the script's own end and code. (Before,
+/// the round was recorded first: the job ended paused on an empty question
+/// with `tail: cannot open …ask` in its log, and the script went on unshown:
+/// soak seeds 8276378529131131809 on local, 3741125384218328068 on ssh.)
+fn withdrawn_as_the_continue_reads_it() -> Case {
+    let mut c = hand(
+        "a question withdrawn as the relaying continue reads it",
+        vec![b"after the second ask\n".to_vec()],
+        vec![
+            Piece::Ask {
+                question: "first?".into(),
+                timeout: None,
+                prompt: false,
+            },
+            Piece::Ask {
+                question: "second, withdrawn?".into(),
+                timeout: Some(1),
+                prompt: false,
+            },
+            burst(0, Out::Plain),
+        ],
+        5,
+    );
+    c.slow = true;
+    c.slow_secs = "0";
+    c.slow_tail = Some("2");
+    c
+}
+
+#[test]
+fn exact_a_question_withdrawn_as_the_continue_reads_it_on_local() {
+    assert_case(&withdrawn_as_the_continue_reads_it(), Provider::Local);
+}
+
+#[test]
+fn exact_a_question_withdrawn_as_the_continue_reads_it_on_ssh() {
+    assert_case(&withdrawn_as_the_continue_reads_it(), Provider::Ssh);
 }
 
 #[test]

@@ -174,13 +174,21 @@ while :; do
   if [ -e "$P.ask" ] && { read -r n; } < "$P.ask" 2>/dev/null && [ "$n" -gt "$pr" ] 2>/dev/null; then
     # Asked again: this job's log ends here, paused with the new question.
     copy "$z"
-    echo "$n $z" > "$P.paused.c" && mv -f -- "$P.paused.c" "$P.paused"
-    { echo 1; tail -n +2 -- "$P.ask"; } > "$T.ask.c" && mv -f -- "$T.ask.c" "$T.ask"
-    i=0
-    until [ -e "$T.told" ] || [ $((i += 1)) -gt 600 ]; do nap 0.05; done
-    read -r _ _ _ _ g _ < /proc/$$/stat
-    kill -s KILL -- "-$g"
-    exit 0
+    # The question, read before the round is recorded: one withdrawn
+    # meanwhile (its dormant-ask killed, e.g. by `timeout`, took `.ask`
+    # away) is no round, and the output streams on. (Recorded first, the
+    # round ended this job paused on an empty question, the script going on
+    # unshown: soak seeds 8276378529131131809, 3741125384218328068.)
+    if { echo 1; tail -n +2 -- "$P.ask"; } > "$T.ask.c" 2>/dev/null; then
+      echo "$n $z" > "$P.paused.c" && mv -f -- "$P.paused.c" "$P.paused"
+      mv -f -- "$T.ask.c" "$T.ask"
+      i=0
+      until [ -e "$T.told" ] || [ $((i += 1)) -gt 600 ]; do nap 0.05; done
+      read -r _ _ _ _ g _ < /proc/$$/stat
+      kill -s KILL -- "-$g"
+      exit 0
+    fi
+    rm -f -- "$T.ask.c"
   fi
   copy "$z"
   nap 0.05
