@@ -18,9 +18,12 @@
 //! hot; then a new job that needs the one slot (`max_environments = 1`)
 //! hibernates it rather than waiting (`give_way_round`: refused for its
 //! image right after, it boots nothing), and a last continue restores the
-//! same process; that job has no trigger, so the environment is released
-//! and nothing is left. The protocol's other cases are on the ssh provider
-//! (`pause.rs`, `pause_host.rs`).
+//! same process, which asks again and stays hot; with the settings switched
+//! to `suspend_mode = "shutdown"` a job needing the slot ends that window
+//! by powering the VM off, the record says the paused script was lost
+//! (`lost_round`), and the environment is released: nothing is left. The
+//! protocol's other cases are on the ssh provider (`pause.rs`,
+//! `pause_host.rs`).
 
 use std::time::{Duration, Instant};
 
@@ -163,7 +166,8 @@ fn hot_round(rig: &Rig, key: &str, env: &dormant::model::EnvPaths) {
     let fifth = job(98).resume(key).script(
         "a=$(dormant-ask 'hot?'); echo \"hot-answer=[$a] pid=$BASHPID\"; \
          b=$(dormant-ask 'cold?'); echo \"cold-answer=[$b] pid=$BASHPID\"; \
-         c=$(dormant-ask 'give way?'); echo \"give-answer=[$c] pid=$BASHPID\"; exit 5",
+         c=$(dormant-ask 'give way?'); echo \"give-answer=[$c] pid=$BASHPID\"; \
+         d=$(dormant-ask 'lost?'); echo \"never=[$d]\"; exit 5",
     );
     let r5 = rig.run(&fifth);
     assert_result(&r5, JobResult::Success);
@@ -283,23 +287,75 @@ fn give_way_round(rig: &Rig, key: &str, env: &dormant::model::EnvPaths, pid: u64
         "{events}"
     );
 
-    // The script paused in the hibernated VM is continued.
+    // The script paused in the hibernated VM is continued; it asks again,
+    // and stays hot for `lost_round`.
     let last = job(98).resume(key).script("dormant-continue given");
     let r = rig.run(&last);
     let log = r.log();
-    assert_result(&r, JobResult::BuildFailure(Some(5)));
+    assert_result(&r, JobResult::Success);
     assert!(log.contains("restored"), "{log}");
     assert!(
         log.contains(&format!("give-answer=[given] pid={pid}\n")),
         "{log}"
     );
+    assert!(!qemu_pids(env).is_empty(), "hot again");
     eprintln!(
         "the give-way round (its job, the hibernation, the cold continue) took {} s",
         secs(started.elapsed())
     );
-    // No trigger in the last job: released, nothing left running.
+    lost_round(rig, key, env);
+}
+
+/// Where memory cannot be kept (`qemu.suspend_mode = "shutdown"`, docs/pause.md
+/// "The hot window"), a hot window ends as that mode suspends: the VM is
+/// powered off and the record says the paused script was lost. On the same
+/// boot: the settings switch to shutdown while the VM is hot, and a job
+/// needing its slot ends the window (the give-way; the timer's end is the
+/// same `lifecycle::hot` cooling). Then the environment is released: nothing
+/// left. (The next `dormant-continue` failing at once on such a record is
+/// `ec2_hot.rs`'s, in EC2's stop mode.)
+fn lost_round(rig: &Rig, key: &str, env: &dormant::model::EnvPaths) {
+    let started = Instant::now();
+    let settings = std::fs::read_to_string(&rig.settings_path).unwrap();
+    std::fs::write(
+        &rig.settings_path,
+        settings.replace(
+            "suspend_mode = \"hibernate\"",
+            "suspend_mode = \"shutdown\"",
+        ),
+    )
+    .unwrap();
+    let mut new = job(99).script("echo never-runs");
+    new.image = Some("not-offered".into());
+    let r = rig.run(&new);
+    let log = r.log();
+    assert_result(&r, JobResult::BuildFailure(None));
+    assert!(
+        log.contains(&format!("no free slot: hot environment {}", env.id)),
+        "{log}"
+    );
+    assert!(qemu_pids(env).is_empty(), "the hot VM was powered off");
+    let rec = rig.record(key).unwrap();
+    assert_eq!(rec["status"], "suspended", "{rec}");
+    assert!(rec["hot_until"].is_null(), "{rec}");
+    let lost = rec["paused"]["lost"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        lost.contains("shutdown"),
+        "the paused script is lost: {rec}"
+    );
+    let list = text(&rig.dormant(&["list"]));
+    assert!(list.contains("paused script lost"), "{list}");
+    let out = rig.dormant(&["release", key]);
+    assert!(out.status.success(), "{}", text(&out));
     assert!(qemu_pids(env).is_empty());
     assert!(!env.dir.exists(), "release left {}", env.dir.display());
+    eprintln!(
+        "the shutdown-mode window's end (its job, the power-off, the release) took {} s",
+        secs(started.elapsed())
+    );
 }
 
 /// Sets `suspend.hot_for` in the rig's settings (the next dormant call
