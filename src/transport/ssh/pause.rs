@@ -142,6 +142,41 @@ mod tests {
         assert_eq!(encode_base64(b"a"), "YQ==");
     }
 
+    /// A tool `dormant-ask` runs that a signal ends (a script's `timeout`
+    /// stops the command as it runs `mkfifo`): bash's own `Terminated` is
+    /// not written into the script's output, `dormant-ask`'s line is.
+    #[test]
+    fn dormant_ask_says_its_own_words_only_when_a_tool_it_runs_is_terminated() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let bin = d.path().join("bin");
+        std::fs::create_dir(&bin).unwrap();
+        let shim = bin.join("mkfifo");
+        std::fs::write(&shim, "#!/bin/sh\nkill -s TERM $$\n").unwrap();
+        std::fs::set_permissions(&shim, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let ask = d.path().join("dormant-ask");
+        std::fs::write(&ask, ASK).unwrap();
+        let stage = d.path().join("s");
+        std::fs::write(stage.with_extension("out"), "").unwrap();
+        let out = std::process::Command::new("bash")
+            .arg(&ask)
+            .arg("q?")
+            .env("DORMANT_PAUSE", "ok")
+            .env("DORMANT_STAGE", &stage)
+            .env(
+                "PATH",
+                format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
+            )
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(125), "{err}");
+        assert_eq!(
+            err,
+            format!("dormant-ask: could not make {}.fifo\n", stage.display())
+        );
+    }
+
     #[test]
     fn the_paused_report_carries_the_offset_and_the_question() {
         assert_eq!(parse_paused("12 cT8K"), Some((12, b"q?\n".to_vec())));

@@ -12,18 +12,23 @@
 umask 077
 LC_ALL=C
 ask_max=4096
+# bash's own words about a child a signal ended (`Terminated`, when the
+# script's `timeout` stops this command while it runs a tool) are not the
+# script's output: stderr is /dev/null from here, this command's own lines
+# go to fd 9. (Soak seed 3546260562590775887: `Terminated` in the job log.)
+exec 9>&2 2>/dev/null
 if [ -n "${DORMANT_PAUSE-}" ] && [ "$DORMANT_PAUSE" != ok ]; then
-  echo "dormant-ask: cannot pause here: $DORMANT_PAUSE" >&2; exit 125
+  echo "dormant-ask: cannot pause here: $DORMANT_PAUSE" >&9; exit 125
 fi
 o=${DORMANT_STAGE-}
 if [ -z "$o" ] || [ ! -e "$o.out" ]; then
-  echo "dormant-ask: cannot pause here: this stage's output is not kept on the machine (ssh.reconnect_timeout = \"0s\", or the host cannot keep it)" >&2; exit 125
+  echo "dormant-ask: cannot pause here: this stage's output is not kept on the machine (ssh.reconnect_timeout = \"0s\", or the host cannot keep it)" >&9; exit 125
 fi
 q="$*"
 if [ "${#q}" -gt "$ask_max" ]; then
-  echo "dormant-ask: the question is ${#q} bytes; at most $ask_max are kept" >&2; exit 125
+  echo "dormant-ask: the question is ${#q} bytes; at most $ask_max are kept" >&9; exit 125
 fi
-if [ -z "$q" ]; then echo "dormant-ask: usage: dormant-ask QUESTION..." >&2; exit 125; fi
+if [ -z "$q" ]; then echo "dormant-ask: usage: dormant-ask QUESTION..." >&9; exit 125; fi
 # One paused script per environment: another stage's script waits for its
 # answer (this job resumed the environment and did not continue it).
 d=${o%/*} b=${o##*/}
@@ -31,11 +36,11 @@ for x in "$d/${b%%.*}".*.paused; do
   [ -e "$x" ] && [ "${x%.paused}" != "$o" ] || continue
   m=; { read -r m _ < "${x%.paused}.pid"; } 2>/dev/null
   if { [ -n "$m" ] && [ "/proc/$m/fd/3" -ef "${x%.paused}.out" ]; } || { [ -e "${x%.paused}.exit" ] && [ ! -e "${x%.paused}.relay" ]; }; then
-    echo "dormant-ask: another script of this environment already waits for its answer: continue it first (dormant-continue ANSWER); nothing was asked" >&2; exit 125
+    echo "dormant-ask: another script of this environment already waits for its answer: continue it first (dormant-continue ANSWER); nothing was asked" >&9; exit 125
   fi
 done
 rm -f -- "$o.fifo"
-mkfifo -m 600 -- "$o.fifo" || { echo "dormant-ask: could not make $o.fifo" >&2; exit 125; }
+mkfifo -m 600 -- "$o.fifo" || { echo "dormant-ask: could not make $o.fifo" >&9; exit 125; }
 # Intent: the question, whole, under its final name in one link, which fails
 # when `dormant pause` asked first (this process was frozen meanwhile): that
 # round ends with a dormant-continue, which removes its `.ask`; then this
@@ -49,7 +54,7 @@ while :; do
   { read -r n _ < "$o.paused"; } 2>/dev/null
   [ -n "$n" ] || n=0
   n=$((n + 1))
-  printf '%s\n%s' "$n" "$q" > "$o.ask.a" || { rm -f -- "$o.ask.a" "$o.fifo"; echo "dormant-ask: could not record the question in $o.ask" >&2; exit 125; }
+  printf '%s\n%s' "$n" "$q" > "$o.ask.a" || { rm -f -- "$o.ask.a" "$o.fifo"; echo "dormant-ask: could not record the question in $o.ask" >&9; exit 125; }
   ln -- "$o.ask.a" "$o.ask" 2>/dev/null && break
   if [ -e "$o.ask" ]; then
     # A host pause's round (no asker): it lasts until it is continued.
@@ -57,7 +62,7 @@ while :; do
     i=0
     [ -e "$o.asker" ] && ! asker && rm -f -- "$o.ask" "$o.asker"
   else
-    [ $((i += 1)) -le 50 ] || { rm -f -- "$o.ask.a" "$o.fifo"; echo "dormant-ask: could not record the question in $o.ask (ln failed)" >&2; exit 125; }
+    [ $((i += 1)) -le 50 ] || { rm -f -- "$o.ask.a" "$o.fifo"; echo "dormant-ask: could not record the question in $o.ask (ln failed)" >&9; exit 125; }
   fi
   sleep 0.1
 done
