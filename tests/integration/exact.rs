@@ -102,12 +102,16 @@ const FIXED_BASE: u64 = 3700;
 ///   looked for the allowed re-shown copy in the job just before only);
 /// - local 8276378529131131809: a question withdrawn (`timeout`) as the
 ///   relaying continue read it ended the job paused on an empty question
-///   (also `exact_a_question_withdrawn_as_the_continue_reads_it_on_*`).
+///   (also `exact_a_question_withdrawn_as_the_continue_reads_it_on_*`);
+/// - local 3546260562590775887: bash's `Terminated`, about a slow tool a
+///   script's `timeout` stopped inside `dormant-ask`, in the job log (also
+///   the lib test `dormant_ask_says_its_own_words_only_…`).
 const REGRESSION_LOCAL: &[u64] = &[
     3693788959123266103,
     7653915311622478464,
     8276378529131131814,
     8276378529131131809,
+    3546260562590775887,
 ];
 /// The same on `ssh`:
 /// - ssh 685293378804353026 (no kill): a question withdrawn (`timeout 1
