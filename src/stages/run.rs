@@ -306,13 +306,24 @@ fn waits_on_question(
     match result {
         Ok(Ran {
             paused: Some(question),
+            paused_mid_line,
             ..
         }) => {
             let question = crate::lifecycle::pause::question_text(question);
             let key = record.key.clone().unwrap_or_default();
             use std::io::Write;
             let mut out = std::io::stdout().lock();
-            let _ = out.write_all(crate::lifecycle::pause::log_line(&key, &question).as_bytes());
+            // (Crash point: the round's output is in the job log, its line
+            // not yet.)
+            crate::failpoint!("run:paused-line");
+            // (The newline that ends a prompt, with the line: one write.)
+            let line = crate::lifecycle::pause::log_line(&key, &question);
+            let line = if *paused_mid_line {
+                format!("\n{line}")
+            } else {
+                line
+            };
+            let _ = out.write_all(line.as_bytes());
             // How long the script is kept, on a line of its own after the
             // question's: not from `dormant-ask` into the script's output,
             // where it landed mid-line after a prompt and was no byte the

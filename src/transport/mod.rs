@@ -45,6 +45,11 @@ pub struct Ran {
     /// The script asked a question (`dormant-ask`, docs/pause.md) and waits,
     /// alive, for a later job's answer: the stage is over for the runner.
     pub paused: Option<Vec<u8>>,
+    /// Paused with the job log in the middle of a line (a prompt): the
+    /// paused line must start with the newline dormant adds, written with
+    /// it in one write, so that a `dormant run` killed between the two
+    /// leaves no byte the script did not write.
+    pub paused_mid_line: bool,
 }
 
 impl Ran {
@@ -55,6 +60,7 @@ impl Ran {
             watched: None,
             left_running: false,
             paused: None,
+            paused_mid_line: false,
         }
     }
 }

@@ -105,13 +105,18 @@ const FIXED_BASE: u64 = 3700;
 ///   (also `exact_a_question_withdrawn_as_the_continue_reads_it_on_*`);
 /// - local 3546260562590775887: bash's `Terminated`, about a slow tool a
 ///   script's `timeout` stopped inside `dormant-ask`, in the job log (also
-///   the lib test `dormant_ask_says_its_own_words_only_…`).
+///   the lib test `dormant_ask_says_its_own_words_only_…`);
+/// - local 1282249999024437585: a `dormant run` killed between a paused
+///   round's end and the question's line left dormant's newline after a
+///   prompt alone in the log (also `pause_crash.rs`,
+///   `a_run_killed_before_the_question_line_leaves_the_prompt_as_written`).
 const REGRESSION_LOCAL: &[u64] = &[
     3693788959123266103,
     7653915311622478464,
     8276378529131131814,
     8276378529131131809,
     3546260562590775887,
+    1282249999024437585,
 ];
 /// The same on `ssh`:
 /// - ssh 685293378804353026 (no kill): a question withdrawn (`timeout 1

@@ -227,6 +227,28 @@ fn a_run_killed_after_its_continue_ended_leaves_the_exit_code_to_the_next_contin
     crate::reattach::assert_nothing_kept(&sshd);
 }
 
+/// `dormant run` SIGKILLed after a round's output, a prompt with no newline,
+/// reached the job log and before the question's line (`run:paused-line`):
+/// the job log ends with the prompt as the script wrote it. The newline
+/// that starts the question's line on a line of its own is dormant's and
+/// goes in the same write as that line; written at the round's end, it was
+/// left alone in the log, a byte the script never wrote (soak seed
+/// 1282249999024437585).
+#[test]
+fn a_run_killed_before_the_question_line_leaves_the_prompt_as_written() {
+    let sshd = Sshd::start();
+    let (mut rig, _) = ssh_rig_with(&sshd, "");
+    arm(&mut rig, Some("run:paused-line"), true);
+    let r = rig.run(&job(96).script("printf 'prompt> '; a=$(dormant-ask 'q?'); echo \"got=[$a]\""));
+    crate::crash::assert_killed_at(&rig, &r.calls, "run:paused-line", 1);
+    let call = r.call("build_script").unwrap();
+    let raw = String::from_utf8_lossy(&call.raw).into_owned();
+    assert!(
+        raw.contains("prompt> dormant: failpoint run:paused-line: SIGKILL"),
+        "the prompt as written, then the failpoint's words:\n{raw:?}"
+    );
+}
+
 /// `dormant-continue` SIGKILLed mid-frame (`continue:mid-frame`: the
 /// frame's header is in the FIFO, the answer is not): `dormant-ask` drops
 /// the short frame and waits on, so no partial answer is delivered, the

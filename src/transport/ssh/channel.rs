@@ -203,6 +203,7 @@ pub async fn run_once(
             // stops it when its session goes; cleanup makes sure).
             left_running: reports.as_ref().is_none_or(|r| r.exit.is_none()),
             paused: None,
+            paused_mid_line: false,
         }));
     }
     let reports = reports.unwrap_or_default();
@@ -212,6 +213,7 @@ pub async fn run_once(
             watched: reports.watched,
             left_running: false,
             paused: None,
+            paused_mid_line: false,
         }));
     }
     if let Some(e) = reports.error {

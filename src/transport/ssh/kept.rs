@@ -244,14 +244,19 @@ where
         // Whether the owner must have the last line before the session
         // closes: what is still in the connection then is lost with it.
         let mut confirm = false;
+        let mut mid_line = false;
         if s.paused.is_some() {
             // The round's job log ends where dormant stopped, which is past
             // the owner's offset when a background writer went on: the next
             // round starts there (`TAKEN`, recorded in `.kept` before the
-            // owner confirms), and the question starts a line.
+            // owner confirms), and the question starts a line: the newline
+            // that ends a prompt goes with the question's line, in one
+            // write (`Ran::paused_mid_line`), not here, where a `dormant
+            // run` killed before that line left a byte the script never
+            // wrote (soak seed 1282249999024437585).
             let _ = control.send(format!("TAKEN {}", st.stream.offset()));
             confirm = true;
-            st.stream.end_line();
+            mid_line = st.stream.ends_mid_line();
         } else if !s.cancelled {
             // The job log has the stage's end (`DONE`): the owner drops the
             // stage's files at once. (Without it the owner tells dormant's
@@ -325,6 +330,7 @@ where
             watched: s.watched,
             left_running: false,
             paused,
+            paused_mid_line: mid_line,
         }));
     }
     if !s.cancelled && s.error.is_none() {
@@ -357,6 +363,7 @@ where
             watched: None,
             left_running: true,
             paused: None,
+            paused_mid_line: false,
         }));
     }
     let e = s.error.unwrap_or_default();

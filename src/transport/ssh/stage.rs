@@ -104,6 +104,7 @@ pub async fn run(
                             watched: None,
                             left_running: true,
                             paused: None,
+                            paused_mid_line: false,
                         });
                     }
                     Err(Lost::Failed(e)) => {

@@ -99,6 +99,15 @@ impl<W: Write> Stream<W> {
         }
     }
 
+    /// The stage is over (a held line goes out, as [`Self::finish`]);
+    /// whether the job log is in the middle of a line the script left
+    /// unfinished. The caller writes the newline that ends it with its own
+    /// line, in one write.
+    pub fn ends_mid_line(&mut self) -> bool {
+        self.finish();
+        !self.line_start
+    }
+
     /// Ends a line the script left unfinished, so a message that follows
     /// (an error, a termination) starts on a line of its own.
     pub fn end_line(&mut self) {
