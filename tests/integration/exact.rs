@@ -261,6 +261,12 @@ struct Case {
     slow_tail: Option<&'static str>,
     /// `ssh.kept_output_mib`.
     kept_mib: u32,
+    /// The continuing jobs' scripts start a background writer of their own
+    /// (writer 9: 100 tagged lines, 25 ms apart) before `dormant-continue`,
+    /// and wait for it after. Its lines are the continuing job's own, not
+    /// the paused script's: taken out of the logs, not checked (those a
+    /// killed `dormant run` never showed are its job's loss).
+    continue_writer: bool,
 }
 
 fn text_payload(rng: &mut Rng, lines: u64, max_len: u64, newline_at_end: bool) -> Vec<u8> {
@@ -406,6 +412,7 @@ impl Case {
             slow_secs: "0.3",
             slow_tail: None,
             kept_mib: 4,
+            continue_writer: false,
         }
     }
 
@@ -835,10 +842,11 @@ events fired (job, kind, what): {fired:?}"
             && what.starts_with("killed")
         {
             run.killed = true;
-            // (A continue killed mid-copy may leave that one copy, at
-            // most 64 KiB, to be shown again: docs/pause.md, "Exactness
-            // and bounds".)
-            run.killed_run |= matches!(kind, EventKind::KillRun | EventKind::KillContinue);
+            // (Only a killed `dormant run` may leave its one chunk in
+            // flight to be shown again: a killed `dormant-continue`'s
+            // copy is the pump's, which finishes it. docs/pause.md,
+            // "Exactness and bounds".)
+            run.killed_run |= kind == EventKind::KillRun;
         }
     }
     Ok((runs, key))
@@ -858,6 +866,12 @@ fn drive_jobs(
         let mut sim = job(37).suspend_on(false, triggers);
         sim = match &key {
             None => sim.script(&case.script(d, nonce)),
+            Some(k) if case.continue_writer => sim.resume(k).script(&format!(
+                "{}( for i in $(seq 1 100); do l=\"~BG{nonce}~9:{j}.$i:$RANDOM$RANDOM\"; \
+                 printf '%s\\n' \"$l\"; sleep 0.025; done ) &\n\
+                 dormant-continue 'ans{j}' || r=$?\nwait\nexit ${{r:-0}}",
+                prelude(d, nonce, case.slow)
+            )),
             Some(k) => sim.resume(k).script(&format!(
                 "{}dormant-continue 'ans{j}'",
                 prelude(d, nonce, case.slow)
@@ -1362,7 +1376,7 @@ fn check(
     //    allows at its boundary.
     let rec_main = std::fs::read(d.join("rec.main")).unwrap_or_default();
     let mut bg_rec: BTreeMap<String, Vec<Vec<u8>>> = BTreeMap::new();
-    for i in 1..=3 {
+    for i in [1, 2, 3, 9] {
         if let Ok(t) = std::fs::read(d.join(format!("rec.bg{i}"))) {
             bg_rec.insert(
                 i.to_string(),
@@ -1405,6 +1419,10 @@ fn check(
         }
         let ids: std::collections::BTreeSet<&String> = bg.keys().chain(bg_rec.keys()).collect();
         for id in ids {
+            // (The continuing jobs' own writer: `Case::continue_writer`.)
+            if id == "9" {
+                continue;
+            }
             let got = bg.get(id).cloned().unwrap_or_default();
             let want = bg_rec.get(id).cloned().unwrap_or_default();
             if got != want {
@@ -1599,6 +1617,7 @@ fn hand(name: &str, payloads: Vec<Vec<u8>>, pieces: Vec<Piece>, exit: u8) -> Cas
         slow_secs: "0.3",
         slow_tail: None,
         kept_mib: 4,
+        continue_writer: false,
     }
 }
 
@@ -1811,6 +1830,110 @@ fn exact_a_killed_run_before_its_round_was_shown_on_local() {
 #[test]
 fn exact_a_killed_run_before_its_round_was_shown_on_ssh() {
     assert_case(&killed_before_the_round_was_shown(), Provider::Ssh);
+}
+
+/// `n` text lines of about 4 KiB, from seed `seed`.
+fn big_lines(seed: u64, n: usize, tag: &str) -> Vec<u8> {
+    let mut rng = Rng(seed);
+    let mut out = Vec::new();
+    for i in 0..n {
+        out.extend(format!("{tag} line {i} ").into_bytes());
+        out.extend((0..4000).map(|_| b'a' + (rng.next() % 26) as u8));
+        out.push(b'\n');
+    }
+    out
+}
+
+/// A `dormant-continue` killed (kill -9) while it relays an 8 MB burst: the
+/// pump (kept.sh) writes the relayed output, so the job's log has an exact
+/// part of it and the next continue shows the rest, nothing twice. (When
+/// the continue copied through its stage's pipe, the copy in flight, up to
+/// 64 KiB, was shown again.)
+fn killed_continue_mid_relay() -> Case {
+    let mut c = hand(
+        "a dormant-continue killed as it relays an 8 MB burst",
+        vec![big_lines(11, 2000, "relayed"), b"the end\n".to_vec()],
+        vec![
+            Piece::Ask {
+                question: "go?".into(),
+                timeout: None,
+                prompt: false,
+            },
+            Piece::Sleep { ms: 300 },
+            burst(0, Out::Plain),
+            Piece::Sleep { ms: 300 },
+            burst(1, Out::Plain),
+        ],
+        6,
+    );
+    c.events.push(Event {
+        kind: EventKind::KillContinue,
+        at: "m2".into(),
+        delay_ms: 100,
+    });
+    c
+}
+
+#[test]
+fn exact_a_killed_continue_mid_relay_shows_nothing_twice_on_local() {
+    assert_case(&killed_continue_mid_relay(), Provider::Local);
+}
+
+#[test]
+fn exact_a_killed_continue_mid_relay_shows_nothing_twice_on_ssh() {
+    assert_case(&killed_continue_mid_relay(), Provider::Ssh);
+}
+
+/// The continuing job's own background writer runs while its
+/// `dormant-continue` relays, and that job's `dormant run` is stopped, then
+/// killed: what its log had of the paused script is exact, not counted
+/// with the writer's lines (when the continue copied through its stage's
+/// pipe, those lines were taken for the paused script's and as many of its
+/// bytes were lost).
+fn writer_beside_a_killed_relay() -> Case {
+    let mut pieces = vec![
+        Piece::Ask {
+            question: "go?".into(),
+            timeout: None,
+            prompt: false,
+        },
+        // (The relay's copy starts while the writer writes.)
+        Piece::Sleep { ms: 1500 },
+    ];
+    let mut payloads = Vec::new();
+    for i in 0..30 {
+        payloads.push(big_lines(20 + i as u64, 1, "streamed"));
+        pieces.push(burst(i, Out::Plain));
+        pieces.push(Piece::Sleep { ms: 50 });
+    }
+    let mut c = hand(
+        "a continuing job's background writer beside its killed dormant run",
+        payloads,
+        pieces,
+        4,
+    );
+    c.continue_writer = true;
+    c.events.push(Event {
+        kind: EventKind::StopRun,
+        at: "m12".into(),
+        delay_ms: 0,
+    });
+    c.events.push(Event {
+        kind: EventKind::KillRun,
+        at: "m30".into(),
+        delay_ms: 1000,
+    });
+    c
+}
+
+#[test]
+fn exact_a_writer_beside_a_killed_relay_loses_nothing_on_local() {
+    assert_case(&writer_beside_a_killed_relay(), Provider::Local);
+}
+
+#[test]
+fn exact_a_writer_beside_a_killed_relay_loses_nothing_on_ssh() {
+    assert_case(&writer_beside_a_killed_relay(), Provider::Ssh);
 }
 
 /// Issue 37, 6: `timeout 3 dormant-ask q; echo IMPORTANT; exit 7` (with `||`

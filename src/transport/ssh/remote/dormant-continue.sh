@@ -1,8 +1,10 @@
 #!/bin/bash
 # dormant-continue [ANSWER...]: in a job that resumed the environment, hands
 # the answer (the arguments joined by spaces; with none, stdin) to the
-# script paused in `dormant-ask`, prints that script's output from the byte
-# where the earlier job's log stopped, and exits with its exit code. If it
+# script paused in `dormant-ask`, has that script's output from the byte
+# where the earlier job's log stopped written into this stage's output (by
+# its pump, kept.sh: not through this command's stdout), and exits with its
+# exit code. If it
 # asks again, this stage ends paused with the new question (docs/pause.md).
 # Exit 125 (as env, timeout, chroot: the tool itself failed, not the script)
 # whenever it cannot continue, with one `dormant-continue: ...` line naming
@@ -52,6 +54,12 @@ if [ -z "$P" ]; then
   exit 125
 fi
 read -r pr at < "$P.paused"
+# (This stage's pump relays only where a script was paused before the stage
+# began, kept.sh `.relays`: always so, when P was paused in an earlier job or
+# stage.)
+if [ ! -e "$T.relays" ]; then
+  echo "dormant-continue: the paused script was paused after this stage began: continue it from a later stage or job" >&2; exit 125
+fi
 # This job's log starts where the jobs' logs have the paused script's output
 # up to (`.kept`: its owner's record at the round's end, or the relaying
 # stage's, kept_owner.sh `acked`, `relayed`): past the round's offset when
@@ -61,6 +69,16 @@ read -r pr at < "$P.paused"
 k=; { read -r k < "$P.kept"; } 2>/dev/null
 [ -n "$k" ] && at=$k
 k=$at
+# An earlier dormant-continue of this stage relayed P and was killed: its
+# request is the pump's (kept.sh), which finished it; this one goes on from
+# there (what this stage's file has of P).
+x= f= s=
+{ read -r f _ x < "$T.splice"; } 2>/dev/null
+if [ "$x" = "$P" ] && [ -n "$f" ]; then
+  s=$f; { read -r s < "$T.spliced"; } 2>/dev/null
+  s=${s// /}; [ "$s" -gt "$at" ] 2>/dev/null && at=$s
+fi
+s0=$at
 # Relaying P: a `dormant pause` of this stage pauses P (kept_owner.sh, halt).
 echo "$P" > "$T.relay"
 # Paused from the host (`dormant pause`, `$P.stop`): the script's group is
@@ -100,38 +118,38 @@ if [ -e "$P.ask" ] && [ ! -e "$P.exit" ]; then
     fi
   fi
 fi
-# Where this stage's output is now (its wrapper's fd 3) -> y, once what its
-# script wrote before is out of its pipe (stable for 50 ms, at most 1 s).
-here() {
-  local m i=0 l v; { read -r m _ < "$T.pid"; } 2>/dev/null
-  y=
-  while [ $((i += 1)) -le 20 ]; do
-    v=$y y=
-    { while read -r l; do case $l in pos:*) y=${l//[!0-9]/};; esac; done < "/proc/$m/fdinfo/3"; } 2>/dev/null
-    [ -n "$y" ] && [ "$y" = "$v" ] && return
-    nap 0.05
-  done
-}
-# Copies the paused script's output up to byte $1 into this stage, 64 KiB
-# at a time, saying after each how far (`T.base`). What this job's log has
-# of it is this stage's owner's to record (`P.kept`, from dormant's
-# acknowledgements: kept_owner.sh `relayed`); what it has is punched out of
-# P's file every 1 MiB. A continue killed mid-copy leaves that one copy
-# (at most 64 KiB) to be shown again by the next, never lost.
+# Has the pump (kept.sh) copy the paused script's output up to byte $1 into
+# this stage, after what the script wrote before (`T.splice`: <start> <end>
+# <P>, replaced whole by a rename). The pump is this stage's file's one
+# writer and notes where each piece went (`T.map`), so what this job's log
+# has of P is exact: this stage's owner records it (`P.kept`, kept_owner.sh
+# `relayed`), and what it has is punched out of P's file every 1 MiB. A
+# continue killed meanwhile leaves its request to the pump, which finishes
+# it: nothing is half-copied, nothing shown twice.
 copy() {
   [ "$1" -gt "$at" ] || return 0
-  local c= e
-  while [ "$1" -gt "$at" ]; do
-    e=$1
-    [ $((e - at)) -le 65536 ] || e=$((at + 65536))
-    tail -c +$((at + 1)) -- "$P.out" | head -c $((e - at))
-    at=$e
-    base "$at"
-  done
+  local c=
+  echo "$s0 $1 $P" > "$T.splice.c" && mv -f -- "$T.splice.c" "$T.splice"
+  at=$1
   { read -r c < "$P.kept"; } 2>/dev/null
   [ $((${c:-0} - k)) -ge 1048576 ] 2>/dev/null || return 0
   fallocate -p -o "$k" -l $((c - k)) -- "$P.out" 2>/dev/null
   k=$c
+}
+# Waits until the pump has copied all asked (`T.spliced`): as long as dormant
+# takes this stage's output (the pump keeps its bound). 1: P's output is not
+# there any more, or this stage's file cannot be written.
+copied() {
+  local c l
+  while :; do
+    c=; { read -r c < "$T.spliced"; } 2>/dev/null
+    # (Nothing copied yet: the pump is where this continue started.)
+    [ "${c:-$s0}" -ge "$at" ] 2>/dev/null && return 0
+    [ -e "$P.out" ] || return 1
+    l=; { read -r l < "$T.dd"; } 2>/dev/null
+    case $l in *'error writing'*) return 1;; esac
+    nap 0.05
+  done
 }
 # The end of P's copy at byte $1: waited for (at most 60 s) until this
 # job's log has it, before the exit code is given. A job killed meanwhile
@@ -145,24 +163,15 @@ done_at() {
   done
   return 1
 }
-# `.base` rewritten in place, never truncated: the numbers are padded to
-# one width, so a continue killed as it writes leaves the old line or the
-# new one, never an empty file (after which its owner could no longer say
-# how far this job's log had the paused script: all it showed since the
-# owner last looked was shown again).
-base() { printf '%20s %20s %20s\n' "$ts" "$ps" "$1" 1<>"$T.base"; }
 nap() { [ -n "$nn" ] || { exec 8< <(:); exec 8<>/dev/fd/8; nn=1; }; read -r -t "$1" -u 8 _; }
 nn=
-here
-ts=${y:-0} ps=$at
-base "$ps"
 while :; do
   pos
   if { read -r rc len < "$P.exit"; } 2>/dev/null && [ -n "$len" ]; then
     copy "$len"
     # (P's files go with this stage's, once dormant has its end:
     # kept_owner.sh `fin`.)
-    [ "$len" -le "$ps" ] || done_at "$len"
+    [ "$len" -le "$s0" ] || done_at "$len"
     # (The exit code given: only then may P's files go with this stage's.)
     : > "$T.gave"
     exit "$rc"
@@ -172,8 +181,10 @@ while :; do
     echo "dormant-continue: the paused script's wrapper on the machine was killed before its end was recorded: its exit code is unknown" >&2; exit 125
   fi
   if [ -e "$P.ask" ] && { read -r n; } < "$P.ask" 2>/dev/null && [ "$n" -gt "$pr" ] 2>/dev/null; then
-    # Asked again: this job's log ends here, paused with the new question.
+    # Asked again: this job's log ends here, paused with the new question,
+    # once this stage has P's output up to it.
     copy "$z"
+    copied || { echo "dormant-continue: the paused script's output could not be copied into this job's log (its files went, or the machine's disk is full): nothing more is shown" >&2; exit 125; }
     # The question, read before the round is recorded: one withdrawn
     # meanwhile (its dormant-ask killed, e.g. by `timeout`, took `.ask`
     # away) is no round, and the output streams on. (Recorded first, the

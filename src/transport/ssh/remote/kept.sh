@@ -78,25 +78,113 @@ if [ -n "$c" ]; then
   # and the script waits on a full pipe until dormant has taken its output
   # (`.kept`). It ends at the pipe's end of file: when the script's group,
   # background writers included, has let go of it.
+  #
+  #
+  # In a stage that may relay a paused script (another stage of this
+  # environment is paused: the script may `dormant-continue` it; `.relays`
+  # says so), the pump also writes that script's output into the file
+  # (`.splice`, the continue's request: where to start, how far, the paused
+  # stage P): a piece at a time, after what the script wrote before, each
+  # piece's place in both files noted in `.map` and how far it got in
+  # `.spliced`. Its one writer knows where every byte went, so this stage's
+  # owner can say exactly how far the job's log has P (`P.kept`), a killed
+  # `dormant-continue` leaves nothing half-copied (the pump finishes its
+  # request) and nothing of this stage's own output is taken for P's
+  # (docs/pause.md, "The relay"). There it never waits in a read it cannot
+  # leave: it looks whether the pipe has bytes (bash's `read -t 0`, which
+  # takes none) and takes them without waiting (`dd iflag=nonblock`, which
+  # stops where the pipe is empty). (Bash's timed read cannot wait for
+  # them: it drops a byte it read as its time ran out.) Elsewhere it waits
+  # in `dd`, which costs nothing while the script is quiet and starts one
+  # program per bound's worth of output.
+  rl=; g=${o##*/}
+  for g in "${o%/*}/${g%%.*}".*.paused; do [ -e "$g" ] && { rl=1; : > "$o.relays"; break; }; done
   pump() {
-    local l z y k x n=
+    local l z y k x c r sp sf st sd= sv= sx= n w q=2
     exec 2>/dev/null
+    export LC_ALL=C
+    # (A sleep that starts no program.)
+    nap() { [ -n "$n" ] || { exec 8< <(:); exec 8<>/dev/fd/8; n=1; }; read -r -t "$1" -u 8 _; }
+    # The file's length (fd 1's position) -> z.
+    len() { z=; while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$BASHPID/fdinfo/1"; }
+    if [ -z "$rl" ]; then
+      while :; do
+        k=0; { read -r k < "$o.kept"; } 2>/dev/null
+        len
+        x=$((K - z + ${k:-0}))
+        if [ "$x" -gt 0 ]; then
+          # (Reads of at most 64 KiB, as many as fit; less room: one read. In
+          # the C locale, like the follower: loading the host's locale only
+          # slows its start, and it prints nothing a locale changes.)
+          if [ "$x" -ge 65536 ]; then dd bs=65536 count=$((x >> 16)) status=none; else dd bs="$x" count=1 status=none; fi || exit
+          y=$z
+          len
+          # (dd stops short of its count only at the end of the pipe.)
+          [ "$z" = "$y" ] && exit
+        else
+          nap 0.05
+        fi
+      done
+    fi
+    # What the pipe holds now, at most $1 bytes (room in the bound), into the
+    # file. 1: the pipe's end (no byte and no error). dd's errors are kept in
+    # `.dd`: the pipe found empty is the usual one; one writing the file
+    # (e.g. the file system is full) ends the pump, so the script's writes
+    # fail rather than its bytes vanish.
+    drain() {
+      local e=0 y=$z
+      if [ "$1" -ge 65536 ]; then dd iflag=nonblock bs=65536 count=$(($1 >> 16)) status=none 2>"$o.dd"; else dd iflag=nonblock bs="$1" count=1 status=none 2>"$o.dd"; fi || e=1
+      if [ "$e" = 1 ]; then { read -r l < "$o.dd"; } 2>/dev/null; case $l in *'error writing'*) exit;; esac; fi
+      len
+      [ "$e" = 1 ] || [ "$z" != "$y" ] || [ "$1" -le 0 ]
+    }
     while :; do
       k=0; { read -r k < "$o.kept"; } 2>/dev/null
-      z=; while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$BASHPID/fdinfo/1"
+      len
       x=$((K - z + ${k:-0}))
-      if [ "$x" -gt 0 ]; then
-        # (Reads of at most 64 KiB, as many as fit; less room: one read. In
-        # the C locale, like the follower: loading the host's locale only
-        # slows its start, and it prints nothing a locale changes.)
-        if [ "$x" -ge 65536 ]; then LC_ALL=C dd bs=65536 count=$((x >> 16)) status=none; else LC_ALL=C dd bs="$x" count=1 status=none; fi || exit
-        y=$z; z=
-        while read -r l; do case $l in pos:*) z=${l//[!0-9]/};; esac; done < "/proc/$BASHPID/fdinfo/1"
-        # (dd stops short of its count only at the end of the pipe.)
-        [ "$z" = "$y" ] && exit
+      if [ "$x" -le 0 ]; then nap 0.05; continue; fi
+      if [ -e "$o.splice" ] && { read -r sf st sp < "$o.splice"; } 2>/dev/null && [ -n "$sp" ] && [ "$sp $st" != "$sx" ]; then
+        # (A second request for the same script, after a `dormant-continue`
+        # killed mid-request, goes on from what this pump copied.)
+        [ "$sp" = "$sv" ] || sv=$sp sd=$sf
+        if [ "$st" -gt "$sd" ] 2>/dev/null; then
+          # What the script wrote before comes first.
+          if read -t 0; then drain "$x" || exit; continue; fi
+          c=$((st - sd))
+          [ "$c" -le "$x" ] || c=$x
+          [ "$c" -le 1048576 ] || c=1048576
+          # (One read, one write: bs is the piece. What it wrote is noted
+          # before a failed write ends the pump.)
+          r=0
+          dd if="$sp.out" iflag=skip_bytes,count_bytes,fullblock skip="$sd" count="$c" bs="$c" status=none 2>"$o.dd" || r=1
+          y=$z
+          len
+          w=$((z - y))
+          if [ "$w" -gt 0 ]; then
+            printf '%21s %20s %20s\n' "$y" "$sd" "$((sd + w))" >> "$o.map"
+            sd=$((sd + w))
+            printf '%20s\n' "$sd" 1<>"$o.spliced"
+          fi
+          if [ "$r" = 1 ]; then { read -r l < "$o.dd"; } 2>/dev/null; case $l in *'error writing'*) exit;; esac; fi
+          if [ "$w" -le 0 ]; then
+            # P's file is not there any more (or shorter than asked): this
+            # request is given up, and the script's output flows on. (The
+            # next request for P starts where it says: where the job's log
+            # has P, never past a byte not copied.)
+            sx="$sp $st" sv=
+          fi
+          continue
+        fi
+      fi
+      # The script's bytes, once there are some (or the pipe's end): looked
+      # for every 2 ms after some came, backing off to every 10 ms while the
+      # script is quiet (a request is taken within that: the first byte of a
+      # continued script waits for it).
+      if read -t 0; then
+        drain "$x" || exit
+        q=2
       else
-        [ -n "$n" ] || { exec 8< <(:); exec 8<>/dev/fd/8; n=1; }
-        read -r -t 0.05 -u 8 _
+        if [ "$q" -lt 10 ]; then nap "0.00$q"; q=$((q * 2)); else nap 0.010; fi
       fi
     done
   }
@@ -106,7 +194,7 @@ if [ -n "$c" ]; then
   u=$PUMP_PID
   exec 4>&"${PUMP[1]}" 5<&"${PUMP[0]}"
   eval "exec ${PUMP[1]}>&- ${PUMP[0]}<&-"
-  { set -m; ( set +m; trap : QUIT; [ -z "${11}" ] || export DORMANT_STAGE=$o PATH=$t/${11}:$PATH; unset w p q g x r o f t m c K L rep u PUMP PUMP_PID; unset -f pump; set --; eval "$s" ) </dev/null >&4 2>&4 3>&- 4>&- 5<&- & p=$!; set +m; } 2>/dev/null
+  { set -m; ( set +m; trap : QUIT; [ -z "${11}" ] || export DORMANT_STAGE=$o PATH=$t/${11}:$PATH; unset w p q g x r o f t m c K L rep u rl PUMP PUMP_PID; unset -f pump; set --; eval "$s" ) </dev/null >&4 2>&4 3>&- 4>&- 5<&- & p=$!; set +m; } 2>/dev/null
   exec 4>&-
   unset s
   # The session's stderr carries the reports only, on fd 6 from here: what

@@ -145,25 +145,41 @@ taking() {
   while read -r -t 0 && IFS= read -r c; do
     case $c in ACK\ *|TAKEN\ *) ack "${c#* }";; esac
   done
-  [ -e "$o.base" ] && relayed
+  [ -e "$o.map" ] && relayed
   acked
 }
-# This stage's dormant-continue relays a paused script P (`.relay`), whose
-# output it copies into this stage from byte <P start> on, starting at this
-# stage's byte <start> (`.base`: <start> <P start> <P copied>, rewritten
-# after each copy of at most 64 KiB: what this stage holds past the copy is
-# its own script's, e.g. bash's line about a killed dormant-continue).
-# dormant's job log has P's output up to the matching byte: recorded in
-# `P.kept` (its one writer while P is relayed), so a continue after this
-# job was killed starts exactly there, and P's pump writes on.
+# This stage's script relays a paused script P (`dormant-continue`: `.relay`),
+# whose output the pump (kept.sh) copies into this stage's file a piece at a
+# time: `.map`, a line per piece in the order written, <this stage's byte>
+# <P's first byte> <P's byte after it>. dormant's job log has P's output up
+# to the byte matching `tk` (past a piece: its end; what lies between pieces
+# is this stage's own script's): recorded in `P.kept` (its one writer while P
+# is relayed), so a continue after this job was killed starts exactly there,
+# and P's pump writes on. The map is read as it grows (fd 7, opened once; a
+# line is 64 bytes, one write, never across a page), the one line past `tk`
+# kept for the next look.
 relayed() {
-  local ts ps pe x c
-  { read -r ts ps pe < "$o.base" && read -r x < "$o.relay"; } 2>/dev/null || return
-  [ "$tk" -gt "$ts" ] 2>/dev/null || return
-  c=$((ps + tk - ts))
-  [ -n "$pe" ] && [ "$c" -gt "$pe" ] && c=$pe
+  local c l r
+  if [ -z "$mo" ]; then
+    { read -r rx < "$o.relay" && exec 7<"$o.map"; } 2>/dev/null || return
+    mo=1
+  fi
+  while :; do
+    if [ -z "$ml" ]; then
+      l=; IFS= read -r -u 7 l; r=$?
+      # (A line still being written: its start kept, read on next time.)
+      [ "$r" -eq 0 ] || { mf=$mf$l; break; }
+      ml=$mf$l mf=
+    fi
+    set -- $ml
+    [ "$tk" -ge "$1" ] 2>/dev/null || break
+    mt=$1 mp=$2 mq=$3 ml=
+  done
+  [ -n "$mt" ] || return 0
+  c=$((mp + tk - mt))
+  [ "$c" -le "$mq" ] || c=$mq
   [ "$c" = "$rc" ] && return
-  printf '%20s\n' "$c" 1<>"$x.kept" && rc=$c
+  printf '%20s\n' "$c" 1<>"$rx.kept" && rc=$c
 }
 # The paused round's job log ends at byte $1 (`TAKEN <n>`), past the offset
 # the owner recorded when a background writer went on meanwhile: the next
@@ -226,7 +242,7 @@ up() {
 # connection, the script runs on and the stage is kept $L s for dormant to
 # come back. A newer owner (a re-attach) takes over.
 own() {
-  local me=$BASHPID c x y k=0 tk=0 rc= e= keep= dl pend= pz= wk= g
+  local me=$BASHPID c x y k=0 tk=0 rc= e= keep= dl pend= pz= wk= g mo= ml= mf= mt= mp= mq= rx=
   [ "$1" = start ] && echo "$me $f" > "$o.own"
   # A lost connection must not end the owner when it says something.
   trap '' PIPE
@@ -266,7 +282,7 @@ own() {
           # (What this job's log has of a relayed script is recorded first;
           # its files go before the confirmation: the job's cleanup, which
           # comes next, asks whether a script waits.)
-          DONE) [ -e "$o.base" ] && relayed; given; echo "dormant-took" >&2; fin;;
+          DONE) [ -e "$o.map" ] && relayed; given; echo "dormant-took" >&2; fin;;
           ACK\ *) ack "${c#ACK }";;
           TAKEN\ *) [ -n "$pz" ] && { taken "${c#TAKEN }"; echo "dormant-took" >&2; };;
           PAUSE*) [ -z "$pz" ] && halt "${c#PAUSE}";;
@@ -278,7 +294,7 @@ own() {
         e=1 dl=$((SECONDS + L)); nap 0; exec 0<&8
         # What dormant has, recorded before anything else (a killed
         # `dormant run`: the next job's log starts there).
-        [ -e "$o.base" ] && relayed
+        [ -e "$o.map" ] && relayed
         acked
         # Paused: dormant has this round's output; the script waits on.
         [ -n "$pz" ] && { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
@@ -286,7 +302,7 @@ own() {
       fi
     fi
     [ -z "$pz" ] && [ -e "$o.ask" ] && asked
-    [ -e "$o.base" ] && relayed
+    [ -e "$o.map" ] && relayed
     # Paused once its session had ended (a lost connection): the script waits
     # for its answer whether dormant comes back or not, so neither the loss
     # timeout nor a clock set forward after a restore may stop it. The owner
