@@ -168,9 +168,9 @@ if [ -n "$c" ]; then
           if [ "$r" = 1 ]; then { read -r l < "$o.dd"; } 2>/dev/null; case $l in *'error writing'*) exit;; esac; fi
           if [ "$w" -le 0 ]; then
             # P's file is not there any more (or shorter than asked): this
-            # request is given up, and the script's output flows on. (The
-            # next request for P starts where it says: where the job's log
-            # has P, never past a byte not copied.)
+            # request is given up, not tried again at each turn (a program
+            # start each). (The next request for P starts where it says:
+            # where the job's log has P, never past a byte not copied.)
             sx="$sp $st" sv=
           fi
           continue

@@ -395,6 +395,98 @@ fn output_past_the_bound_waits_for_dormant_and_nothing_is_dropped() {
     follow.close();
 }
 
+/// In a stage begun while another stage of the environment is paused, the
+/// pump writes a relay request's bytes (`.splice`, as `dormant-continue`
+/// asks) after what the script wrote before, within the bound, byte for
+/// byte (NULs too), each piece noted in `.map` where it went; a request for
+/// a paused stage whose file is gone is given up, and the script's own
+/// output flows on.
+#[test]
+fn a_relaying_pump_writes_the_paused_output_in_order_and_notes_each_piece() {
+    let m = Machine::new();
+    std::fs::create_dir_all(m.kept_dir()).unwrap();
+    let p = m.kept_dir().join(format!("{ENV}.build.P"));
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(p.with_extension("P.out"), &data).unwrap();
+    std::fs::write(p.with_extension("P.paused"), "1 0\n").unwrap();
+    let (splice, spliced) = (m.file("relay.1", "splice"), m.file("relay.1", "spliced"));
+    let (splice, spliced, p) = (splice.display(), spliced.display(), p.display());
+    let go = m.kept_dir().join("go");
+    let go = go.display();
+    let script = format!(
+        "until [ -e '{go}' ]; do sleep 0.01; done\n\
+         printf 'before\\n'\n\
+         printf '%s %s %s\\n' 1000 250000 '{p}' > '{splice}.c' && mv '{splice}.c' '{splice}'\n\
+         until read -r n < '{spliced}' && [ \"$n\" = 250000 ]; do sleep 0.01; done 2>/dev/null\n\
+         printf 'after\\n'\n\
+         printf '%s %s %s\\n' 0 10 '{p}.gone' > '{splice}.c' && mv '{splice}.c' '{splice}'\n\
+         head -c 200000 /dev/zero | tr '\\0' x; printf end"
+    );
+    let mut want = b"before\n".to_vec();
+    want.extend_from_slice(&data[1000..250_000]);
+    want.extend_from_slice(b"after\n");
+    want.extend(std::iter::repeat_n(b'x', 200_000));
+    want.extend_from_slice(b"end");
+    let bound = 64 * 1024;
+    let mut s = m.session("relay.1", Mode::Start, &script, bound, 60);
+    assert_eq!(s.report(), Report::Kept);
+    // The pump held still while the script writes `before` and then asks:
+    // once it goes on, it finds both, and what the script wrote first must
+    // come first.
+    let out = std::fs::metadata(m.file("relay.1", "out")).unwrap();
+    let pump = || {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let fd = std::fs::metadata(e.path().join("fd/1")).ok()?;
+            let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+            (fd.dev() == out.dev() && fd.ino() == out.ino() && comm.trim() != "dd").then_some(pid)
+        })
+    };
+    wait_for(|| pump().is_some(), "the pump");
+    let pid = pump().unwrap();
+    // SAFETY: kill(2) on the pump's pid, just read from /proc.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    std::fs::write(m.kept_dir().join("go"), "").unwrap();
+    wait_for(|| m.file("relay.1", "splice").exists(), "the request");
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    let mut got = Vec::new();
+    while got.len() < want.len() {
+        let chunk = s.read((want.len() - got.len()).min(16 * 1024));
+        got.extend_from_slice(&chunk);
+        s.send(&format!("ACK {}", got.len()));
+    }
+    let Report::Exit(0, Some(n)) = s.until(|r| matches!(r, Report::Exit(..))) else {
+        panic!()
+    };
+    assert_eq!(n, want.len() as u64);
+    let at = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+    assert!(got == want, "every byte once, in order: they part at {at}");
+    // The map: contiguous pieces of P from 1000 to 250000, the first right
+    // after `before\n`.
+    let map = std::fs::read_to_string(m.file("relay.1", "map")).unwrap();
+    let pieces: Vec<(u64, u64, u64)> = map
+        .lines()
+        .map(|l| {
+            assert_eq!(l.len(), 63, "a line is 64 bytes: {l:?}");
+            let v: Vec<u64> = l.split_whitespace().map(|x| x.parse().unwrap()).collect();
+            (v[0], v[1], v[2])
+        })
+        .collect();
+    assert_eq!(pieces.first().map(|x| (x.0, x.1)), Some((7, 1000)), "{map}");
+    assert_eq!(pieces.last().map(|x| x.2), Some(250_000), "{map}");
+    for w in pieces.windows(2) {
+        assert_eq!(w[0].2, w[1].1, "contiguous in P: {map}");
+        assert_eq!(
+            w[0].0 + (w[0].2 - w[0].1),
+            w[1].0,
+            "and in this stage: {map}"
+        );
+    }
+    s.close();
+}
+
 #[test]
 fn a_script_reopening_its_stdout_and_stderr_cannot_truncate_its_output() {
     let m = Machine::new();
