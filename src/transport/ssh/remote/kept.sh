@@ -122,6 +122,9 @@ if [ -n "$c" ]; then
           # (dd stops short of its count only at the end of the pipe.)
           [ "$z" = "$y" ] && exit
         else
+          # (The stage is over, its end recorded or its files gone, while
+          # nobody took what the bound holds: nothing more is its output.)
+          { [ -e "$o.exit" ] || [ ! -e "$o.out" ]; } && exit
           nap 0.05
         fi
       done
@@ -142,7 +145,10 @@ if [ -n "$c" ]; then
       k=0; { read -r k < "$o.kept"; } 2>/dev/null
       len
       x=$((K - z + ${k:-0}))
-      if [ "$x" -le 0 ]; then nap 0.05; continue; fi
+      if [ "$x" -le 0 ]; then
+        { [ -e "$o.exit" ] || [ ! -e "$o.out" ]; } && exit
+        nap 0.05; continue
+      fi
       if [ -e "$o.splice" ] && { read -r sf st sp < "$o.splice"; } 2>/dev/null && [ -n "$sp" ] && [ "$sp $st" != "$sx" ]; then
         # (A second request for the same script, after a `dormant-continue`
         # killed mid-request, goes on from what this pump copied.)

@@ -395,6 +395,56 @@ fn output_past_the_bound_waits_for_dormant_and_nothing_is_dropped() {
     follow.close();
 }
 
+/// A stage whose output reached its bound with nobody taking it (dormant
+/// was killed), then stopped by the cleanup: nothing of it stays, its pump
+/// included, in either of the pump's ways (waiting in `dd`; polling, where
+/// another stage is paused).
+#[test]
+fn a_stage_stopped_at_its_bound_leaves_no_pump() {
+    for relaying in [false, true] {
+        let m = Machine::new();
+        if relaying {
+            std::fs::create_dir_all(m.kept_dir()).unwrap();
+            std::fs::write(m.kept_dir().join(format!("{ENV}.build.P.paused")), "1 0\n").unwrap();
+        }
+        let bound = 64 * 1024;
+        let script = "seq 1 60000 | sed 's/^/n/'; echo done";
+        let mut s = m.session("build.8", Mode::Start, script, bound, 60);
+        assert_eq!(s.report(), Report::Kept);
+        s.read_up_to(10);
+        s.cut();
+        let out = m.file("build.8", "out");
+        let len = || std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0);
+        wait_for(|| len() >= bound - 65536, "the output to reach its bound");
+        let (dev, ino) = {
+            use std::os::unix::fs::MetadataExt;
+            let md = std::fs::metadata(&out).unwrap();
+            (md.dev(), md.ino())
+        };
+        // What the cleanup does when a stage did not end cleanly.
+        m.leftovers(false);
+        let holders = || {
+            use std::os::unix::fs::MetadataExt;
+            let mut pids = Vec::new();
+            for e in std::fs::read_dir("/proc").unwrap().flatten() {
+                let Ok(fds) = std::fs::read_dir(e.path().join("fd")) else {
+                    continue;
+                };
+                if fds.flatten().any(|fd| {
+                    std::fs::metadata(fd.path()).is_ok_and(|m| m.dev() == dev && m.ino() == ino)
+                }) {
+                    pids.push(e.file_name().to_string_lossy().to_string());
+                }
+            }
+            pids
+        };
+        wait_for(
+            || holders().is_empty(),
+            &format!("no process holding the stage's output (relaying: {relaying})"),
+        );
+    }
+}
+
 /// In a stage begun while another stage of the environment is paused, the
 /// pump writes a relay request's bytes (`.splice`, as `dormant-continue`
 /// asks) after what the script wrote before, within the bound, byte for
