@@ -109,7 +109,11 @@ const FIXED_BASE: u64 = 3700;
 /// - local 1282249999024437585: a `dormant run` killed between a paused
 ///   round's end and the question's line left dormant's newline after a
 ///   prompt alone in the log (also `pause_crash.rs`,
-///   `a_run_killed_before_the_question_line_leaves_the_prompt_as_written`).
+///   `a_run_killed_before_the_question_line_leaves_the_prompt_as_written`);
+/// - local 8515663036969139051: the owner's one-byte poll for a control line
+///   expired as `DONE` came, and took its `D` for no byte: the relayed
+///   script's files stayed and the record kept its question (also
+///   `exact_a_done_read_as_the_owners_poll_expired_on_local`).
 const REGRESSION_LOCAL: &[u64] = &[
     3693788959123266103,
     7653915311622478464,
@@ -117,6 +121,7 @@ const REGRESSION_LOCAL: &[u64] = &[
     8276378529131131809,
     3546260562590775887,
     1282249999024437585,
+    8515663036969139051,
 ];
 /// The same on `ssh`:
 /// - ssh 685293378804353026 (no kill): a question withdrawn (`timeout 1
@@ -267,6 +272,14 @@ struct Case {
     /// the paused script's: taken out of the logs, not checked (those a
     /// killed `dormant run` never showed are its job's loss).
     continue_writer: bool,
+    /// On `local`: bash code every bash of the stages sources first
+    /// (`BASH_ENV`, set by a `local.shell` shim), e.g. a `read` function
+    /// that does what bash's own does only under load.
+    bash_env: Option<&'static str>,
+    /// A failed job keeps its environment (the failure trigger), as in a
+    /// case with kills: the check then sees the record and the files the
+    /// last job left.
+    keep_failed: bool,
 }
 
 fn text_payload(rng: &mut Rng, lines: u64, max_len: u64, newline_at_end: bool) -> Vec<u8> {
@@ -413,6 +426,8 @@ impl Case {
             slow_tail: None,
             kept_mib: 4,
             continue_writer: false,
+            bash_env: None,
+            keep_failed: false,
         }
     }
 
@@ -506,6 +521,21 @@ impl Case {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o755)).unwrap();
         }
+        if let Some(code) = self.bash_env {
+            let env = d.join("bash-env");
+            std::fs::write(&env, format!("unset BASH_ENV\n{code}\n")).unwrap();
+            let f = d.join("bash");
+            std::fs::write(
+                &f,
+                format!(
+                    "#!/bin/sh\nBASH_ENV='{}' exec /bin/bash \"$@\"\n",
+                    env.display()
+                ),
+            )
+            .unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
         if let Some(secs) = self.slow_tail {
             let f = d.join("slow").join("tail");
             std::fs::write(
@@ -582,12 +612,20 @@ struct Place {
 
 impl Place {
     fn new(provider: Provider, kept_mib: u32) -> Place {
+        Place::with_shell(provider, kept_mib, None)
+    }
+
+    /// With `shell` as `local.shell` (on `local`).
+    fn with_shell(provider: Provider, kept_mib: u32, shell: Option<&Path>) -> Place {
+        let local = shell
+            .map(|s| format!("[local]\nshell = \"{}\"\n", s.display()))
+            .unwrap_or_default();
         match provider {
             Provider::Local => Place {
                 rig: Rig::new(
                     "37",
                     "s_37ee37ee37ee",
-                    &format!("[ssh]\nkept_output_mib = {kept_mib}\n"),
+                    &format!("[ssh]\nkept_output_mib = {kept_mib}\n{local}"),
                 ),
                 sshd: None,
             },
@@ -745,10 +783,11 @@ struct Now {
 /// Runs `case` on `provider` to its end and checks it; `Err` says what broke,
 /// with everything needed to replay it.
 fn run_case(case: &Case, provider: Provider) -> Result<(), String> {
-    let place = Arc::new(Place::new(provider, case.kept_mib));
     let d = tempfile::tempdir().unwrap();
     let nonce = format!("{:016x}", fastrand::u64(..));
     case.write_files(d.path());
+    let shell = case.bash_env.map(|_| d.path().join("bash"));
+    let place = Arc::new(Place::with_shell(provider, case.kept_mib, shell.as_deref()));
     let outcome = drive(case, &place, d.path(), &nonce);
     let header = format!(
         "exactness case failed on {provider:?}: replay with DORMANT_EXACT_SEED=<seed> (named tests: by name)\n{}",
@@ -861,7 +900,7 @@ fn drive_jobs(
 ) -> Result<(Vec<JobRun>, String), String> {
     let mut runs: Vec<JobRun> = Vec::new();
     let mut key: Option<String> = None;
-    let triggers = case.has_kills();
+    let triggers = case.has_kills() || case.keep_failed;
     for j in 1..=MAX_JOBS {
         let mut sim = job(37).suspend_on(false, triggers);
         sim = match &key {
@@ -1618,6 +1657,8 @@ fn hand(name: &str, payloads: Vec<Vec<u8>>, pieces: Vec<Piece>, exit: u8) -> Cas
         slow_tail: None,
         kept_mib: 4,
         continue_writer: false,
+        bash_env: None,
+        keep_failed: false,
     }
 }
 
@@ -2166,6 +2207,54 @@ fn exact_a_question_withdrawn_as_the_continue_reads_it_on_local() {
 #[test]
 fn exact_a_question_withdrawn_as_the_continue_reads_it_on_ssh() {
     assert_case(&withdrawn_as_the_continue_reads_it(), Provider::Ssh);
+}
+
+/// The stage's owner polls for a control line with a one-byte read that
+/// times out after 50 ms; under load that read can expire as its byte
+/// comes, and bash then reports the timeout (142) with the byte read into
+/// the variable. Here a `read` function (sourced by every bash of the
+/// stages) does exactly that with the first byte of `DONE`, every time, and
+/// says no further line waits (`read -t 0`), so that every line comes by
+/// the poll, as `DONE` does when it comes alone. A
+/// continuing job relays the script to its end: its `DONE` must still let
+/// the script's files go, and its cleanup must clear the question. (Before,
+/// the owner took the byte for none and read `ONE`: the files stayed and
+/// the record kept the question, so a later job would have been given the
+/// exit code again with no output: soak seed local 8515663036969139051.)
+fn done_read_as_the_poll_expired() -> Case {
+    let mut c = hand(
+        "DONE's first byte read by an owner's poll that expired",
+        vec![b"after the answer\n".to_vec()],
+        vec![
+            Piece::Ask {
+                question: "first?".into(),
+                timeout: None,
+                prompt: false,
+            },
+            burst(0, Out::Plain),
+        ],
+        3,
+    );
+    c.bash_env = Some(
+        r#"read() {
+  case $#:$1:$2:$3:$4:$5:$6 in
+    3:-r:-t:0:::) return 1;;
+    6:-r:-t:0.05:-N:1:x)
+      builtin read -r -t 0.05 -N 1 x
+      local r=$?
+      [ "$r" = 0 ] && [ "$x" = D ] && return 142
+      return "$r";;
+  esac
+  builtin read "$@"
+}"#,
+    );
+    c.keep_failed = true;
+    c
+}
+
+#[test]
+fn exact_a_done_read_as_the_owners_poll_expired_on_local() {
+    assert_case(&done_read_as_the_poll_expired(), Provider::Local);
 }
 
 #[test]

@@ -267,8 +267,14 @@ own() {
     # under load a TERM or a KEEP was lost that way.) Then all the lines
     # waiting, at once: an owner that took one line per turn fell behind
     # dormant's acknowledgements, and those still in the connection when
-    # dormant closed the session were lost with it.
+    # dormant closed the session were lost with it. The one-byte read can
+    # expire too, as its byte comes: bash then reports the timeout (a status
+    # over 128) and keeps the byte in `x` (its "partial input"), so a byte
+    # in `x` was read, whatever the status. (Taken for no byte, `DONE`
+    # became `ONE`: the relayed script's files stayed and the record kept
+    # its question, soak seed local 8515663036969139051.)
     x=; IFS= read -r -t 0.05 -N 1 x; y=$?
+    [ -n "$x" ] && y=0
     if [ "$y" -le 128 ]; then
       g=
       [ "$y" -eq 0 ] || g=1
