@@ -81,6 +81,62 @@ fn a_continue_killed_after_waking_the_script_is_retried_with_every_line_once() {
     crate::reattach::assert_nothing_kept(&sshd);
 }
 
+/// The relaying stage's pump (kept.sh) SIGKILLed right after it wrote a
+/// piece of the paused script's output into the stage (`pump:pieced`: the
+/// piece noted in `.map` before it was written, `.spliced` not yet moved):
+/// the job's log has the piece and its `dormant-continue` ends (nothing more
+/// can reach that stage's output) instead of waiting for ever; the next
+/// job's `dormant-continue` starts right after the piece: every line once.
+#[test]
+fn a_pump_killed_after_a_piece_leaves_the_next_continue_at_the_byte() {
+    let sshd = Sshd::start();
+    let (mut rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    let (key, _pid, log) = paused_counter(&rig, d.path(), &|job_id| {
+        let out = pause_cmd(&rig, &[&job_id.to_string()], &[]);
+        assert!(out.status.success(), "{}", text(&out));
+    });
+    arm(&mut rig, Some("pump:pieced"), true);
+    let r2 = rig.run(
+        &job(91)
+            .resume(&key)
+            .suspend_on(true, true)
+            .script("dormant-continue"),
+    );
+    let log2 = r2.log();
+    let marker = rig.runner.env.get("DORMANT_FAILPOINT_ONCE").unwrap();
+    assert!(
+        Path::new(marker).exists(),
+        "pump:pieced: once-marker {marker}:\n{log2}"
+    );
+    assert!(
+        matches!(r2.result, JobResult::BuildFailure(_)),
+        "{}\n{log2}",
+        r2.result
+    );
+    assert!(
+        !numbers(&log2).is_empty(),
+        "the piece is in the log:\n{log2}"
+    );
+    arm(&mut rig, None, false);
+    std::fs::write(d.path().join("release"), "").unwrap();
+    let r3 = rig.run(&job(91).resume(&key).script("dormant-continue"));
+    assert_result(&r3, JobResult::BuildFailure(Some(3)));
+    let log3 = r3.log();
+    assert!(log3.contains("end\n"), "{log3}");
+    let all: Vec<u64> = numbers(&log)
+        .into_iter()
+        .chain(numbers(&log2))
+        .chain(numbers(&log3))
+        .collect();
+    let want: Vec<u64> = (1..=all.len() as u64).collect();
+    assert_eq!(
+        all, want,
+        "every line once:\n{log}\n---\n{log2}\n---\n{log3}"
+    );
+    crate::reattach::assert_nothing_kept(&sshd);
+}
+
 /// The stage's owner SIGKILLed in `halt` after `$o.stop` and the SIGSTOP,
 /// before `$o.ask` (`owner:halted`): the stage is not paused yet; its
 /// session breaks, `dormant run` follows the stage again and sends the

@@ -57,9 +57,13 @@ read -r pr at < "$P.paused"
 # (This stage's pump relays only where a script was paused before the stage
 # began, kept.sh `.relays`: always so, when P was paused in an earlier job or
 # stage.)
-if [ ! -e "$T.relays" ]; then
+u=; { read -r u < "$T.relays"; } 2>/dev/null
+if [ -z "$u" ]; then
   echo "dormant-continue: the paused script was paused after this stage began: continue it from a later stage or job" >&2; exit 125
 fi
+# Whether this stage's pump (its pid in `.relays`) still copies: it writes
+# this stage's output (a pid taken by another process holds no such file).
+pumps() { [ "/proc/$u/fd/1" -ef "$T.out" ]; }
 # This job's log starts where the jobs' logs have the paused script's output
 # up to (`.kept`: its owner's record at the round's end, or the relaying
 # stage's, kept_owner.sh `acked`, `relayed`): past the round's offset when
@@ -145,20 +149,22 @@ copied() {
     c=; { read -r c < "$T.spliced"; } 2>/dev/null
     # (Nothing copied yet: the pump is where this continue started.)
     [ "${c:-$s0}" -ge "$at" ] 2>/dev/null && return 0
-    [ -e "$P.out" ] || return 1
+    [ -e "$P.out" ] && pumps || return 1
     l=; { read -r l < "$T.dd"; } 2>/dev/null
     case $l in *'error writing'*) return 1;; esac
     nap 0.05
   done
 }
-# The end of P's copy at byte $1: waited for (at most 60 s) until this
-# job's log has it, before the exit code is given. A job killed meanwhile
-# leaves them (P ended while paused: the next continue shows the rest).
+# The end of P's copy at byte $1: waited for (at most 60 s, while this
+# stage's pump lives) until this job's log has it, before the exit code is
+# given. A job killed meanwhile leaves them (P ended while paused: the next
+# continue shows the rest); so does one whose log did not get there (1).
 done_at() {
   local i=0 c
   while [ $((i += 1)) -le 1200 ]; do
     c=; { read -r c < "$P.kept"; } 2>/dev/null
     [ "${c:-0}" -ge "$1" ] 2>/dev/null && return 0
+    if ! pumps; then c=; { read -r c < "$T.spliced"; } 2>/dev/null; [ "${c:-0}" -ge "$1" ] 2>/dev/null || return 1; fi
     nap 0.05
   done
   return 1
@@ -166,12 +172,17 @@ done_at() {
 nap() { [ -n "$nn" ] || { exec 8< <(:); exec 8<>/dev/fd/8; nn=1; }; read -r -t "$1" -u 8 _; }
 nn=
 while :; do
+  # (This stage's pump killed: nothing more reaches its output, here or in
+  # the log; what it copied is noted. The next continue shows the rest.)
+  pumps || { echo "dormant-continue: this stage's output can no longer be written (its pump on the machine is gone): the next dormant-continue shows the rest" >&2; exit 125; }
   pos
   if { read -r rc len < "$P.exit"; } 2>/dev/null && [ -n "$len" ]; then
     copy "$len"
     # (P's files go with this stage's, once dormant has its end:
     # kept_owner.sh `fin`.)
-    [ "$len" -le "$s0" ] || done_at "$len"
+    if [ "$len" -gt "$s0" ] && ! done_at "$len"; then
+      echo "dormant-continue: the paused script ended, but this job's log did not get all its output (this stage stopped copying it, or the job's log stalled 60 s): the next dormant-continue shows the rest and gives its exit code" >&2; exit 125
+    fi
     # (The exit code given: only then may P's files go with this stage's.)
     : > "$T.gave"
     exit "$rc"

@@ -98,7 +98,7 @@ if [ -n "$c" ]; then
   # in `dd`, which costs nothing while the script is quiet and starts one
   # program per bound's worth of output.
   rl=; g=${o##*/}
-  for g in "${o%/*}/${g%%.*}".*.paused; do [ -e "$g" ] && { rl=1; : > "$o.relays"; break; }; done
+  for g in "${o%/*}/${g%%.*}".*.paused; do [ -e "$g" ] && { rl=1; break; }; done
   pump() {
     local l z y k x c r sp sf st sd= sv= sx= n w q=2
     exec 2>/dev/null
@@ -159,15 +159,22 @@ if [ -n "$c" ]; then
           c=$((st - sd))
           [ "$c" -le "$x" ] || c=$x
           [ "$c" -le 1048576 ] || c=1048576
-          # (One read, one write: bs is the piece. What it wrote is noted
-          # before a failed write ends the pump.)
-          r=0
+          # The piece is noted first, where it goes and how long it is to be:
+          # this pump is the file's one writer, so the output past `y` is
+          # that piece's until it notes more, and a pump killed mid-piece
+          # leaves the owner a map that is right for every byte written (a
+          # byte the log has is never taken for one it has not). A piece cut
+          # short is noted again at its real end. (One read, one write: bs
+          # is the piece.)
+          y=$z r=0
+          printf '%21s %20s %20s\n' "$y" "$sd" "$((sd + c))" >> "$o.map"
+          : failpoint pump:piece
           dd if="$sp.out" iflag=skip_bytes,count_bytes,fullblock skip="$sd" count="$c" bs="$c" status=none 2>"$o.dd" || r=1
-          y=$z
           len
           w=$((z - y))
+          [ "$w" = "$c" ] || printf '%21s %20s %20s\n' "$z" "$((sd + w))" "$((sd + w))" >> "$o.map"
+          : failpoint pump:pieced
           if [ "$w" -gt 0 ]; then
-            printf '%21s %20s %20s\n' "$y" "$sd" "$((sd + w))" >> "$o.map"
             sd=$((sd + w))
             printf '%20s\n' "$sd" 1<>"$o.spliced"
           fi
@@ -198,6 +205,9 @@ if [ -n "$c" ]; then
   # how the wrapper hears it end — an end of file, no polling.)
   coproc PUMP { pump 9>&1 >&3 3>&-; }
   u=$PUMP_PID
+  # (The pump's pid, for a `dormant-continue` waiting on it: a pump that is
+  # gone copies nothing more.)
+  [ -z "$rl" ] || echo "$u" > "$o.relays"
   exec 4>&"${PUMP[1]}" 5<&"${PUMP[0]}"
   eval "exec ${PUMP[1]}>&- ${PUMP[0]}<&-"
   { set -m; ( set +m; trap : QUIT; [ -z "${11}" ] || export DORMANT_STAGE=$o PATH=$t/${11}:$PATH; unset w p q g x r o f t m c K L rep u rl PUMP PUMP_PID; unset -f pump; set --; eval "$s" ) </dev/null >&4 2>&4 3>&- 4>&- 5<&- & p=$!; set +m; } 2>/dev/null
