@@ -154,8 +154,15 @@ if [ -n "$c" ]; then
         # killed mid-request, goes on from what this pump copied.)
         [ "$sp" = "$sv" ] || sv=$sp sd=$sf
         if [ "$st" -gt "$sd" ] 2>/dev/null; then
-          # What the script wrote before comes first.
-          if read -t 0; then drain "$x" || exit; continue; fi
+          # What the script wrote before comes first; then a piece, even
+          # when the script writes on: the two take turns, each with at most
+          # half the room, so a writer that never stops (and would fill the
+          # bound every time dormant frees it) does not hold the relay back.
+          if read -t 0; then
+            drain $((x > 1 ? x / 2 : x)) || exit
+            x=$((K - z + ${k:-0}))
+            [ "$x" -gt 0 ] || continue
+          fi
           c=$((st - sd))
           [ "$c" -le "$x" ] || c=$x
           [ "$c" -le 1048576 ] || c=1048576

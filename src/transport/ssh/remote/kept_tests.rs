@@ -395,6 +395,48 @@ fn output_past_the_bound_waits_for_dormant_and_nothing_is_dropped() {
     follow.close();
 }
 
+/// A relaying stage whose script writes without a pause (a background
+/// writer that never stops) does not hold the relay back: the pump takes
+/// turns, and the request is done while the writer still writes.
+#[test]
+fn a_relaying_pump_copies_while_the_script_writes_on() {
+    let m = Machine::new();
+    std::fs::create_dir_all(m.kept_dir()).unwrap();
+    let p = m.kept_dir().join(format!("{ENV}.build.P"));
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(p.with_extension("P.out"), &data).unwrap();
+    std::fs::write(p.with_extension("P.paused"), "1 0\n").unwrap();
+    let (splice, spliced) = (m.file("relay.2", "splice"), m.file("relay.2", "spliced"));
+    let (splice, spliced, p) = (splice.display(), spliced.display(), p.display());
+    let ticks = 1_000_000;
+    let script = format!(
+        "( yes t | head -c {} ) & w=$!\n\
+         printf '%s %s %s\\n' 0 250000 '{p}' > '{splice}.c' && mv '{splice}.c' '{splice}'\n\
+         until read -r n < '{spliced}' && [ \"$n\" = 250000 ]; do sleep 0.01; done 2>/dev/null\n\
+         if kill -0 $w 2>/dev/null; then s=while-writing; else s=after-the-writer; fi\n\
+         wait $w; printf '%s\\n' \"$s\"",
+        2 * ticks
+    );
+    let total = 2 * ticks + 250_000;
+    let bound = 64 * 1024;
+    let mut s = m.session("relay.2", Mode::Start, &script, bound, 60);
+    assert_eq!(s.report(), Report::Kept);
+    // (Its last line: `while-writing` or, 3 bytes longer, `after-the-writer`.)
+    let want = total + "while-writing\n".len();
+    let mut got = Vec::new();
+    while got.len() < want {
+        let chunk = s.read((want - got.len()).min(16 * 1024));
+        got.extend_from_slice(&chunk);
+        s.send(&format!("ACK {}", got.len()));
+    }
+    assert!(
+        got.ends_with(b"while-writing\n"),
+        "the relay waited for the writer: {:?}",
+        String::from_utf8_lossy(&got[got.len() - 20..])
+    );
+    s.close();
+}
+
 /// A stage whose output reached its bound with nobody taking it (dormant
 /// was killed), then stopped by the cleanup: nothing of it stays, its pump
 /// included, in either of the pump's ways (waiting in `dd`; polling, where
@@ -524,15 +566,15 @@ fn a_relaying_pump_writes_the_paused_output_in_order_and_notes_each_piece() {
             (v[0], v[1], v[2])
         })
         .collect();
-    // (The request for a stage whose file is gone: noted, then noted again
-    // at its real end, nothing written, right after `after\n`.)
+    // (The request for a stage whose file is gone, right after `after\n`:
+    // tried only once the pipe is empty, if ever before the script ends;
+    // then noted, and noted again at its real end, nothing written.)
     let gone = 7 + 249_000 + 6;
-    assert_eq!(
-        pieces[pieces.len().saturating_sub(2)..],
-        [(gone, 0, 10), (gone, 0, 0)],
+    let (tried, pieces): (Vec<_>, Vec<_>) = pieces.into_iter().partition(|p| p.0 == gone);
+    assert!(
+        tried.is_empty() || tried == [(gone, 0, 10), (gone, 0, 0)],
         "{map}"
     );
-    let pieces = &pieces[..pieces.len() - 2];
     assert_eq!(pieces.first().map(|x| (x.0, x.1)), Some((7, 1000)), "{map}");
     assert_eq!(pieces.last().map(|x| x.2), Some(250_000), "{map}");
     for w in pieces.windows(2) {
