@@ -137,6 +137,36 @@ fn a_pump_killed_after_a_piece_leaves_the_next_continue_at_the_byte() {
     crate::reattach::assert_nothing_kept(&sshd);
 }
 
+/// A relaying stage's pump slow to start (held at `pump:starting`, before
+/// its output is the stage's file): the script's `dormant-continue` takes
+/// it for starting, not gone, and continues the script (soak seed ssh
+/// 8842125980182280928: under load the continue got there first and
+/// stopped at once, "its pump on the machine is gone").
+#[test]
+fn a_continue_waits_for_a_pump_slow_to_start() {
+    let sshd = Sshd::start();
+    let (mut rig, _) = ssh_rig_with(&sshd, "");
+    let d = tempfile::tempdir().unwrap();
+    let (key, _pid, log) = paused_counter(&rig, d.path(), &|job_id| {
+        let out = pause_cmd(&rig, &[&job_id.to_string()], &[]);
+        assert!(out.status.success(), "{}", text(&out));
+    });
+    // (Every relaying stage of the job is held, the build script's too.)
+    arm(&mut rig, Some("pump:starting"), false);
+    rig.runner
+        .env
+        .insert("DORMANT_FAILPOINT_NAP".into(), "2".into());
+    std::fs::write(d.path().join("release"), "").unwrap();
+    let r2 = rig.run(&job(91).resume(&key).script("dormant-continue"));
+    let log2 = r2.log();
+    assert_result(&r2, JobResult::BuildFailure(Some(3)));
+    assert!(log2.contains("end\n"), "{log2}");
+    let all: Vec<u64> = numbers(&log).into_iter().chain(numbers(&log2)).collect();
+    let want: Vec<u64> = (1..=all.len() as u64).collect();
+    assert_eq!(all, want, "every line once:\n{log}\n---\n{log2}");
+    crate::reattach::assert_nothing_kept(&sshd);
+}
+
 /// The stage's owner SIGKILLed in `halt` after `$o.stop` and the SIGSTOP,
 /// before `$o.ask` (`owner:halted`): the stage is not paused yet; its
 /// session breaks, `dormant run` follows the stage again and sends the

@@ -62,8 +62,17 @@ if [ -z "$u" ]; then
   echo "dormant-continue: the paused script was paused after this stage began: continue it from a later stage or job" >&2; exit 125
 fi
 # Whether this stage's pump (its pid in `.relays`) still copies: it writes
-# this stage's output (a pid taken by another process holds no such file).
-pumps() { [ "/proc/$u/fd/1" -ef "$T.out" ]; }
+# this stage's output (a pid taken by another process holds no such file),
+# or it is still starting: a live child of this stage's wrapper whose
+# output is not yet the file (under load the script can get here first).
+tw=; { read -r tw _ < "$T.pid"; } 2>/dev/null
+pumps() {
+  local st
+  [ "/proc/$u/fd/1" -ef "$T.out" ] && return
+  { read -r st < "/proc/$u/stat"; } 2>/dev/null || return 1
+  set -- ${st##*) }
+  [ "$1" != Z ] && [ "$1" != X ] && [ -n "$tw" ] && [ "$2" = "$tw" ]
+}
 # This job's log starts where the jobs' logs have the paused script's output
 # up to (`.kept`: its owner's record at the round's end, or the relaying
 # stage's, kept_owner.sh `acked`, `relayed`): past the round's offset when

@@ -210,7 +210,14 @@ if [ -n "$c" ]; then
   }
   # (A coprocess: its stdout, which it keeps as fd 9 and never writes, is
   # how the wrapper hears it end — an end of file, no polling.)
-  coproc PUMP { pump 9>&1 >&3 3>&-; }
+  # (Test point, a no-op here: src/failpoint.rs `in_script`. Held there by
+  # DORMANT_FAILPOINT_NAP, a relaying stage's pump is slow to start: the
+  # script's `dormant-continue` must wait for it, not give up.)
+  coproc PUMP {
+    if [ -n "$rl" ]; then
+      : failpoint pump:starting
+    fi
+    pump 9>&1 >&3 3>&-; }
   u=$PUMP_PID
   # (The pump's pid, for a `dormant-continue` waiting on it: a pump that is
   # gone copies nothing more.)
