@@ -31,6 +31,14 @@ fn assert_script_killed_at(rig: &Rig, output: &str, point: &str) {
     assert!(Path::new(marker).exists(), "{point}: once-marker {marker}");
 }
 
+/// [`paused_counter`] paused by `dormant pause` of its job: (key, pid, log).
+fn paused_from_host(rig: &Rig, d: &Path) -> (String, u32, String) {
+    paused_counter(rig, d, &|job_id| {
+        let out = pause_cmd(rig, &[&job_id.to_string()], &[]);
+        assert!(out.status.success(), "{}", text(&out));
+    })
+}
+
 /// `dormant-continue` SIGKILLed right after it woke a script paused from the
 /// host (`continue:woken`: after its SIGCONT, before it removed `.stop` and
 /// `.ask`): the job that ran it gets 137 and nothing of the script's output;
@@ -43,10 +51,7 @@ fn a_continue_killed_after_waking_the_script_is_retried_with_every_line_once() {
     let sshd = Sshd::start();
     let (mut rig, _) = ssh_rig_with(&sshd, "");
     let d = tempfile::tempdir().unwrap();
-    let (key, pid, log) = paused_counter(&rig, d.path(), &|job_id| {
-        let out = pause_cmd(&rig, &[&job_id.to_string()], &[]);
-        assert!(out.status.success(), "{}", text(&out));
-    });
+    let (key, pid, log) = paused_from_host(&rig, d.path());
     arm(&mut rig, Some("continue:woken"), true);
     let r2 = rig.run(
         &job(91)
@@ -92,10 +97,7 @@ fn a_pump_killed_after_a_piece_leaves_the_next_continue_at_the_byte() {
     let sshd = Sshd::start();
     let (mut rig, _) = ssh_rig_with(&sshd, "");
     let d = tempfile::tempdir().unwrap();
-    let (key, _pid, log) = paused_counter(&rig, d.path(), &|job_id| {
-        let out = pause_cmd(&rig, &[&job_id.to_string()], &[]);
-        assert!(out.status.success(), "{}", text(&out));
-    });
+    let (key, _pid, log) = paused_from_host(&rig, d.path());
     arm(&mut rig, Some("pump:pieced"), true);
     let r2 = rig.run(
         &job(91)
@@ -147,10 +149,7 @@ fn a_continue_waits_for_a_pump_slow_to_start() {
     let sshd = Sshd::start();
     let (mut rig, _) = ssh_rig_with(&sshd, "");
     let d = tempfile::tempdir().unwrap();
-    let (key, _pid, log) = paused_counter(&rig, d.path(), &|job_id| {
-        let out = pause_cmd(&rig, &[&job_id.to_string()], &[]);
-        assert!(out.status.success(), "{}", text(&out));
-    });
+    let (key, _pid, log) = paused_from_host(&rig, d.path());
     // (Every relaying stage of the job is held, the build script's too.)
     arm(&mut rig, Some("pump:starting"), false);
     rig.runner
@@ -179,10 +178,7 @@ fn an_owner_killed_between_freezing_and_asking_still_pauses_the_job() {
     let (mut rig, _) = ssh_rig_with(&sshd, "");
     let d = tempfile::tempdir().unwrap();
     arm(&mut rig, Some("owner:halted"), true);
-    let (key, _pid, log) = paused_counter(&rig, d.path(), &|job_id| {
-        let out = pause_cmd(&rig, &[&job_id.to_string()], &[]);
-        assert!(out.status.success(), "{}", text(&out));
-    });
+    let (key, _pid, log) = paused_from_host(&rig, d.path());
     let marker = rig.runner.env.get("DORMANT_FAILPOINT_ONCE").unwrap();
     assert!(
         Path::new(marker).exists(),

@@ -86,6 +86,18 @@ impl Machine {
         String::from_utf8(out.stdout).unwrap()
     }
 
+    /// A paused stage of the environment (`build.P`: 300 000 bytes of
+    /// output, NULs among them, and its `.paused`), so that a stage begun now
+    /// relays; its path without extension and its output.
+    fn paused_stage(&self) -> (PathBuf, Vec<u8>) {
+        std::fs::create_dir_all(self.kept_dir()).unwrap();
+        let p = self.kept_dir().join(format!("{ENV}.build.P"));
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(p.with_extension("P.out"), &data).unwrap();
+        std::fs::write(p.with_extension("P.paused"), "1 0\n").unwrap();
+        (p, data)
+    }
+
     fn kept_dir(&self) -> PathBuf {
         // SAFETY: getuid has no preconditions.
         let uid = unsafe { libc::getuid() };
@@ -401,11 +413,7 @@ fn output_past_the_bound_waits_for_dormant_and_nothing_is_dropped() {
 #[test]
 fn a_relaying_pump_copies_while_the_script_writes_on() {
     let m = Machine::new();
-    std::fs::create_dir_all(m.kept_dir()).unwrap();
-    let p = m.kept_dir().join(format!("{ENV}.build.P"));
-    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
-    std::fs::write(p.with_extension("P.out"), &data).unwrap();
-    std::fs::write(p.with_extension("P.paused"), "1 0\n").unwrap();
+    let (p, _) = m.paused_stage();
     let (splice, spliced) = (m.file("relay.2", "splice"), m.file("relay.2", "spliced"));
     let (splice, spliced, p) = (splice.display(), spliced.display(), p.display());
     let ticks = 1_000_000;
@@ -496,11 +504,7 @@ fn a_stage_stopped_at_its_bound_leaves_no_pump() {
 #[test]
 fn a_relaying_pump_writes_the_paused_output_in_order_and_notes_each_piece() {
     let m = Machine::new();
-    std::fs::create_dir_all(m.kept_dir()).unwrap();
-    let p = m.kept_dir().join(format!("{ENV}.build.P"));
-    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
-    std::fs::write(p.with_extension("P.out"), &data).unwrap();
-    std::fs::write(p.with_extension("P.paused"), "1 0\n").unwrap();
+    let (p, data) = m.paused_stage();
     let (splice, spliced) = (m.file("relay.1", "splice"), m.file("relay.1", "spliced"));
     let (splice, spliced, p) = (splice.display(), spliced.display(), p.display());
     let go = m.kept_dir().join("go");
