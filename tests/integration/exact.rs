@@ -50,7 +50,8 @@
 //! `DORMANT_EXACT_SEED=<seed> cargo test --all-features --test integration
 //! exact::exact_generated` runs that one case again (on both providers),
 //! `DORMANT_EXACT_CASES=<n>` runs n cases per provider instead of the
-//! suite's fixed ones, and `scripts/soak-exact.sh N` runs many. The suite
+//! suite's fixed ones, `DORMANT_EXACT_SHOW=1` prints every case's script and
+//! events, passing or not, and `scripts/soak-exact.sh N` runs many. The suite
 //! also runs the seeds the soak found failing before their fix
 //! ([`REGRESSION_LOCAL`], [`REGRESSION_SSH`]), each with its events.
 //!
@@ -272,9 +273,11 @@ struct Case {
     /// the paused script's: taken out of the logs, not checked (those a
     /// killed `dormant run` never showed are its job's loss).
     continue_writer: bool,
-    /// On `local`: bash code every bash of the stages sources first
-    /// (`BASH_ENV`, set by a `local.shell` shim), e.g. a `read` function
-    /// that does what bash's own does only under load.
+    /// On `local`: bash code the stage's wrapper sources first (`BASH_ENV`,
+    /// set by a `local.shell` shim, then unset; code that exports it again
+    /// reaches every bash the script starts, `dormant-ask` and
+    /// `dormant-continue` too), e.g. a `read` function that does what
+    /// bash's own does only under load.
     bash_env: Option<&'static str>,
     /// A failed job keeps its environment (the failure trigger), as in a
     /// case with kills: the check then sees the record and the files the
@@ -793,6 +796,9 @@ fn run_case(case: &Case, provider: Provider) -> Result<(), String> {
         "exactness case failed on {provider:?}: replay with DORMANT_EXACT_SEED=<seed> (named tests: by name)\n{}",
         case.describe(d.path(), &nonce)
     );
+    if std::env::var_os("DORMANT_EXACT_SHOW").is_some() {
+        eprintln!("{}", case.describe(d.path(), &nonce));
+    }
     let result = match outcome {
         Err(e) => Err(e),
         Ok((runs, key)) => {
@@ -2255,6 +2261,52 @@ fn done_read_as_the_poll_expired() -> Case {
 #[test]
 fn exact_a_done_read_as_the_owners_poll_expired_on_local() {
     assert_case(&done_read_as_the_poll_expired(), Provider::Local);
+}
+
+/// An answered `dormant-ask` removes its question (`.ask`) as the
+/// `dormant-continue` that answered it goes on watching for the next one:
+/// the continue's look (`[ -e .ask ]`) and its read of the file can fall on
+/// either side of that removal. Here a `[` and an `rm` (sourced by every
+/// bash of the stages, acting only in those two tools) hold the window
+/// open: the asker's `rm` waits 0.3 s, the continue waits 0.6 s after seeing
+/// the file. The read that then fails must say nothing: the job log is the
+/// script's. (Before, bash's `…/dormant-continue: line N: ….ask: No such
+/// file or directory` went into the log: the redirection came before the
+/// `2>/dev/null` meant to hide it. Seen on `ssh` with seed
+/// 685293378804353026 under a blocked signal mask, and, by its timing,
+/// likely what failed CI on seed 3707 and the defect 4 case on `ssh`.)
+fn ask_gone_as_the_continue_reads_it() -> Case {
+    let mut c = hand(
+        "an answered question's file gone as the continue reads it",
+        vec![b"after the answer\n".to_vec()],
+        vec![
+            Piece::Ask {
+                question: "first?".into(),
+                timeout: None,
+                prompt: false,
+            },
+            burst(0, Out::Plain),
+        ],
+        4,
+    );
+    c.bash_env = Some(
+        r#"export BASH_ENV="${BASH_SOURCE[0]}"
+[() {
+  builtin [ "$@" || return
+  case ${0##*/}:$1:$2 in dormant-continue:-e:*.ask) sleep 0.6;; esac
+  return 0
+}
+rm() {
+  case ${0##*/} in dormant-ask) sleep 0.3;; esac
+  command rm "$@"
+}"#,
+    );
+    c
+}
+
+#[test]
+fn exact_an_answered_questions_file_gone_as_the_continue_reads_it_on_local() {
+    assert_case(&ask_gone_as_the_continue_reads_it(), Provider::Local);
 }
 
 #[test]

@@ -47,7 +47,7 @@ mkfifo -m 600 -- "$o.fifo" || { echo "dormant-ask: could not make $o.fifo" >&9; 
 # question is asked in the next round. `.asker` names this process, so that
 # a question whose asker is gone (killed: `timeout 5 dormant-ask ...`) is
 # known for stale and taken away by whoever finds it.
-asker() { local a x y; { read -r a < "$o.asker"; } 2>/dev/null || return 1; { IFS= read -r -d '' x; IFS= read -r -d '' y; } < "/proc/$a/cmdline" 2>/dev/null; case $y in */dormant-ask) return 0;; esac; return 1; }
+asker() { local a x y; { read -r a < "$o.asker"; } 2>/dev/null || return 1; { { IFS= read -r -d '' x; IFS= read -r -d '' y; } < "/proc/$a/cmdline"; } 2>/dev/null; case $y in */dormant-ask) return 0;; esac; return 1; }
 i=0
 while :; do
   n=0

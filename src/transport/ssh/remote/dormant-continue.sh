@@ -53,7 +53,11 @@ if [ -z "$P" ]; then
   else echo "dormant-continue: nothing is paused in this environment (no dormant-ask waits here: was this job resumed with the key the paused job printed?)" >&2; fi
   exit 125
 fi
-read -r pr at < "$P.paused"
+# (Gone meanwhile: another dormant-continue ended the round and P's files.)
+pr= at=; { read -r pr at < "$P.paused"; } 2>/dev/null
+if [ -z "$pr" ]; then
+  echo "dormant-continue: nothing is paused in this environment any more (another dormant-continue took the question just now)" >&2; exit 125
+fi
 # (This stage's pump relays only where a script was paused before the stage
 # began, kept.sh `.relays`: always so, when P was paused in an earlier job or
 # stage.)
@@ -99,9 +103,9 @@ echo "$P" > "$T.relay"
 # the SIGCONT is retried: harmless), then the pause's files go. An answer
 # given is not read.
 if [ -e "$P.stop" ]; then
-  { read -r n; } < "$P.ask" 2>/dev/null
+  { read -r n < "$P.ask"; } 2>/dev/null
   if [ "${n-}" = "$pr" ]; then
-    { read -r _ g; } < "$P.pid" 2>/dev/null
+    { read -r _ g < "$P.pid"; } 2>/dev/null
     [ -n "${g-}" ] && kill -s CONT -- "-$g" 2>/dev/null
     # (Crash point for tests, a no-op here: src/failpoint.rs `in_script`.)
     : failpoint continue:woken
@@ -117,10 +121,10 @@ if [ "$size" -gt "$max" ]; then echo "dormant-continue: the answer is over $max 
 # A question whose asker is gone (`.asker` names a process that is no
 # dormant-ask: it was killed, e.g. by `timeout`) is stale: the script went
 # on without an answer; it is taken away, and the output streams.
-asked_by_nobody() { local a x y; { read -r a < "$P.asker"; } 2>/dev/null || return 1; { IFS= read -r -d '' x; IFS= read -r -d '' y; } < "/proc/$a/cmdline" 2>/dev/null; case $y in */dormant-ask) return 1;; esac; return 0; }
+asked_by_nobody() { local a x y; { read -r a < "$P.asker"; } 2>/dev/null || return 1; { { IFS= read -r -d '' x; IFS= read -r -d '' y; } < "/proc/$a/cmdline"; } 2>/dev/null; case $y in */dormant-ask) return 1;; esac; return 0; }
 if [ -e "$P.ask" ] && asked_by_nobody; then rm -f -- "$P.ask" "$P.asker"; fi
 if [ -e "$P.ask" ] && [ ! -e "$P.exit" ]; then
-  { read -r n; } < "$P.ask"
+  n=; { read -r n < "$P.ask"; } 2>/dev/null
   if [ "$n" = "$pr" ]; then
     # (The frame in two writes only for the crash point between them, a
     # no-op here: src/failpoint.rs `in_script`.)
@@ -200,7 +204,7 @@ while :; do
     [ -e "$P.exit" ] && continue
     echo "dormant-continue: the paused script's wrapper on the machine was killed before its end was recorded: its exit code is unknown" >&2; exit 125
   fi
-  if [ -e "$P.ask" ] && { read -r n; } < "$P.ask" 2>/dev/null && [ "$n" -gt "$pr" ] 2>/dev/null; then
+  if [ -e "$P.ask" ] && { read -r n < "$P.ask"; } 2>/dev/null && [ "$n" -gt "$pr" ] 2>/dev/null; then
     # Asked again: this job's log ends here, paused with the new question,
     # once this stage has P's output up to it.
     copy "$z"

@@ -45,7 +45,7 @@ holders() {
 l= k=()
 for j in "$t/$e".join.*; do
   [ -e "$j" ] || continue
-  s=; read -r s < "$j" 2>/dev/null
+  s=; { read -r s < "$j"; } 2>/dev/null
   if [ "$s" = ended ]; then
     # Word for a join on its way: its wrapper removes it. One that never
     # came (its dormant shell was killed, or refused on the runner host

@@ -299,7 +299,7 @@ while holds "$w"; do [ $((i += 1)) -le 40 ] || kill -s KILL "$w" 2>/dev/null; na
 holds "$f" && kill -s KILL "$f" 2>/dev/null
 exec 3<"$o.out"
 a=$7 k=0
-[ -r "$o.kept" ] && read -r k < "$o.kept"
+[ -r "$o.kept" ] && { read -r k < "$o.kept"; } 2>/dev/null
 [ "$a" -ge "$k" ] || a=$k
 LC_ALL=C tail --pid=$$ -s 0.2 -c +$((a + 1)) -f -- "$o.out" </dev/null 2>/dev/null 3<&- 8<&- & f=$!
 disown "$f"

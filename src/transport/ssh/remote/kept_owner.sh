@@ -227,7 +227,7 @@ up() {
   local i=0 st
   while :; do
     st=
-    read -r st < "/proc/$PPID/stat" 2>/dev/null
+    { read -r st < "/proc/$PPID/stat"; } 2>/dev/null
     st=${st##*) }
     case ${st%% *} in ''|Z|X) return 1;; esac
     [ $((i += 1)) -le 4 ] || return 0
@@ -250,7 +250,7 @@ own() {
   # dormant acknowledged before it died, still waiting in the pipe while
   # this owner napped, is recorded first.
   trap 'taking; holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0' TERM
-  [ -r "$o.kept" ] && read -r k < "$o.kept"
+  [ -r "$o.kept" ] && { read -r k < "$o.kept"; } 2>/dev/null
   tk=${k:-0}
   # (The never-written pipe every nap reads, opened now: a function with a
   # local `n` of its own, `asked`, would take it for opened.)
@@ -314,9 +314,9 @@ own() {
     # timeout nor a clock set forward after a restore may stop it. The owner
     # goes, as at a session's end (a re-attach reports the pause again).
     [ -n "$pz" ] && [ -n "$e" ] && { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
-    read -r x y < "$o.own" 2>/dev/null
+    { read -r x y < "$o.own"; } 2>/dev/null
     [ "$x" = "$me" ] || { holds "$f" && kill -s KILL "$f" 2>/dev/null; exit 0; }
-    z=; [ -e "$o.exit" ] && read -r x z < "$o.exit"
+    z=; [ -e "$o.exit" ] && { read -r x z < "$o.exit"; } 2>/dev/null
     if [ -n "$z" ] && [ -n "$rep" ]; then
       # (As the wrapper says it: kept.sh.)
       { if [ -e "$o.relay" ]; then

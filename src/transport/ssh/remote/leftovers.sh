@@ -30,8 +30,8 @@ if [ -d "$t" ] && [ -O "$t" ] && [ ! -L "$t" ]; then
   for s in "$t/$1".*.out; do
     [ -e "$s" ] || continue
     o=${s%.out} w= f= m= p=
-    read -r w f < "$o.own" 2>/dev/null
-    read -r m p < "$o.pid" 2>/dev/null
+    { read -r w f < "$o.own"; } 2>/dev/null
+    { read -r m p < "$o.pid"; } 2>/dev/null
     # (A paused script that ended on its own is spared too: its tail and
     # exit code are the next dormant-continue's.)
     if [ "$3" != all ] && [ -e "$o.paused" ] && { { [ -n "$m" ] && [ "/proc/$m/fd/3" -ef "$s" ]; } || { [ -e "$o.exit" ] && [ ! -e "$o.relay" ]; }; }; then

@@ -410,6 +410,61 @@ fn leftovers_in_the_group_are_killed_when_the_script_exits() {
     wait_for(|| !alive(pid), "the leftover sleep to be killed");
 }
 
+/// A redirection from a file that may be gone (`.ask`, `.pid`, a `/proc`
+/// entry) fails before the command runs, and bash says so on the stderr it
+/// has then: in `cmd < "$f" 2>/dev/null` the `2>/dev/null` is not applied
+/// yet, so the message reaches the script's output, that is the job log
+/// (`dormant-continue` watching an answered question's `.ask` did, seed
+/// 685293378804353026). Hidden, the redirection goes inside:
+/// `{ cmd < "$f"; } 2>/dev/null`. Every script the machine runs is checked.
+#[test]
+fn no_script_on_the_machine_hides_a_failed_redirection_too_late() {
+    let scripts = [
+        ("direct.sh", DIRECT),
+        ("kept.sh", KEPT),
+        ("kept_owner.sh", KEPT_OWNER),
+        ("leftovers.sh", LEFTOVERS),
+        ("join.sh", JOIN),
+        ("join_end.sh", JOIN_END),
+        ("dormant-ask.sh", crate::transport::ssh::pause::ASK),
+        (
+            "dormant-continue.sh",
+            crate::transport::ssh::pause::CONTINUE,
+        ),
+    ];
+    let mut late = Vec::new();
+    for (name, text) in scripts {
+        for (n, line) in text.lines().enumerate() {
+            let mut from = 0;
+            while let Some(at) = line[from..].find("2>/dev/null") {
+                let before: Vec<&str> = line[..from + at].split_whitespace().collect();
+                let input = |w: &str| {
+                    w.starts_with('<')
+                        && !w.starts_with("<<")
+                        && !w.starts_with("<(")
+                        && !w.starts_with("<&")
+                };
+                // (`< /dev/null` cannot fail.)
+                let hit = match before.as_slice() {
+                    [.., "<", file] => !file.contains("/dev/null"),
+                    [.., last] => input(last) && last.len() > 1 && !last.contains("/dev/null"),
+                    [] => false,
+                };
+                if hit {
+                    late.push(format!("{name}:{}: {}", n + 1, line.trim()));
+                }
+                from += at + 1;
+            }
+        }
+    }
+    assert!(
+        late.is_empty(),
+        "a file redirection before the 2>/dev/null meant to hide its failure \
+         (write `{{ cmd < file; }} 2>/dev/null`):\n{}",
+        late.join("\n")
+    );
+}
+
 /// `cmd` started as sshd starts a session's shell: every signal at its default.
 pub(super) fn as_sshd_would(mut cmd: Command) -> Command {
     use std::os::unix::process::CommandExt;
