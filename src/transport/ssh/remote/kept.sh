@@ -297,7 +297,8 @@ echo "$$ -" > "$o.own"
 i=0
 while holds "$w"; do [ $((i += 1)) -le 40 ] || kill -s KILL "$w" 2>/dev/null; nap 0.05; done
 holds "$f" && kill -s KILL "$f" 2>/dev/null
-exec 3<"$o.out"
+# (Gone since the look above: the stage's files went meanwhile.)
+{ exec 3<"$o.out"; } 2>/dev/null || { echo "dormant-error gone: the stage's output is not kept on the machine any more (its files were removed as dormant came back)" >&2; exit 97; }
 a=$7 k=0
 [ -r "$o.kept" ] && { read -r k < "$o.kept"; } 2>/dev/null
 [ "$a" -ge "$k" ] || a=$k

@@ -1066,3 +1066,60 @@ fn a_tail_without_pid_is_no_place_to_keep_output() {
     );
     assert_eq!(m.leftovers(true), "keep:ok\n", "with GNU tail");
 }
+
+/// A re-attach whose stage's files go while it waits for the stage's last
+/// owner to let go (a cleanup on the machine removed them as dormant came
+/// back): it says the output went, and ends; no bash complaint about the
+/// file reaches dormant first. (Before, the open of `.out` failed with
+/// bash's `No such file or directory` and the re-attach went on following
+/// nothing.)
+#[test]
+fn a_reattach_whose_output_goes_while_it_waits_says_it_is_gone() {
+    let m = Machine::new();
+    std::fs::create_dir_all(m.kept_dir()).unwrap();
+    let out = m.file("build.9", "out");
+    std::fs::write(&out, "kept bytes\n").unwrap();
+    // The last owner, still holding the output: the re-attach records
+    // itself in `.own` (past its look at `.out`), then waits for it. (In a
+    // group of its own, named as the stage's in `.pid`: whatever stops the
+    // stage stops only it.)
+    let mut owner = {
+        use std::os::unix::process::CommandExt;
+        Command::new("bash")
+            .arg("-c")
+            .arg("exec 3<\"$1\"; exec sleep 30")
+            .arg("owner")
+            .arg(&out)
+            .process_group(0)
+            .spawn()
+            .unwrap()
+    };
+    let w = owner.id();
+    std::fs::write(m.file("build.9", "pid"), format!("{w} {w}\n")).unwrap();
+    wait_for(
+        || {
+            (0..10)
+                .any(|fd| std::fs::read_link(format!("/proc/{w}/fd/{fd}")).is_ok_and(|l| l == out))
+        },
+        "the last owner to hold the output",
+    );
+    std::fs::write(m.file("build.9", "own"), format!("{w} -\n")).unwrap();
+    let s = m.session("build.9", Mode::Follow(0), "", 1 << 20, 60);
+    let own = m.file("build.9", "own");
+    wait_for(
+        || {
+            std::fs::read_to_string(&own)
+                .is_ok_and(|t| t.ends_with(" -\n") && !t.starts_with(&format!("{w} ")))
+        },
+        "the re-attach to record itself",
+    );
+    std::fs::remove_file(&out).unwrap();
+    let r = s.report();
+    let _ = owner.kill();
+    let _ = owner.wait();
+    assert!(
+        matches!(&r, Report::Error(e) if e.contains("its files were removed as dormant came back")),
+        "the first report of a re-attach whose output went: {r:?}"
+    );
+    s.close();
+}
