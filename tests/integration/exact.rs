@@ -2146,21 +2146,31 @@ fn exact_defect5_a_second_pause_never_answers_a_hidden_question_on_local() {
     let _ = rig.dormant(&["release", &key]);
 }
 
-/// Issue 37, 4: `dormant pause` arriving while `dormant-ask` records its
-/// question, the window widened by a slow `mkfifo` (or `mv`) on the script's
-/// PATH: one defined outcome, the question answered, the exit code carried.
-fn pause_while_asking(tool: &str) -> Case {
-    let mut c = hand(
-        &format!("defect 4: dormant pause during dormant-ask's {tool}"),
+/// A script that asks `question` once and, answered, writes one line and
+/// exits with `exit`: the shape of the named cases about one round.
+fn asked_then_answered(name: &str, question: &str, exit: u8) -> Case {
+    hand(
+        name,
         vec![b"after the answer\n".to_vec()],
         vec![
             Piece::Ask {
-                question: "racing a pause?".into(),
+                question: question.into(),
                 timeout: None,
                 prompt: false,
             },
             burst(0, Out::Plain),
         ],
+        exit,
+    )
+}
+
+/// Issue 37, 4: `dormant pause` arriving while `dormant-ask` records its
+/// question, the window widened by a slow `mkfifo` (or `mv`) on the script's
+/// PATH: one defined outcome, the question answered, the exit code carried.
+fn pause_while_asking(tool: &str) -> Case {
+    let mut c = asked_then_answered(
+        &format!("defect 4: dormant pause during dormant-ask's {tool}"),
+        "racing a pause?",
         5,
     );
     c.slow = true;
@@ -2228,17 +2238,9 @@ fn exact_a_question_withdrawn_as_the_continue_reads_it_on_ssh() {
 /// the record kept the question, so a later job would have been given the
 /// exit code again with no output: soak seed local 8515663036969139051.)
 fn done_read_as_the_poll_expired() -> Case {
-    let mut c = hand(
+    let mut c = asked_then_answered(
         "DONE's first byte read by an owner's poll that expired",
-        vec![b"after the answer\n".to_vec()],
-        vec![
-            Piece::Ask {
-                question: "first?".into(),
-                timeout: None,
-                prompt: false,
-            },
-            burst(0, Out::Plain),
-        ],
+        "first?",
         3,
     );
     c.bash_env = Some(
@@ -2276,17 +2278,9 @@ fn exact_a_done_read_as_the_owners_poll_expired_on_local() {
 /// 685293378804353026 under a blocked signal mask, and, by its timing,
 /// likely what failed CI on seed 3707 and the defect 4 case on `ssh`.)
 fn ask_gone_as_the_continue_reads_it() -> Case {
-    let mut c = hand(
+    let mut c = asked_then_answered(
         "an answered question's file gone as the continue reads it",
-        vec![b"after the answer\n".to_vec()],
-        vec![
-            Piece::Ask {
-                question: "first?".into(),
-                timeout: None,
-                prompt: false,
-            },
-            burst(0, Out::Plain),
-        ],
+        "first?",
         4,
     );
     c.bash_env = Some(
